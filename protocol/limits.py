@@ -1,0 +1,26 @@
+"""Size limits applied before any allocation when decoding peer data.
+
+They are generous for the messages the protocol defines and small next to a machine's memory, so a
+hostile peer can make us read at most a few of these per stream before we close it.
+"""
+
+# A control message (register, lease, submission of one GRPO group) is well under this;
+# 64 sequences x 4096 tokens x (4 B id + 4 B logprob) is 2 MiB.
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+
+# Weight chunks travel on their own protocol; 4 MiB keeps per-chunk hashing and re-fetch cheap
+# while staying far from yamux's window sizes mattering.
+MAX_CHUNK_BYTES = 4 * 1024 * 1024
+
+# A frame carries one message or one chunk plus a small header.
+MAX_FRAME_BYTES = MAX_CHUNK_BYTES + 64 * 1024
+
+# msgpack structure limits: no message nests deeper than this or holds longer containers.
+MAX_DEPTH = 16
+MAX_ARRAY_LEN = 1 << 16
+MAX_MAP_LEN = 1024
+MAX_STR_LEN = 1 << 20
+MAX_BIN_LEN = MAX_MESSAGE_BYTES
+
+# zstd output cap for any compressed message; patches carry their own, larger caps.
+MAX_DECOMPRESSED_BYTES = 64 * 1024 * 1024
