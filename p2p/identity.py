@@ -1,4 +1,4 @@
-"""A volunteer's Ed25519 identity: one key that both signs protocol messages and is its libp2p peer id.
+"""A volunteer's Ed25519 identity: one key that signs protocol messages and is its libp2p peer id.
 
 Owns the private-key file: a raw 32-byte Ed25519 seed, written atomically (temp file created 0600,
 fsync, rename) in a directory created 0700. An existing key file that is readable or writable by
@@ -26,11 +26,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PrivateKey,
     Ed25519PublicKey,
 )
+from echo.protocol.errors import ProtocolError
 from libp2p.crypto.ed25519 import Ed25519PrivateKey as Libp2pEd25519PrivateKey
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
-
-from echo.protocol.errors import ProtocolError
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +96,7 @@ class Identity:
 
     @classmethod
     def load_or_create(cls, path: Path | None = None) -> Identity:
-        """Load the identity from ``path`` (default :func:`default_key_path`), creating it if absent.
+        """Load the identity from ``path`` (default :func:`default_key_path`); create it if absent.
 
         :raises InsecureKeyFileError: the file is group/world accessible.
         :raises KeyFileError: the file is not a 32-byte seed.
