@@ -1,0 +1,269 @@
+"""The libp2p host every Echo process runs: TCP + Noise + yamux, stream RPC, optional gossipsub.
+
+:func:`open_host` is an async context manager. It builds a py-libp2p host with exactly one
+transport (TCP), one security protocol (Noise: the peer id is authenticated) and one muxer
+(yamux: about 5x mplex's throughput here); QUIC, secio, TLS and plaintext are not offered. The
+host, its pubsub services and all tasks we start run inside the context; leaving it cancels and
+closes them all.
+
+Errors raised by :class:`EchoHost` methods: ``ValueError`` for malformed multiaddrs / peer ids,
+:class:`~echo.p2p.rpc.RpcTimeout` and :class:`~echo.p2p.rpc.RpcConnectionError` from
+:meth:`EchoHost.connect` and :meth:`EchoHost.request`, plus ``RemoteError`` / ``FrameError``
+from :meth:`EchoHost.request` (see :mod:`echo.p2p.rpc`), ``RuntimeError`` for pubsub use on a
+host opened with ``pubsub=False``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import trio
+from echo.p2p.identity import Identity
+from echo.p2p.pubsub import PubsubConfig, PubsubService, Subscription, Validator
+from echo.p2p.rpc import (
+    DEFAULT_HANDLER_TIMEOUT,
+    Handler,
+    HandlerSpec,
+    RpcConnectionError,
+    RpcTimeout,
+    ViolationCallback,
+    ViolationLog,
+    call,
+    serve_stream,
+)
+from echo.protocol.limits import MAX_FRAME_BYTES
+from libp2p import new_host
+from libp2p.abc import IHost, INetStream
+from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
+from libp2p.custom_types import TProtocol
+from libp2p.exceptions import BaseLibp2pError
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
+from libp2p.stream_muxer.yamux.yamux import Yamux
+from libp2p.tools.anyio_service import background_trio_service
+from libp2p.transport.tcp.tcp import TCP
+from multiaddr import Multiaddr
+
+logger = logging.getLogger(__name__)
+
+# Loopback with an OS-chosen port: safe default for tests and local runs; deployments pass
+# their own addresses (e.g. /ip4/0.0.0.0/tcp/4001).
+DEFAULT_LISTEN_ADDRS = ("/ip4/127.0.0.1/tcp/0",)
+# Default dial timeout. py-libp2p waits a fixed 0.25 s per dial (happy-eyeballs delay) before
+# Noise and yamux negotiation; 10 s leaves room for slow links without hanging a caller.
+DEFAULT_CONNECT_TIMEOUT = 10.0
+# A response frame carries one status byte before the payload.
+_STATUS_LEN = 1
+
+
+def _as_peer_id(peer_id: ID | str) -> ID:
+    if isinstance(peer_id, ID):
+        return peer_id
+    try:
+        return ID.from_base58(peer_id)
+    except Exception as exc:
+        raise ValueError(f"malformed peer id {peer_id!r}") from exc
+
+
+class EchoHost:
+    """A running libp2p host (only valid inside :func:`open_host`)."""
+
+    def __init__(self, host: IHost, identity: Identity, pubsub: PubsubService | None) -> None:
+        self.libp2p = host
+        self.identity = identity
+        self.pubsub = pubsub
+        self._violations = ViolationLog()
+
+    # -- identity & addresses ---------------------------------------------------------------------
+
+    @property
+    def peer_id(self) -> ID:
+        return self.libp2p.get_id()
+
+    @property
+    def listen_multiaddrs(self) -> list[str]:
+        """Full addresses a peer can dial, each ending in ``/p2p/<our peer id>``."""
+        return [str(a) for a in self.libp2p.get_addrs()]
+
+    def connected_peers(self) -> list[ID]:
+        return list(self.libp2p.get_connected_peers())
+
+    # -- connections --------------------------------------------------------------------------
+
+    async def connect(self, multiaddr: str, timeout: float = DEFAULT_CONNECT_TIMEOUT) -> ID:
+        """Dial ``multiaddr`` (which must end in ``/p2p/<peer id>``); return the peer id.
+
+        Noise checks that the remote holds the key of that peer id.
+
+        :raises ValueError: malformed address or no ``/p2p/`` part.
+        :raises RpcTimeout: not connected within ``timeout``.
+        :raises RpcConnectionError: the dial or the handshake failed.
+        """
+        try:
+            info = info_from_p2p_addr(Multiaddr(multiaddr))
+        except Exception as exc:
+            raise ValueError(f"not a dialable /p2p/ multiaddr: {multiaddr!r}") from exc
+        try:
+            with trio.fail_after(timeout):
+                await self.libp2p.connect(info)
+        except trio.TooSlowError:
+            raise RpcTimeout(f"connecting to {multiaddr} timed out after {timeout} s") from None
+        except (BaseLibp2pError, OSError) as exc:
+            raise RpcConnectionError(f"connecting to {multiaddr} failed: {exc}") from exc
+        return info.peer_id
+
+    async def disconnect(self, peer_id: ID | str) -> None:
+        await self.libp2p.disconnect(_as_peer_id(peer_id))
+
+    # -- request / response ---------------------------------------------------------------------
+
+    def set_handler(
+        self,
+        protocol_id: str,
+        handler: Handler,
+        *,
+        max_request: int,
+        max_response: int = MAX_FRAME_BYTES - _STATUS_LEN,
+        handler_timeout: float = DEFAULT_HANDLER_TIMEOUT,
+    ) -> None:
+        """Serve ``protocol_id``: ``await handler(peer_id, request) -> response``.
+
+        Requests over ``max_request`` bytes are refused before their body is read. A handler that
+        raises ``ProtocolError`` sends ``"{code}: {message}"`` to the client; any other exception
+        is logged and answered with a generic error.
+        """
+        spec = HandlerSpec(handler, max_request, max_response, handler_timeout)
+
+        async def _stream_handler(stream: INetStream) -> None:
+            await serve_stream(stream, spec, self._violations)
+
+        self.libp2p.set_stream_handler(TProtocol(protocol_id), _stream_handler)
+
+    def remove_handler(self, protocol_id: str) -> None:
+        self.libp2p.remove_stream_handler(TProtocol(protocol_id))
+
+    async def request(
+        self,
+        peer_id: ID | str,
+        protocol_id: str,
+        payload: bytes,
+        *,
+        timeout: float,
+        max_response: int,
+    ) -> bytes:
+        """One request/response exchange with a connected (or dialable, known) peer.
+
+        See :func:`echo.p2p.rpc.call` for the errors.
+        """
+        return await call(
+            self.libp2p,
+            _as_peer_id(peer_id),
+            protocol_id,
+            payload,
+            timeout=timeout,
+            max_response=max_response,
+            violations=self._violations,
+        )
+
+    # -- violations ---------------------------------------------------------------------------
+
+    @property
+    def violations(self) -> Mapping[ID, int]:
+        """Framing violations per peer since the host started (missing peers read as 0)."""
+        return self._violations.counts
+
+    def add_violation_listener(self, callback: ViolationCallback) -> None:
+        """``callback(peer_id, error)`` runs (synchronously) on every framing violation."""
+        self._violations.add_listener(callback)
+
+    # -- pubsub ---------------------------------------------------------------------------------
+
+    def _require_pubsub(self) -> PubsubService:
+        if self.pubsub is None:
+            raise RuntimeError("this host was opened with pubsub=False")
+        return self.pubsub
+
+    async def publish(self, topic: str, data: bytes) -> None:
+        """Publish ``data`` (signed by our key) on ``topic``; see :class:`PubsubService`."""
+        await self._require_pubsub().publish(topic, data)
+
+    async def subscribe(self, topic: str, validator: Validator | None = None) -> Subscription:
+        """Subscribe to ``topic``; iterate the result for ``(from_peer_id, data)``."""
+        return await self._require_pubsub().subscribe(topic, validator)
+
+    async def wait_for_subscribers(self, topic: str, count: int = 1, timeout: float = 10.0) -> None:
+        """Wait until ``count`` peers announced ``topic`` (``trio.TooSlowError`` after timeout)."""
+        await self._require_pubsub().wait_for_subscribers(topic, count, timeout)
+
+
+def _build_libp2p_host(identity: Identity, addrs: Sequence[Multiaddr]) -> IHost:
+    keypair = identity.libp2p_keypair()
+    # Noise's static DH key is separate from the identity key; the handshake signs it with the
+    # identity key, which is what binds the session to our peer id.
+    noise = NoiseTransport(keypair, noise_privkey=create_x25519_key_pair().private_key)
+    return new_host(
+        key_pair=keypair,
+        sec_opt={NOISE_PROTOCOL_ID: noise},
+        muxer_opt={YAMUX_PROTOCOL_ID: Yamux},
+        listen_addrs=list(addrs),
+        transports=[TCP()],
+    )
+
+
+def _parse_listen_addrs(listen_addrs: Sequence[str]) -> list[Multiaddr]:
+    addrs = []
+    for a in listen_addrs:
+        try:
+            ma = Multiaddr(a)
+        except Exception as exc:
+            raise ValueError(f"malformed listen address {a!r}") from exc
+        names = [p.name for p in ma.protocols()]
+        if "tcp" not in names or any(n in names for n in ("quic", "quic-v1", "ws", "wss", "udp")):
+            raise ValueError(f"only plain TCP listen addresses are supported, got {a!r}")
+        addrs.append(ma)
+    if not addrs:
+        raise ValueError("at least one listen address is required")
+    return addrs
+
+
+@asynccontextmanager
+async def open_host(
+    identity: Identity,
+    listen_addrs: Sequence[str] = DEFAULT_LISTEN_ADDRS,
+    *,
+    pubsub: bool = True,
+    pubsub_config: PubsubConfig | None = None,
+    on_violation: ViolationCallback | None = None,
+) -> AsyncIterator[EchoHost]:
+    """Run a host for ``identity`` listening on ``listen_addrs`` for the duration of the block.
+
+    :raises ValueError: malformed or non-TCP listen addresses.
+    """
+    addrs = _parse_listen_addrs(listen_addrs)
+    host = _build_libp2p_host(identity, addrs)
+    service = PubsubService(host, pubsub_config) if pubsub else None
+    echo = EchoHost(host, identity, service)
+    if on_violation is not None:
+        echo.add_violation_listener(on_violation)
+    async with AsyncExitStack() as stack:
+        await stack.enter_async_context(host.run(addrs))
+        if service is not None:
+            await stack.enter_async_context(background_trio_service(service.pubsub))
+            await stack.enter_async_context(background_trio_service(service.router))
+            with trio.fail_after(10):
+                await service.pubsub.wait_until_ready()
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        stack.callback(nursery.cancel_scope.cancel)
+        if service is not None:
+            service.bind_nursery(nursery)
+        logger.info("host %s listening on %s", echo.peer_id, echo.listen_multiaddrs)
+        yield echo
+    logger.debug("host %s closed", identity.peer_id_str)
+
+
+__all__ = ["DEFAULT_LISTEN_ADDRS", "EchoHost", "open_host"]

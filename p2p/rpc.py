@@ -1,0 +1,270 @@
+"""One-shot request/response over a libp2p stream: one request frame, one response frame.
+
+Wire format (all frames per :mod:`echo.protocol.framing`):
+
+- client -> server: one frame holding the request payload;
+- server -> client: one frame whose first byte is a status, ``0`` = ok (the rest is the response
+  payload) or ``1`` = error (the rest is a UTF-8 message). Then the server closes the stream.
+
+Server side (:func:`serve_stream`) owns the inbound stream it is given and always closes or
+resets it; it never raises (errors are logged, framing violations are recorded in a
+:class:`ViolationLog`). Client side (:func:`call`) owns the stream it opens and raises
+:class:`RemoteError`, :class:`RpcTimeout`, :class:`RpcConnectionError` or
+:class:`~echo.protocol.errors.FrameError`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import trio
+from echo.p2p.streams import read_exactly, read_frame, write_frame
+from echo.protocol.errors import FrameError, ProtocolError
+from echo.protocol.framing import HEADER_LEN, decode_length
+from echo.protocol.limits import MAX_FRAME_BYTES
+from libp2p.abc import IHost, INetStream
+from libp2p.custom_types import TProtocol
+from libp2p.exceptions import BaseLibp2pError
+from libp2p.peer.id import ID
+
+logger = logging.getLogger(__name__)
+
+STATUS_OK = 0
+STATUS_ERROR = 1
+
+# Error messages travel back to a possibly hostile client and into its logs: keep them short.
+MAX_ERROR_MESSAGE_BYTES = 1024
+
+# Server-side deadlines against slow-loris peers. The request header must arrive within
+# REQUEST_HEADER_TIMEOUT of the stream being accepted; the body then gets REQUEST_BODY_BASE_TIMEOUT
+# plus its size at MIN_TRANSFER_RATE (64 KiB/s: a 4 MiB request gets ~74 s, far beyond any
+# honest volunteer uplink, while one peer cannot pin a handler indefinitely).
+REQUEST_HEADER_TIMEOUT = 10.0
+REQUEST_BODY_BASE_TIMEOUT = 10.0
+MIN_TRANSFER_RATE = 64 * 1024
+# How long a handler may run before the server answers "timed out" (the client usually gives up
+# earlier with its own timeout). Generous: handlers may do real work (verification, disk).
+DEFAULT_HANDLER_TIMEOUT = 120.0
+# Generic text for handler crashes: internal details stay in our logs, not on the wire.
+INTERNAL_ERROR_MESSAGE = "internal: the handler failed"
+
+Handler = Callable[[ID, bytes], Awaitable[bytes]]
+ViolationCallback = Callable[[ID, ProtocolError], None]
+
+
+class RpcError(Exception):
+    """Base of everything :func:`call` raises apart from ``FrameError``."""
+
+
+class RemoteError(RpcError):
+    """The server answered with status 1; ``message`` is its (untrusted) text."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class RpcTimeout(RpcError, TimeoutError):
+    """The exchange did not complete within the caller's timeout."""
+
+
+class RpcConnectionError(RpcError):
+    """No stream could be opened / negotiated, or it was reset or closed mid-exchange."""
+
+
+def transfer_timeout(n_bytes: int, base: float) -> float:
+    """``base`` seconds plus ``n_bytes`` at :data:`MIN_TRANSFER_RATE`."""
+    return base + n_bytes / MIN_TRANSFER_RATE
+
+
+class ViolationLog:
+    """Per-peer counts of framing violations, plus listeners told of each one.
+
+    Listeners are plain callables ``(peer_id, error)``; one that raises is logged and skipped.
+    """
+
+    def __init__(self) -> None:
+        self.counts: Counter[ID] = Counter()
+        self._listeners: list[ViolationCallback] = []
+
+    def add_listener(self, callback: ViolationCallback) -> None:
+        self._listeners.append(callback)
+
+    def record(self, peer_id: ID, error: ProtocolError) -> None:
+        self.counts[peer_id] += 1
+        logger.info("protocol violation by %s: %s (%s)", peer_id, error, error.code)
+        for callback in list(self._listeners):
+            try:
+                callback(peer_id, error)
+            except Exception:
+                logger.exception("violation listener %r failed", callback)
+
+
+@dataclass(frozen=True)
+class HandlerSpec:
+    """A registered request handler and its limits."""
+
+    handler: Handler
+    max_request: int
+    max_response: int = MAX_FRAME_BYTES - 1
+    handler_timeout: float = DEFAULT_HANDLER_TIMEOUT
+
+
+def _error_payload(message: str) -> bytes:
+    data = message.encode("utf-8", errors="replace")[:MAX_ERROR_MESSAGE_BYTES]
+    return bytes([STATUS_ERROR]) + data
+
+
+async def _reset_quietly(stream: INetStream) -> None:
+    with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+        try:
+            await stream.reset()
+        except Exception:  # the stream is being dropped anyway
+            logger.debug("stream reset failed", exc_info=True)
+
+
+async def _close_quietly(stream: INetStream) -> None:
+    with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+        try:
+            await stream.close()
+        except Exception:
+            logger.debug("stream close failed", exc_info=True)
+
+
+async def _read_request(stream: INetStream, max_request: int) -> bytes:
+    """Read the request frame under the slow-loris deadlines; FrameError on any failure."""
+    with trio.move_on_after(REQUEST_HEADER_TIMEOUT) as scope:
+        header = await read_exactly(stream, HEADER_LEN)
+    if scope.cancelled_caught:
+        raise FrameError("no request header in time", code="frame_timeout")
+    n = decode_length(header, max_request)
+    with trio.move_on_after(transfer_timeout(n, REQUEST_BODY_BASE_TIMEOUT)) as scope:
+        body = await read_exactly(stream, n)
+    if scope.cancelled_caught:
+        raise FrameError(f"request body of {n} bytes not received in time", code="frame_timeout")
+    return body
+
+
+async def _run_handler(spec: HandlerSpec, peer_id: ID, request: bytes, protocol: str) -> bytes:
+    """Run the handler; return the full response payload (status byte included)."""
+    try:
+        with trio.fail_after(spec.handler_timeout):
+            response = await spec.handler(peer_id, request)
+    except ProtocolError as exc:
+        return _error_payload(f"{exc.code}: {exc}")
+    except trio.TooSlowError:
+        logger.warning("handler for %s timed out after %.0f s", protocol, spec.handler_timeout)
+        return _error_payload("internal: the handler timed out")
+    except Exception:
+        logger.exception("handler for %s failed on a request from %s", protocol, peer_id)
+        return _error_payload(INTERNAL_ERROR_MESSAGE)
+    if not isinstance(response, bytes | bytearray | memoryview):
+        logger.error("handler for %s returned %s, not bytes", protocol, type(response).__name__)
+        return _error_payload(INTERNAL_ERROR_MESSAGE)
+    if len(response) > spec.max_response:
+        logger.error(
+            "handler for %s returned %d bytes, over its limit of %d",
+            protocol,
+            len(response),
+            spec.max_response,
+        )
+        return _error_payload("internal: response too large")
+    return bytes([STATUS_OK]) + bytes(response)
+
+
+async def serve_stream(stream: INetStream, spec: HandlerSpec, violations: ViolationLog) -> None:
+    """Serve one inbound request on ``stream``, then close it. Never raises (except Cancelled)."""
+    peer_id = stream.muxed_conn.peer_id
+    protocol = str(stream.get_protocol())
+    ok = False
+    try:
+        try:
+            request = await _read_request(stream, spec.max_request)
+        except FrameError as exc:
+            violations.record(peer_id, exc)
+            return
+        payload = await _run_handler(spec, peer_id, request, protocol)
+        with trio.move_on_after(transfer_timeout(len(payload), REQUEST_BODY_BASE_TIMEOUT)) as sc:
+            await write_frame(stream, payload, spec.max_response + 1)
+        if sc.cancelled_caught:
+            logger.info("peer %s did not take its %s response in time", peer_id, protocol)
+            return
+        ok = True
+    except BaseLibp2pError as exc:
+        # Reset / closed by the peer (e.g. its client timed out): not a framing violation.
+        logger.debug("stream from %s on %s failed: %r", peer_id, protocol, exc)
+    except Exception:
+        logger.exception("unexpected error serving %s for %s", protocol, peer_id)
+    finally:
+        if ok:
+            await _close_quietly(stream)
+        else:
+            await _reset_quietly(stream)
+
+
+async def call(
+    host: IHost,
+    peer_id: ID,
+    protocol_id: str,
+    payload: bytes,
+    *,
+    timeout: float,
+    max_response: int,
+    violations: ViolationLog | None = None,
+    max_request: int = MAX_FRAME_BYTES,
+) -> bytes:
+    """Send ``payload`` to ``peer_id`` on ``protocol_id``; return the response payload.
+
+    The whole exchange (stream open, negotiation, request, response) runs under ``timeout``.
+
+    :raises RemoteError: the server answered with status 1.
+    :raises RpcTimeout: ``timeout`` passed first.
+    :raises RpcConnectionError: no connection / protocol not supported / stream reset or closed
+        before a response frame started.
+    :raises FrameError: the request exceeds ``max_request`` (nothing sent), or the response is
+        empty, oversized or truncated (recorded in ``violations`` when given).
+    """
+    if len(payload) > max_request:
+        raise FrameError(f"request of {len(payload)} bytes exceeds the limit of {max_request}")
+    stream: INetStream | None = None
+    ok = False
+    try:
+        with trio.fail_after(timeout):
+            try:
+                stream = await host.new_stream(peer_id, [TProtocol(protocol_id)])
+                await write_frame(stream, payload, max_request)
+                response = await read_frame(stream, max_response + 1)
+            except FrameError as exc:
+                if violations is not None:
+                    violations.record(peer_id, exc)
+                raise
+            except BaseLibp2pError as exc:
+                raise RpcConnectionError(
+                    f"{protocol_id} to {peer_id} failed: {type(exc).__name__}: {exc}"
+                ) from exc
+            ok = True
+    except trio.TooSlowError:
+        raise RpcTimeout(f"{protocol_id} to {peer_id} timed out after {timeout} s") from None
+    finally:
+        if stream is not None:
+            if ok:
+                await _close_quietly(stream)
+            else:
+                await _reset_quietly(stream)
+    if not response:
+        exc = FrameError("empty response frame (no status byte)", code="frame_status")
+        if violations is not None:
+            violations.record(peer_id, exc)
+        raise exc
+    status, body = response[0], response[1:]
+    if status == STATUS_OK:
+        return body
+    if status == STATUS_ERROR:
+        raise RemoteError(body.decode("utf-8", errors="replace"))
+    exc = FrameError(f"unknown response status {status}", code="frame_status")
+    if violations is not None:
+        violations.record(peer_id, exc)
+    raise exc

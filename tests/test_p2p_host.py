@@ -1,0 +1,116 @@
+"""EchoHost lifecycle: addresses, dialing errors, Noise-authenticated peer ids, clean shutdown."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+from echo.p2p.host import open_host
+from echo.p2p.identity import Identity, public_key_from_peer_id
+from echo.p2p.rpc import RpcConnectionError, RpcTimeout
+from libp2p.peer.id import ID
+
+TEST_DEADLINE = 30.0
+
+
+def run(fn) -> None:
+    async def main() -> None:
+        with trio.fail_after(TEST_DEADLINE):
+            await fn()
+
+    trio.run(main)
+
+
+def test_addresses_and_authenticated_peer() -> None:
+    ident_a, ident_b = Identity.generate(), Identity.generate()
+    seen: list[ID] = []
+
+    async def body() -> None:
+        async with open_host(ident_a) as a, open_host(ident_b) as b:
+            assert a.peer_id == ident_a.peer_id
+            assert b.listen_multiaddrs
+            for addr in b.listen_multiaddrs:
+                assert addr.startswith("/ip4/127.0.0.1/tcp/")
+                assert addr.endswith(f"/p2p/{ident_b.peer_id_str}")
+
+            async def whoami(peer: ID, request: bytes) -> bytes:
+                seen.append(peer)
+                return public_key_from_peer_id(peer)
+
+            b.set_handler("/echo/test/whoami/1", whoami, max_request=16)
+            assert await a.connect(b.listen_multiaddrs[0]) == b.peer_id
+            assert b.peer_id in a.connected_peers()
+            # The server sees the client's Noise-authenticated id, which embeds its key.
+            key = await a.request(b.peer_id, "/echo/test/whoami/1", b"", timeout=5, max_response=32)
+            assert key == ident_a.public_key_bytes and seen == [a.peer_id]
+            # Connecting twice reuses the connection.
+            assert await a.connect(b.listen_multiaddrs[0]) == b.peer_id
+
+    run(body)
+
+
+def test_bad_listen_addresses() -> None:
+    async def body() -> None:
+        for addrs in ([], ["/ip4/127.0.0.1/udp/0/quic-v1"], ["not an address"]):
+            with pytest.raises(ValueError):
+                async with open_host(Identity.generate(), addrs, pubsub=False):
+                    pass
+
+    run(body)
+
+
+def test_connect_errors() -> None:
+    async def body() -> None:
+        async with open_host(Identity.generate(), pubsub=False) as a:
+            with pytest.raises(ValueError):
+                await a.connect("/ip4/127.0.0.1/tcp/1")  # no /p2p/ part
+            # Nobody listens there: refused quickly.
+            other = Identity.generate().peer_id_str
+            with pytest.raises((RpcConnectionError, RpcTimeout)):
+                await a.connect(f"/ip4/127.0.0.1/tcp/1/p2p/{other}", timeout=5)
+
+    run(body)
+
+
+def test_wrong_peer_id_is_rejected() -> None:
+    """Noise refuses a listener whose key does not match the /p2p/ id we dialed."""
+
+    async def body() -> None:
+        async with (
+            open_host(Identity.generate(), pubsub=False) as a,
+            open_host(Identity.generate(), pubsub=False) as b,
+        ):
+            addr = b.listen_multiaddrs[0].rsplit("/p2p/", 1)[0]
+            impostor = Identity.generate().peer_id_str
+            with pytest.raises((RpcConnectionError, RpcTimeout)):
+                await a.connect(f"{addr}/p2p/{impostor}", timeout=5)
+
+    run(body)
+
+
+def test_close_with_active_streams_and_subscriptions() -> None:
+    """Leaving the context with a request in flight and a subscription open returns promptly."""
+
+    async def body() -> None:
+        start = trio.current_time()
+        async with open_host(Identity.generate()) as a, open_host(Identity.generate()) as b:
+
+            async def hang(peer: ID, request: bytes) -> bytes:
+                await trio.sleep_forever()
+                return b""
+
+            b.set_handler("/echo/test/hang/1", hang, max_request=16)
+            await a.connect(b.listen_multiaddrs[0])
+            await b.subscribe("echo/test/topic")
+            await a.subscribe("echo/test/topic")
+            async with trio.open_nursery() as nursery:
+
+                async def pending() -> None:
+                    with pytest.raises(RpcTimeout):
+                        await a.request(
+                            b.peer_id, "/echo/test/hang/1", b"", timeout=0.5, max_response=16
+                        )
+
+                nursery.start_soon(pending)
+        assert trio.current_time() - start < 10
+
+    run(body)

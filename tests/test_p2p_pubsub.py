@@ -1,0 +1,76 @@
+"""Gossipsub through EchoHost: delivery of a quick burst, size limits, validators."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import pytest
+import trio
+from echo.p2p.host import EchoHost, open_host
+from echo.p2p.identity import Identity
+from echo.p2p.pubsub import MAX_PUBSUB_MESSAGE_BYTES
+from libp2p.peer.id import ID
+
+TOPIC = "echo/test/announce"
+TEST_DEADLINE = 30.0
+
+
+def run_pair(body: Callable[[EchoHost, EchoHost], Awaitable[None]]) -> None:
+    async def main() -> None:
+        with trio.fail_after(TEST_DEADLINE):
+            async with open_host(Identity.generate()) as a, open_host(Identity.generate()) as b:
+                await a.connect(b.listen_multiaddrs[0], timeout=5)
+                await body(a, b)
+
+    trio.run(main)
+
+
+async def collect(sub, n: int, timeout: float) -> list[tuple[ID, bytes]]:
+    got: list[tuple[ID, bytes]] = []
+    with trio.move_on_after(timeout):
+        async for item in sub:
+            got.append(item)
+            if len(got) == n:
+                break
+    return got
+
+
+def test_burst_of_20_all_arrive() -> None:
+    async def body(a: EchoHost, b: EchoHost) -> None:
+        sub = await b.subscribe(TOPIC)
+        # Mesh / fanout formation: wait (bounded) until A knows B subscribes.
+        await a.wait_for_subscribers(TOPIC, 1, timeout=10)
+        sent = [b"msg-%d" % i for i in range(20)]
+        for m in sent:
+            await a.publish(TOPIC, m)
+        got = await collect(sub, 20, timeout=10)
+        assert [d for _, d in got] == sent
+        assert {p for p, _ in got} == {a.peer_id}
+        assert sub.dropped == 0
+        await sub.aclose()
+
+    run_pair(body)
+
+
+def test_size_limit_and_validator() -> None:
+    async def body(a: EchoHost, b: EchoHost) -> None:
+        with pytest.raises(ValueError):
+            await a.publish(TOPIC, bytes(MAX_PUBSUB_MESSAGE_BYTES + 1))
+        sub = await b.subscribe(TOPIC, validator=lambda peer, data: not data.startswith(b"bad"))
+        await a.wait_for_subscribers(TOPIC, 1, timeout=10)
+        for m in (b"bad-1", b"good-1", b"bad-2", b"good-2"):
+            await a.publish(TOPIC, m)
+        got = await collect(sub, 2, timeout=10)
+        assert [d for _, d in got] == [b"good-1", b"good-2"]
+
+    run_pair(body)
+
+
+def test_pubsub_disabled() -> None:
+    async def main() -> None:
+        with trio.fail_after(TEST_DEADLINE):
+            async with open_host(Identity.generate(), pubsub=False) as a:
+                with pytest.raises(RuntimeError):
+                    await a.publish(TOPIC, b"x")
+
+    trio.run(main)
