@@ -78,6 +78,11 @@ class EchoHost:
         self.identity = identity
         self.pubsub = pubsub
         self._violations = ViolationLog()
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the host is closed (used after leaving open_host)")
 
     # -- identity & addresses ---------------------------------------------------------------------
 
@@ -104,6 +109,7 @@ class EchoHost:
         :raises RpcTimeout: not connected within ``timeout``.
         :raises RpcConnectionError: the dial or the handshake failed.
         """
+        self._check_open()
         try:
             info = info_from_p2p_addr(Multiaddr(multiaddr))
         except Exception as exc:
@@ -160,6 +166,7 @@ class EchoHost:
 
         See :func:`echo.p2p.rpc.call` for the errors.
         """
+        self._check_open()
         return await call(
             self.libp2p,
             _as_peer_id(peer_id),
@@ -184,6 +191,7 @@ class EchoHost:
     # -- pubsub ---------------------------------------------------------------------------------
 
     def _require_pubsub(self) -> PubsubService:
+        self._check_open()
         if self.pubsub is None:
             raise RuntimeError("this host was opened with pubsub=False")
         return self.pubsub
@@ -262,7 +270,10 @@ async def open_host(
         if service is not None:
             service.bind_nursery(nursery)
         logger.info("host %s listening on %s", echo.peer_id, echo.listen_multiaddrs)
-        yield echo
+        try:
+            yield echo
+        finally:
+            echo._closed = True
     logger.debug("host %s closed", identity.peer_id_str)
 
 

@@ -19,9 +19,9 @@ Bulk bytes never travel here (see ``echo.p2p.rpc`` / the broadcast tree).
 
 Owns: the ``Pubsub`` and ``GossipSub`` services (run by :class:`~echo.p2p.host.EchoHost` inside its
 nursery) and one pump task per :class:`Subscription`, started in the nursery it is given.
-Errors: ``ValueError`` for an oversized publish; ``trio.TooSlowError`` from
-:meth:`PubsubService.wait_for_subscribers`; reading a closed :class:`Subscription` ends iteration
-(``trio.EndOfChannel`` from :meth:`Subscription.receive`).
+Errors: ``ValueError`` for an oversized publish or a second subscription to one topic;
+``trio.TooSlowError`` from :meth:`PubsubService.wait_for_subscribers`; reading a closed
+:class:`Subscription` ends iteration (``trio.EndOfChannel`` from :meth:`Subscription.receive`).
 """
 
 from __future__ import annotations
@@ -139,6 +139,8 @@ class PubsubService:
         )
         self._recent_publishes: dict[str, deque[float]] = {}
         self._nursery: trio.Nursery | None = None
+        # Topics with a live Subscription (one per topic).
+        self._topics: set[str] = set()
 
     def bind_nursery(self, nursery: trio.Nursery) -> None:
         """Where subscription pump tasks run (the host's nursery)."""
@@ -193,6 +195,10 @@ class PubsubService:
         """
         if self._nursery is None:
             raise RuntimeError("pubsub is not running (use it inside open_host)")
+        if topic in self._topics:
+            # py-libp2p hands back the same queue for a second subscribe; two readers would
+            # each see only part of the messages.
+            raise ValueError(f"already subscribed to {topic!r}; share that Subscription")
         max_bytes = self.config.max_message_bytes
 
         def _validate(forwarder: ID, msg: rpc_pb2.Message) -> bool:
@@ -206,12 +212,21 @@ class PubsubService:
                 logger.exception("pubsub validator for %s failed", topic)
                 return False
 
+        self._topics.add(topic)
         self.pubsub.set_topic_validator(topic, _validate, False)
-        inner = await self.pubsub.subscribe(topic)
+        try:
+            inner = await self.pubsub.subscribe(topic)
+        except BaseException:
+            self._topics.discard(topic)
+            self.pubsub.remove_topic_validator(topic)
+            raise
         send, receive = trio.open_memory_channel[tuple[ID, bytes]](self.config.subscription_buffer)
         sub: Subscription
 
         async def _close() -> None:
+            if topic not in self._topics:
+                return
+            self._topics.discard(topic)
             self.pubsub.remove_topic_validator(topic)
             await self.pubsub.unsubscribe(topic)
             await send.aclose()

@@ -66,11 +66,24 @@ def test_size_limit_and_validator() -> None:
     run_pair(body)
 
 
-def test_pubsub_disabled() -> None:
+def test_pubsub_disabled_and_misuse() -> None:
     async def main() -> None:
         with trio.fail_after(TEST_DEADLINE):
             async with open_host(Identity.generate(), pubsub=False) as a:
                 with pytest.raises(RuntimeError):
                     await a.publish(TOPIC, b"x")
+            async with open_host(Identity.generate()) as b:
+                sub = await b.subscribe(TOPIC)
+                with pytest.raises(ValueError):
+                    await b.subscribe(TOPIC)
+                await sub.aclose()
+                await (await b.subscribe(TOPIC)).aclose()  # free again after aclose
+                late = await b.subscribe("echo/test/other")
+            # After the host closed: the subscription ends, the host refuses new work.
+            with pytest.raises(trio.EndOfChannel):
+                await late.receive()
+            await late.aclose()
+            with pytest.raises(RuntimeError):
+                await b.publish(TOPIC, b"x")
 
     trio.run(main)
