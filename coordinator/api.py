@@ -1,0 +1,196 @@
+"""The coordinator's HTTP API (Starlette on hypercorn/trio), its dashboard and /metrics.
+
+Routes under ``/v1`` need ``Authorization: Bearer <token>``; ``/healthz``, ``/metrics`` and the
+read-only dashboard ``/`` do not. Bad job specs get 400 with one line per bad key.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+import trio
+from hypercorn.config import Config as HyperConfig
+from hypercorn.trio import serve
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from echo.coordinator.learners import tail
+from echo.protocol.jobspec import SpecError, load_job_toml, parse_job
+
+if TYPE_CHECKING:
+    from echo.coordinator.service import Coordinator
+
+MAX_BODY = 256 * 1024
+
+
+def job_status(coord: Coordinator, job_id: str) -> dict[str, Any] | None:
+    row = coord.store.job(job_id)
+    if row is None:
+        return None
+    spec = json.loads(row["spec_json"])
+    versions = []
+    for v in coord.store.versions(job_id):
+        versions.append({
+            "version": v["version"], "kind": v["kind"], "bytes": v["total_size"],
+            "trained_groups": v["trained_count"], "published_at": v["published_at"],
+            "time_to_all_s": (v["all_nodes_at"] - v["published_at"]) if v["all_nodes_at"] else None,
+            "metrics": json.loads(v["metrics_json"]),
+        })
+    return {
+        "job_id": job_id, "name": row["name"], "status": row["status"], "error": row["error"],
+        "current_version": row["current_version"], "steps": spec.get("steps"),
+        "task": spec.get("task"), "learner_peer_id": row["learner_peer_id"],
+        "rollouts": coord.store.rollout_counts(job_id),
+        "reward_by_version": [
+            {"version": v, "mean_reward": r, "groups": n}
+            for v, r, n in coord.store.reward_by_version(job_id)
+        ],
+        "versions": versions,
+        "created_at": row["created_at"], "updated_at": row["updated_at"],
+    }
+
+
+def node_list(coord: Coordinator) -> list[dict[str, Any]]:
+    out = []
+    for n in coord.store.nodes():
+        out.append({
+            "node_id": n["node_id"], "engine": n["engine"], "tokens_per_s": n["tokens_per_s"],
+            "accepted": n["accepted"], "rejected": n["rejected"], "streak": n["streak"],
+            "excluded": bool(n["excluded"]), "version": n["version"],
+            "rejected_by_reason": coord.store.rejection_counts(n["node_id"]),
+            "hardware": json.loads(n["hardware_json"]), "last_seen": n["last_seen"],
+            "upload_bps": n["upload_bps"],
+        })
+    return out
+
+
+def build_app(coord: Coordinator) -> Starlette:
+    def authorized(request: Request) -> bool:
+        return request.headers.get("authorization", "") == f"Bearer {coord.token}"
+
+    def guard(fn):
+        async def wrapper(request: Request) -> Response:
+            if not authorized(request):
+                return JSONResponse({"error": "missing or wrong bearer token"}, status_code=401)
+            return await fn(request)
+        return wrapper
+
+    @guard
+    async def submit(request: Request) -> Response:
+        body = await request.body()
+        if len(body) > MAX_BODY:
+            return JSONResponse({"error": "job spec too large"}, status_code=413)
+        try:
+            text = body.decode()
+            if request.headers.get("content-type", "").startswith("application/json"):
+                spec = parse_job(json.loads(text))
+            else:
+                spec = load_job_toml(text)
+        except (SpecError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        job_id = coord.submit_job(spec)
+        return JSONResponse({"job_id": job_id}, status_code=201)
+
+    @guard
+    async def list_jobs(request: Request) -> Response:
+        return JSONResponse([
+            {"job_id": r["job_id"], "name": r["name"], "status": r["status"],
+             "current_version": r["current_version"]}
+            for r in coord.store.jobs()
+        ])
+
+    @guard
+    async def get_job(request: Request) -> Response:
+        st = job_status(coord, request.path_params["job_id"])
+        if st is None:
+            return JSONResponse({"error": "no such job"}, status_code=404)
+        return JSONResponse(st)
+
+    @guard
+    async def cancel(request: Request) -> Response:
+        job_id = request.path_params["job_id"]
+        if coord.store.job(job_id) is None:
+            return JSONResponse({"error": "no such job"}, status_code=404)
+        return JSONResponse({"cancelled": coord.cancel_job(job_id)})
+
+    @guard
+    async def logs(request: Request) -> Response:
+        job_id = request.path_params["job_id"]
+        if coord.store.job(job_id) is None:
+            return JSONResponse({"error": "no such job"}, status_code=404)
+        n = min(int(request.query_params.get("lines", "100")), 5000)
+        return PlainTextResponse(tail(coord.job_dir(job_id) / "learner.log", n) + "\n")
+
+    @guard
+    async def nodes(request: Request) -> Response:
+        return JSONResponse(node_list(coord))
+
+    async def info(request: Request) -> Response:
+        return JSONResponse({"multiaddrs": coord.multiaddrs, "peer_id": str(coord.identity.peer_id)})
+
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"ok": True})
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(coord.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def dashboard(request: Request) -> Response:
+        return HTMLResponse(render_dashboard(coord))
+
+    return Starlette(routes=[
+        Route("/", dashboard),
+        Route("/healthz", healthz),
+        Route("/metrics", metrics),
+        Route("/v1/info", info),
+        Route("/v1/jobs", submit, methods=["POST"]),
+        Route("/v1/jobs", list_jobs, methods=["GET"]),
+        Route("/v1/jobs/{job_id}", get_job),
+        Route("/v1/jobs/{job_id}/cancel", cancel, methods=["POST"]),
+        Route("/v1/jobs/{job_id}/logs", logs),
+        Route("/v1/nodes", nodes),
+    ])
+
+
+def render_dashboard(coord: Coordinator) -> str:
+    from html import escape
+
+    rows = []
+    for r in coord.store.jobs():
+        st = job_status(coord, r["job_id"]) or {}
+        curve = st.get("reward_by_version", [])
+        last = f"{curve[-1]['mean_reward']:.3f}" if curve else "-"
+        first = f"{curve[0]['mean_reward']:.3f}" if curve else "-"
+        rows.append(
+            f"<tr><td>{escape(r['job_id'])}</td><td>{escape(r['status'])}</td>"
+            f"<td>{r['current_version']}</td><td>{first} → {last}</td>"
+            f"<td>{st.get('rollouts', {}).get('trained', 0)}</td></tr>"
+        )
+    nrows = "".join(
+        f"<tr><td>{escape(n['node_id'][-12:])}</td><td>{escape(n['engine'])}</td>"
+        f"<td>{n['version']}</td><td>{n['tokens_per_s']:.0f}</td><td>{n['accepted']}</td>"
+        f"<td>{n['rejected']}</td><td>{'yes' if n['excluded'] else ''}</td></tr>"
+        for n in node_list(coord)
+    )
+    return (
+        "<!doctype html><meta http-equiv=refresh content=3><title>Echo swarm</title>"
+        "<style>body{font-family:sans-serif}td,th{padding:2px 10px}</style>"
+        "<h1>Echo swarm coordinator</h1><h2>Jobs</h2><table><tr><th>job</th><th>status</th>"
+        "<th>version</th><th>reward first → last</th><th>groups trained</th></tr>"
+        + "".join(rows) + "</table><h2>Nodes</h2><table><tr><th>node</th><th>engine</th>"
+        "<th>version</th><th>tok/s</th><th>accepted</th><th>rejected</th><th>excluded</th></tr>"
+        + nrows + "</table>"
+    )
+
+
+async def serve_http(coord: Coordinator, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve the API until cancelled; reports the bound addresses through ``task_status``."""
+    cfg = HyperConfig()
+    cfg.bind = [f"{coord.config.http_host}:{coord.config.http_port}"]
+    cfg.accesslog = None
+    cfg.errorlog = None
+    cfg.graceful_timeout = 1.0
+    await serve(build_app(coord), cfg, task_status=task_status)

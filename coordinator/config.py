@@ -1,0 +1,75 @@
+"""The operator's ``coordinator.toml``, validated with messages that name the bad key."""
+
+from __future__ import annotations
+
+import secrets
+import tomllib
+from pathlib import Path
+
+import platformdirs
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from echo.protocol.jobspec import SpecError, explain_validation
+
+
+class VerificationSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lease_timeout_s: float = Field(default=120.0, gt=0, description="time a node has per lease")
+    max_open_leases_per_node: int = Field(default=4, ge=1)
+    buffer_groups: int = Field(
+        default=0, ge=0, description="accepted groups to keep ahead of the learner (0 = 2 batches)"
+    )
+    exclude_after_failures: int = Field(
+        default=5, ge=1, description="verification failures before a node is excluded"
+    )
+    submissions_per_minute: int = Field(default=600, ge=1, description="per-node rate limit")
+
+
+class LearnerSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    local: bool = Field(default=True, description="start a learner subprocess per job")
+    torch_threads: int = Field(default=1, ge=1)
+
+
+class CoordinatorConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    data_dir: Path = Field(
+        default_factory=lambda: Path(platformdirs.user_data_dir("echo-swarm")) / "coordinator"
+    )
+    listen: list[str] = Field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/4001"])
+    http_host: str = "127.0.0.1"
+    http_port: int = Field(default=8080, ge=0, le=65535)
+    api_token: str = Field(default="", description="bearer token for the job API; empty = generate")
+    verification: VerificationSection = Field(default_factory=VerificationSection)
+    learner: LearnerSection = Field(default_factory=LearnerSection)
+
+    def ensure_token(self) -> str:
+        """The API token: configured, or generated once and kept in data_dir (mode 0600)."""
+        if self.api_token:
+            return self.api_token
+        path = self.data_dir / "api_token"
+        if path.exists():
+            return path.read_text().strip()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        token = secrets.token_urlsafe(24)
+        tmp = path.with_suffix(".tmp")
+        tmp.touch(mode=0o600)
+        tmp.write_text(token + "\n")
+        tmp.replace(path)
+        return token
+
+
+def load_config(path: Path | None) -> CoordinatorConfig:
+    """Load ``path`` (TOML) or defaults; raises SpecError naming each bad key."""
+    data: dict = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise SpecError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise SpecError(f"{path} is not valid TOML: {exc}") from None
+    try:
+        return CoordinatorConfig.model_validate(data)
+    except ValidationError as exc:
+        raise explain_validation(exc, str(path or 'config')) from None

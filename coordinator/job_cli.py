@@ -1,0 +1,130 @@
+"""``echo-job``: submit and follow RL jobs through the coordinator's HTTP API."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import httpx
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(help="Submit and follow Echo swarm RL jobs (talks to echo-coordinator's HTTP API).",
+                  no_args_is_help=True, add_completion=False)
+console = Console()
+
+UrlOpt = Annotated[str, typer.Option(
+    "--url", envvar="ECHO_COORDINATOR_URL", help="coordinator HTTP API base URL")]
+TokenOpt = Annotated[str, typer.Option(
+    "--token", envvar="ECHO_API_TOKEN",
+    help="bearer token (the coordinator's api_token, or its data_dir/api_token file)")]
+
+
+def _client(url: str, token: str) -> httpx.Client:
+    if not token:
+        console.print("[red]no API token:[/red] pass --token or set ECHO_API_TOKEN")
+        raise typer.Exit(2)
+    return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=10.0)
+
+
+def _call(url: str, token: str, method: str, path: str, **kw: Any) -> Any:
+    try:
+        with _client(url, token) as c:
+            r = c.request(method, path, **kw)
+    except httpx.HTTPError as exc:
+        console.print(f"[red]cannot reach the coordinator at {url}:[/red] {exc}")
+        raise typer.Exit(1) from None
+    if r.status_code >= 400:
+        try:
+            msg = r.json().get("error", r.text)
+        except ValueError:
+            msg = r.text
+        console.print(f"[red]error {r.status_code}:[/red] {msg}")
+        raise typer.Exit(1)
+    ctype = r.headers.get("content-type", "")
+    return r.json() if ctype.startswith("application/json") else r.text
+
+
+@app.command()
+def submit(
+    job_file: Annotated[Path, typer.Argument(help="job.toml with a [job] table", exists=True,
+                                             dir_okay=False)],
+    url: UrlOpt = "http://127.0.0.1:8080",
+    token: TokenOpt = "",
+) -> None:
+    """Submit a job; prints its id."""
+    out = _call(url, token, "POST", "/v1/jobs", content=job_file.read_bytes(),
+                headers={"content-type": "application/toml"})
+    console.print(out["job_id"])
+
+
+@app.command("list")
+def list_jobs(url: UrlOpt = "http://127.0.0.1:8080", token: TokenOpt = "") -> None:
+    """List jobs with their status and current version."""
+    jobs = _call(url, token, "GET", "/v1/jobs")
+    table = Table("job", "name", "status", "version")
+    for j in jobs:
+        table.add_row(j["job_id"], j["name"], j["status"], str(j["current_version"]))
+    console.print(table)
+
+
+@app.command()
+def status(
+    job_id: str,
+    url: UrlOpt = "http://127.0.0.1:8080",
+    token: TokenOpt = "",
+    as_json: Annotated[bool, typer.Option("--json", help="print the raw JSON")] = False,
+    watch: Annotated[bool, typer.Option("--watch", "-w", help="refresh every 2 s")] = False,
+) -> None:
+    """Show a job: versions, reward per version, rollouts accepted/rejected."""
+    while True:
+        st = _call(url, token, "GET", f"/v1/jobs/{job_id}")
+        if as_json:
+            console.print_json(json.dumps(st))
+        else:
+            _print_status(st)
+        if not watch or st["status"] in ("done", "failed", "cancelled"):
+            return
+        time.sleep(2.0)
+
+
+def _print_status(st: dict[str, Any]) -> None:
+    c = st["rollouts"]
+    console.print(f"[bold]{st['job_id']}[/bold] {st['status']}  v{st['current_version']}"
+                  f"/{st['steps']}  trained {c.get('trained', 0)}  buffered "
+                  f"{c.get('accepted', 0)}  rejected {c.get('rejected_total', 0)}")
+    if st["error"]:
+        console.print(f"[red]{st['error']}[/red]")
+    curve = st["reward_by_version"]
+    if curve:
+        pts = curve if len(curve) <= 12 else curve[:: max(1, len(curve) // 12)] + [curve[-1]]
+        console.print("reward by version: " + "  ".join(
+            f"v{p['version']}:{p['mean_reward']:.2f}" for p in pts))
+
+
+@app.command()
+def logs(job_id: str, url: UrlOpt = "http://127.0.0.1:8080", token: TokenOpt = "",
+         lines: int = 100) -> None:
+    """Print the tail of the job's learner log."""
+    console.print(_call(url, token, "GET", f"/v1/jobs/{job_id}/logs", params={"lines": lines}),
+                  end="", markup=False, highlight=False)
+
+
+@app.command()
+def cancel(job_id: str, url: UrlOpt = "http://127.0.0.1:8080", token: TokenOpt = "") -> None:
+    """Cancel a job: its learner stops and no more leases are issued."""
+    out = _call(url, token, "POST", f"/v1/jobs/{job_id}/cancel")
+    console.print("cancelled" if out["cancelled"] else "job was not running")
+
+
+def token_from_dir(data_dir: Path) -> str:
+    p = data_dir / "api_token"
+    return p.read_text().strip() if p.exists() else os.environ.get("ECHO_API_TOKEN", "")
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,53 @@
+"""Supervision of a job's local learner subprocess.
+
+:func:`supervise_learner` owns the learner process of one job: it starts it, writes its output
+to ``<job dir>/learner.log``, restarts it after a crash (the learner resumes from its last
+checkpoint, and the rollouts it held in memory go back to the buffer when it re-attaches), and
+marks the job failed after too many crashes. Cancelling ``scope`` terminates the process
+(SIGTERM, then SIGKILL after trio's grace period).
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+from typing import TYPE_CHECKING
+
+import trio
+
+if TYPE_CHECKING:
+    from echo.coordinator.service import Coordinator
+
+log = logging.getLogger("echo.coordinator.learners")
+
+# A learner that keeps crashing has a real problem (bad model path, out of memory); three
+# restarts cover transient failures without hiding a broken job for long.
+MAX_RESTARTS = 3
+RESTART_DELAY_S = 2.0
+
+
+def tail(path, n: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except FileNotFoundError:
+        return ""
+
+
+async def supervise_learner(coord: Coordinator, job_id: str, scope: trio.CancelScope) -> None:
+    log_path = coord.job_dir(job_id) / "learner.log"
+    with scope:
+        for attempt in range(MAX_RESTARTS + 1):
+            with open(log_path, "ab") as out:
+                proc = await trio.run_process(
+                    coord.learner_command(job_id), check=False, stdout=out,
+                    stderr=subprocess.STDOUT,
+                )
+            status = coord.store.job(job_id)["status"]
+            if proc.returncode == 0 or status in ("done", "cancelled"):
+                log.info("learner of %s exited (%s)", job_id, status)
+                return
+            log.warning("learner of %s crashed (exit %s), attempt %d:\n%s", job_id,
+                        proc.returncode, attempt + 1, tail(log_path, 8))
+            await trio.sleep(RESTART_DELAY_S)
+        coord.store.set_job_status(job_id, "failed",
+                                   f"learner crashed {MAX_RESTARTS + 1} times:\n" + tail(log_path))

@@ -1,0 +1,66 @@
+"""Learner checkpoints: model, optimizer and the step report of the version they hold.
+
+One folder per version under ``<job dir>/checkpoints``, written to a temporary name and renamed,
+so a crash leaves the previous checkpoint intact. Only local files of our own are read back:
+tensors through safetensors, optimizer state through ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+KEEP = 2
+
+
+@dataclass
+class Checkpoint:
+    version: int
+    anchor_version: int
+    model_state: dict[str, torch.Tensor]
+    optim_state: dict
+    report: bytes  # the signed StepReport of this version (re-sent after a restart)
+
+
+def _dir(root: Path, version: int) -> Path:
+    return root / f"v{version:08d}"
+
+
+def save(root: Path, ckpt: Checkpoint) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    final = _dir(root, ckpt.version)
+    tmp = root / f".tmp-{ckpt.version}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_file({k: v.contiguous() for k, v in ckpt.model_state.items()}, str(tmp / "model.safetensors"))
+    torch.save(ckpt.optim_state, tmp / "optim.pt")
+    (tmp / "report.bin").write_bytes(ckpt.report)
+    (tmp / "meta.json").write_text(json.dumps(
+        {"version": ckpt.version, "anchor_version": ckpt.anchor_version}))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    for old in sorted(p for p in root.iterdir() if p.name.startswith("v"))[:-KEEP]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def latest(root: Path) -> Checkpoint | None:
+    if not root.exists():
+        return None
+    for d in sorted((p for p in root.iterdir() if p.name.startswith("v")), reverse=True):
+        try:
+            meta = json.loads((d / "meta.json").read_text())
+            return Checkpoint(
+                version=int(meta["version"]), anchor_version=int(meta["anchor_version"]),
+                model_state=load_file(str(d / "model.safetensors")),
+                optim_state=torch.load(d / "optim.pt", weights_only=True),
+                report=(d / "report.bin").read_bytes(),
+            )
+        except (OSError, ValueError, KeyError, RuntimeError):
+            continue  # a damaged checkpoint: fall back to the one before
+    return None

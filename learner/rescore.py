@@ -1,0 +1,142 @@
+"""Re-scoring submitted rollouts under the version they claim (verification step 5).
+
+A prefill of the submitted tokens under the claimed weights gives, per token, the log-prob the
+policy assigns and the entropy of its distribution. Three group-level checks follow, each an
+aggregate over many tokens because engines differ on single tokens even with equal weights:
+
+- **mismatch**: mean |log-prob reported by the node - log-prob recomputed here|. Fabricated
+  log-probs fail it. The threshold is per engine (:data:`MISMATCH_THRESHOLDS`), measured from
+  honest runs.
+- **sampling shape**: for the policy's own samples, E[log p(x_t)] = -H_t, so
+  z = sum(log p(x_t) + H_t) / sqrt(sum Var_t) is about N(0, 1); tokens from another model or at
+  random sit far below the policy's entropy and give a very negative z. This works at any
+  entropy, where a fixed median-probability cut (grail's) fails on high-entropy policies.
+- **termination**: a completion that claims to stop must end on an EOS the policy would emit
+  with non-negligible probability.
+
+Rollouts are only ever trained on after passing; the verdicts go back to the coordinator.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from echo.learner.grpo import TrainGroup
+from echo.models.spec import ModelSpec, build_model
+from echo.models.weights import load_state
+
+# Mean |reported - recomputed| log-prob allowed per engine (nats/token). Honest torch fp32 runs
+# measure ~1e-6; llama.cpp f32 ~2e-4; vLLM differs more on GPUs (bf16 kernels). Generous 50-100x
+# margins keep honest false rejections near zero, while fabricated log-probs miss by >0.1.
+MISMATCH_THRESHOLDS = {"torch": 0.02, "llamacpp": 0.05, "vllm": 0.1}
+DEFAULT_MISMATCH = 0.1
+# z below this is a group whose tokens the policy would not have sampled (p ~ 1e-9 for honest
+# groups); generous because top-p and engine noise shift z a little.
+MIN_SAMPLING_Z = -6.0
+# A group needs this many tokens before the sampling-shape test says anything.
+MIN_TOKENS_FOR_SHAPE = 24
+# An EOS the policy gives less than this probability is not a place it would have stopped.
+MIN_EOS_PROB = 1e-3
+# More than this fraction of a group's "stop" completions ending improbably fails the group.
+MAX_IMPROBABLE_STOPS = 0.25
+
+
+@dataclass
+class Verdict:
+    ok: bool
+    reason: str = ""
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+class Rescorer:
+    """Holds the published states of the last ``keep`` versions and scores groups under them."""
+
+    def __init__(self, spec: ModelSpec, *, keep: int, temperature: float,
+                 engine_thresholds: dict[str, float] | None = None) -> None:
+        self.model = build_model(spec)
+        self.model.eval()
+        self.temperature = temperature
+        self.keep = keep
+        self.thresholds = engine_thresholds or MISMATCH_THRESHOLDS
+        self._states: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
+        self._loaded = -1
+        self.last_seconds = 0.0
+
+    def remember(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        self._states[version] = state
+        while len(self._states) > self.keep:
+            self._states.popitem(last=False)
+
+    @torch.no_grad()
+    def _token_stats(self, group: TrainGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per completion token: log p(chosen), entropy H, and Var[log p] under the policy."""
+        rows = [list(group.prompt_ids) + list(c) for c in group.completions]
+        width = max(len(r) for r in rows)
+        ids = torch.zeros((len(rows), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)] = torch.tensor(r)
+            mask[i, : len(r)] = 1
+        logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
+        plen = len(group.prompt_ids)
+        lps, ents, vars_ = [], [], []
+        for i, c in enumerate(group.completions):
+            if not c:
+                continue
+            lg = logits[i, plen - 1 : plen - 1 + len(c)] / self.temperature
+            logp = torch.log_softmax(lg, dim=-1)
+            p = logp.exp()
+            chosen = logp.gather(1, torch.tensor(c).unsqueeze(1)).squeeze(1)
+            ent = -(p * logp).sum(-1)
+            second = (p * logp * logp).sum(-1)
+            lps.append(chosen)
+            ents.append(ent)
+            vars_.append((second - ent * ent).clamp(min=0))
+        return torch.cat(lps), torch.cat(ents), torch.cat(vars_)
+
+    def check(self, groups: list[TrainGroup], finish: list[list[str]],
+              engines: list[str] | None = None) -> list[Verdict]:
+        t0 = time.perf_counter()
+        out = []
+        for gi, g in enumerate(groups):
+            state = self._states.get(g.version)
+            if state is None:
+                out.append(Verdict(False, "stale_version",
+                                   {"version": float(g.version)}))
+                continue
+            if self._loaded != g.version:
+                load_state(self.model, state)
+                self._loaded = g.version
+            engine = engines[gi] if engines else "torch"
+            out.append(self._judge(g, finish[gi], engine))
+        self.last_seconds = time.perf_counter() - t0
+        return out
+
+    def _judge(self, g: TrainGroup, finish: list[str], engine: str) -> Verdict:
+        lp, ent, var = self._token_stats(g)
+        behaviour = torch.tensor([x for c in g.behaviour_logprobs for x in c], dtype=torch.float32)
+        n = int(lp.numel())
+        mismatch = float((lp - behaviour).abs().mean()) if n else 0.0
+        z = float((lp + ent).sum() / math.sqrt(float(var.sum()) + 1e-6)) if n else 0.0
+        median_p = float(lp.exp().median()) if n else 1.0
+        improbable, stops, at = 0, 0, 0
+        for c, reason in zip(g.completions, finish, strict=True):
+            at += len(c)
+            if reason == "stop" and c:
+                stops += 1
+                if math.exp(float(lp[at - 1])) < MIN_EOS_PROB:
+                    improbable += 1
+        stats = {"mismatch": mismatch, "z": z, "median_p": median_p, "tokens": float(n),
+                 "improbable_stops": float(improbable)}
+        if mismatch > self.thresholds.get(engine, DEFAULT_MISMATCH):
+            return Verdict(False, "rescore_mismatch", stats)
+        if n >= MIN_TOKENS_FOR_SHAPE and z < MIN_SAMPLING_Z:
+            return Verdict(False, "sampling_shape", stats)
+        if stops and improbable / stops > MAX_IMPROBABLE_STOPS:
+            return Verdict(False, "termination_improbable", stats)
+        return Verdict(True, "", stats)

@@ -1,0 +1,68 @@
+"""The volunteer's settings: a ``node.toml`` file and/or flags, validated with clear messages."""
+
+from __future__ import annotations
+
+import datetime as dt
+import tomllib
+from pathlib import Path
+
+import platformdirs
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from echo.protocol.jobspec import SpecError, explain_validation
+
+
+class NodeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    coordinator: str = Field(default="", description="coordinator multiaddr (/ip4/.../p2p/...)")
+    data_dir: Path = Field(
+        default_factory=lambda: Path(platformdirs.user_data_dir("echo-swarm")) / "node")
+    engine: str = Field(default="auto", description="auto | torch | llamacpp | vllm")
+    device: str = Field(default="auto", description="auto | cpu | cuda | mps (torch engine)")
+    threads: int | None = Field(default=None, ge=1, le=1024, description="CPU threads for the engine")
+    gpu_memory_fraction: float = Field(default=0.9, gt=0, le=1)
+    max_tokens_per_s: float | None = Field(default=None, gt=0, description="throughput cap")
+    schedule: str | None = Field(
+        default=None, description="local hours to work, e.g. '22:00-07:00'; unset = always")
+    leases_at_once: int = Field(default=2, ge=1, le=64, description="groups generated per batch")
+    listen: str = "/ip4/127.0.0.1/tcp/0"
+    keep_weights: bool = Field(default=False,
+                               description="write the held policy to data_dir/policy.safetensors")
+
+    @field_validator("schedule")
+    @classmethod
+    def _schedule(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_schedule(v)
+        return v
+
+    def working_now(self, now: dt.datetime | None = None) -> bool:
+        if self.schedule is None:
+            return True
+        start, end = parse_schedule(self.schedule)
+        t = (now or dt.datetime.now()).time()
+        return start <= t < end if start <= end else (t >= start or t < end)
+
+
+def parse_schedule(text: str) -> tuple[dt.time, dt.time]:
+    try:
+        a, b = text.split("-")
+        return dt.time.fromisoformat(a.strip()), dt.time.fromisoformat(b.strip())
+    except ValueError:
+        raise ValueError(f"schedule {text!r} is not 'HH:MM-HH:MM'") from None
+
+
+def load_node_config(path: Path | None, overrides: dict) -> NodeConfig:
+    data: dict = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise SpecError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise SpecError(f"{path} is not valid TOML: {exc}") from None
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return NodeConfig.model_validate(data)
+    except ValidationError as exc:
+        raise explain_validation(exc, str(path or "node settings")) from None

@@ -1,0 +1,162 @@
+"""Bringing the node's policy to a target version, verified against the learner's signature.
+
+:class:`WeightSync` owns the node's copy of the published state and its chunk store. It fetches
+signed manifests, checks the signer is the learner key the job pins and that versions only move
+forward, fetches each chunk from the peers that may hold it (hash-checked against the manifest,
+so a relay cannot corrupt a byte unnoticed), applies the anchor or patch, and checks every tensor
+hash and the state digest before the engine sees the weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+import trio
+
+from echo.models.weights import from_bits, state_digest, state_digests, state_from_bytes, to_bits
+from echo.p2p.chunkstore import ChunkHashMismatch, ChunkStore, fetch_chunk
+from echo.p2p.host import EchoHost
+from echo.p2p.rpc import RpcError
+from echo.protocol import ids, signing
+from echo.protocol import messages as m
+from echo.protocol.errors import ProtocolError
+from echo.protocol.patch import apply_patch
+
+log = logging.getLogger("echo.node.weights")
+
+CHUNK_TIMEOUT_S = 60.0
+MANIFEST_TIMEOUT_S = 15.0
+# A patch or anchor never decodes to more than this; a bigger claim is refused before work.
+MAX_STATE_BYTES = 64 << 30
+
+
+class WeightError(ProtocolError):
+    code = "weights"
+
+
+ProgressFn = Callable[[int, int, int], None]  # (version, bytes done, bytes total)
+
+
+class WeightSync:
+    def __init__(self, host: EchoHost, job: m.JobInfo, coordinator, store: ChunkStore,
+                 on_progress: ProgressFn | None = None) -> None:
+        self.host = host
+        self.job = job
+        self.coordinator = coordinator
+        self.store = store
+        self.on_progress = on_progress
+        self.version = -1
+        self.state: dict[str, torch.Tensor] | None = None
+        self.digest = ""
+        self.bytes_received = 0
+        self.download_bps = 0.0
+        self.sources: list = []  # peer ids to fetch chunks from, best first
+        self.bad_peers: set = set()
+
+    async def add_source_addrs(self, addrs: list[str]) -> None:
+        for addr in addrs:
+            try:
+                peer = await self.host.connect(addr)
+            except (RpcError, ValueError, OSError) as exc:
+                log.debug("cannot reach %s: %s", addr, exc)
+                continue
+            if peer not in self.sources:
+                self.sources.append(peer)
+            return
+
+    async def manifest(self, version: int) -> tuple[m.Manifest, bytes]:
+        data = await self.host.request(
+            self.coordinator, ids.PROTO_MANIFEST,
+            m.encode(m.ManifestRequest(job_id=self.job.job_id, version=version)),
+            timeout=MANIFEST_TIMEOUT_S, max_response=16 << 20)
+        return self.check_manifest(data), data
+
+    def check_manifest(self, data: bytes) -> m.Manifest:
+        """Verify a manifest envelope: the job's learner key, this job, a forward version."""
+        env = signing.open_envelope(data, kind="manifest", max_bytes=16 << 20,
+                                    expected_signer=self.job.learner_public_key)
+        man = m.from_obj(m.Manifest, env.decode_body())
+        if man.job_id != self.job.job_id:
+            raise WeightError(f"manifest is for job {man.job_id}")
+        if man.total_size > MAX_STATE_BYTES or sum(c.size for c in man.chunks) != man.total_size:
+            raise WeightError("manifest sizes are inconsistent")
+        return man
+
+    async def sync_to(self, target: int) -> bool:
+        """Bring the state to version ``target`` (or newer). Returns True if anything changed."""
+        if target <= self.version:
+            return False
+        latest, _ = await self.manifest(target)
+        if self.version < 0 or self.version < latest.anchor_version:
+            plan = list(range(latest.anchor_version, target + 1))
+        else:
+            plan = list(range(self.version + 1, target + 1))
+        for v in plan:
+            man = latest if v == target else (await self.manifest(v))[0]
+            await self._apply(man)
+        return True
+
+    async def _apply(self, man: m.Manifest) -> None:
+        if man.version <= self.version:
+            raise WeightError(f"refusing v{man.version}: we hold v{self.version} (no going back)")
+        if man.kind == "patch" and man.base_version != self.version:
+            raise WeightError(f"patch v{man.version} is against v{man.base_version}, "
+                              f"we hold v{self.version}")
+        t0 = time.perf_counter()
+        payload = await self._fetch_payload(man)
+        state = await trio.to_thread.run_sync(self._decode, man, payload)
+        self.state = state
+        self.version = man.version
+        self.digest = man.state_digest
+        elapsed = time.perf_counter() - t0
+        self.download_bps = len(payload) / max(elapsed, 1e-6)
+        self.store.prune(keep={man.version, man.anchor_version})
+        log.info("holding v%d (%s, %.1f kB in %.2f s)", man.version, man.kind,
+                 len(payload) / 1e3, elapsed)
+
+    def _decode(self, man: m.Manifest, payload: bytes) -> dict[str, torch.Tensor]:
+        if man.kind == "anchor":
+            state = state_from_bytes(payload)
+        else:
+            assert self.state is not None
+            bits = apply_patch(to_bits(self.state), payload, max_output_bytes=MAX_STATE_BYTES)
+            state = from_bits(bits, self.state)
+        if state_digests(state) != dict(man.tensor_digests):
+            raise WeightError(f"v{man.version}: tensor hashes differ from the signed manifest")
+        if state_digest(state) != man.state_digest:
+            raise WeightError(f"v{man.version}: state digest differs from the signed manifest")
+        return state
+
+    async def _fetch_payload(self, man: m.Manifest) -> bytes:
+        parts: list[bytes] = []
+        done = 0
+        for ref in man.chunks:
+            chunk = self.store.get(ref.sha256)
+            if chunk is None:
+                chunk = await self._fetch_one(ref)
+                self.store.put(man.version, chunk, ref.sha256)
+            parts.append(chunk)
+            done += ref.size
+            self.bytes_received += ref.size
+            if self.on_progress is not None:
+                self.on_progress(man.version, done, man.total_size)
+        return b"".join(parts)
+
+    async def _fetch_one(self, ref: m.ChunkRef) -> bytes:
+        errors = []
+        for peer in [p for p in self.sources if p not in self.bad_peers]:
+            try:
+                return await fetch_chunk(self.host, peer, ref, timeout=CHUNK_TIMEOUT_S)
+            except ChunkHashMismatch as exc:
+                self.bad_peers.add(peer)
+                errors.append(str(exc))
+                log.warning("peer %s sent a bad chunk; excluded", str(peer)[-8:])
+            except (RpcError, ProtocolError) as exc:
+                errors.append(f"{str(peer)[-8:]}: {exc}")
+        raise WeightError(f"no peer could provide chunk {ref.sha256.hex()[:12]}: "
+                          + "; ".join(errors[-3:]))
+
+

@@ -1,0 +1,292 @@
+"""The volunteer's rollout worker: register, hold the current policy, lease, generate, submit.
+
+:func:`run_node` owns the node's libp2p host, its engine and its chunk store. It registers
+(signed) with the coordinator, syncs weights to the job's current version, then loops: ask for
+leases (saying which version it holds), check each lease's coordinator signature, generate the
+whole group of every lease in one batch in a worker thread, sign and submit each group, and
+show the volunteer what was accepted and why anything was rejected. A gossip listener and the
+lease replies both tell it when a newer version is out; it syncs before generating again.
+
+Generation and weight decoding run in trio worker threads so the host keeps serving chunks to
+peers meanwhile; every network wait has a timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import trio
+from rich.console import Console
+
+from echo.models.spec import ModelSpec, encode_prompt, load_tokenizer
+from echo.node.config import NodeConfig
+from echo.node.engines.base import Engine, GenRequest, SamplingParams
+from echo.node.engines.factory import make_engine
+from echo.node.probe import choose_engine, probe
+from echo.node.weights import WeightSync
+from echo.p2p.chunkstore import ChunkStore, serve_chunks
+from echo.p2p.host import EchoHost, open_host
+from echo.p2p.identity import Identity, public_key_from_peer_id
+from echo.p2p.rpc import RpcError
+from echo.protocol import ids, signing
+from echo.protocol import messages as m
+from echo.protocol.errors import ProtocolError
+from echo.tasks.registry import make_task
+
+log = logging.getLogger("echo.node")
+
+RPC_TIMEOUT_S = 30.0
+STATUS_EVERY_S = 10.0
+NO_JOB_RETRY_S = 3.0
+SOFTWARE = "echo-swarm/0.1.0"
+
+
+class NodeError(RuntimeError):
+    """A failure the volunteer can act on; the CLI prints it without a traceback."""
+
+
+@dataclass
+class Stats:
+    accepted: int = 0
+    rejected: int = 0
+    reasons: Counter = field(default_factory=Counter)
+    tokens: int = 0
+    gen_seconds: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.gen_seconds if self.gen_seconds else 0.0
+
+
+class Node:
+    def __init__(self, cfg: NodeConfig, console: Console | None = None,
+                 max_groups: int | None = None) -> None:
+        self.cfg = cfg
+        self.console = console or Console(stderr=True)
+        self.max_groups = max_groups
+        cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        self.identity = Identity.load_or_create(cfg.data_dir / "identity.key")
+        self.probe = probe(cfg.data_dir)
+        self.engine_name, self.engine_reason = choose_engine(self.probe, cfg.engine)
+        self.stats = Stats()
+        self.engine: Engine | None = None
+        self.host: EchoHost | None = None
+        self.coord = None
+        self.coord_key = b""
+        self.announced = -1
+
+    def say(self, text: str) -> None:
+        self.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {text}")
+
+    async def _call(self, proto: str, payload: bytes, *, timeout: float = RPC_TIMEOUT_S) -> bytes:
+        assert self.host is not None
+        return await self.host.request(self.coord, proto, payload, timeout=timeout,
+                                       max_response=16 << 20)
+
+    def _seal(self, kind: str, record: m.Record) -> bytes:
+        return signing.seal(self.identity.private_key, kind, record.to_obj())
+
+    async def run(self) -> None:
+        cfg = self.cfg
+        self.say(f"node {self.identity.peer_id_str} · engine [bold]{self.engine_name}[/bold] "
+                 f"({self.engine_reason})")
+        async with open_host(self.identity, [cfg.listen]) as host:
+            self.host = host
+            try:
+                self.coord = await host.connect(cfg.coordinator)
+            except (RpcError, ValueError, OSError) as exc:
+                raise NodeError(f"cannot reach the coordinator at {cfg.coordinator}: {exc}") \
+                    from None
+            self.coord_key = public_key_from_peer_id(self.coord)
+            job = await self._register()
+            await self._serve_job(host, job)
+
+    async def _register(self) -> m.JobInfo:
+        reg = m.Register(
+            protocol_version=ids.PROTOCOL_VERSION, software=SOFTWARE, engine=self.engine_name,
+            hardware=self.probe.hardware, tokens_per_s=0.0, upload_bps=0.0, download_bps=0.0,
+            timestamp=time.time())
+        while True:
+            try:
+                data = await self._call(ids.PROTO_REGISTER, self._seal("register", reg))
+            except RpcError as exc:
+                raise NodeError(f"registration refused: {exc}") from None
+            reply = m.decode(m.RegisterReply, data)
+            if reply.jobs:
+                job = reply.jobs[0]
+                self.say(f"registered · job [bold]{job.job_id}[/bold] ({job.task.name}) at "
+                         f"v{job.current_version}")
+                return job
+            self.say("registered · no running job yet, waiting")
+            await trio.sleep(NO_JOB_RETRY_S)
+
+    async def _serve_job(self, host: EchoHost, job: m.JobInfo) -> None:
+        cfg = self.cfg
+        spec = ModelSpec.from_dict(job.model)
+        device = cfg.device if cfg.device != "auto" else (
+            "cuda" if self.probe.cuda else "cpu")
+        try:
+            self.engine = await trio.to_thread.run_sync(lambda: make_engine(
+                self.engine_name, spec, device=device, threads=cfg.threads,
+                gpu_memory_fraction=cfg.gpu_memory_fraction))
+        except MemoryError:
+            raise NodeError("the model does not fit in this machine's memory") from None
+        tokenizer = load_tokenizer(spec)
+        task = make_task(job.task.name, dict(job.task.params))
+        chunks = ChunkStore(cfg.data_dir / "chunks" / job.job_id, keep_versions=job.staleness + 2)
+        serve_chunks(host, chunks)
+        sync = WeightSync(host, job, self.coord, chunks)
+        await sync.add_source_addrs(job.learner_addrs)
+        if not sync.sources:
+            raise NodeError("cannot reach the job's learner to fetch weights")
+        await self._sync(sync, job.current_version)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._listen_versions, job)
+            nursery.start_soon(self._heartbeat, job, sync)
+            await self._lease_loop(job, spec, tokenizer, task, sync)
+            nursery.cancel_scope.cancel()
+
+    async def _sync(self, sync: WeightSync, target: int) -> None:
+        if await sync.sync_to(target):
+            assert self.engine is not None and sync.state is not None
+            await trio.to_thread.run_sync(self.engine.load_state, sync.state)
+            if self.cfg.keep_weights:
+                await trio.to_thread.run_sync(self._save_weights, sync)
+            await self._send_status(sync)
+
+    def _save_weights(self, sync: WeightSync) -> None:
+        from echo.models.weights import state_to_bytes
+
+        path = self.cfg.data_dir / "policy.safetensors"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(state_to_bytes(sync.state))
+        tmp.replace(path)
+        (self.cfg.data_dir / "policy.json").write_text(
+            f'{{"job_id": "{sync.job.job_id}", "version": {sync.version}, '
+            f'"state_digest": "{sync.digest}"}}\n')
+
+    async def _send_status(self, sync: WeightSync) -> None:
+        st = m.NodeStatus(job_id=sync.job.job_id, version=sync.version,
+                          state_digest=sync.digest, tokens_per_s=self.stats.tokens_per_s,
+                          timestamp=time.time())
+        try:
+            await self._call(ids.PROTO_STATUS, self._seal("node_status", st), timeout=10.0)
+        except RpcError as exc:
+            log.debug("status not delivered: %s", exc)
+
+    async def _heartbeat(self, job: m.JobInfo, sync: WeightSync) -> None:
+        while True:
+            await trio.sleep(STATUS_EVERY_S)
+            await self._send_status(sync)
+
+    async def _listen_versions(self, job: m.JobInfo) -> None:
+        """Gossip tells us early that a version is out; leases would tell us too, later."""
+        assert self.host is not None
+        sub = await self.host.subscribe(ids.TOPIC_VERSIONS)
+        async for _peer, data in sub:
+            try:
+                env = signing.open_envelope(data, kind="manifest",
+                                            expected_signer=job.learner_public_key)
+                man = m.from_obj(m.Manifest, env.decode_body())
+            except ProtocolError:
+                continue
+            if man.job_id == job.job_id:
+                self.announced = max(self.announced, man.version)
+
+    async def _lease_loop(self, job: m.JobInfo, spec: ModelSpec, tokenizer, task,
+                          sync: WeightSync) -> None:
+        done_groups = 0
+        while self.max_groups is None or done_groups < self.max_groups:
+            if not self.cfg.working_now():
+                self.say(f"outside the schedule {self.cfg.schedule}: pausing")
+                while not self.cfg.working_now():
+                    await trio.sleep(30)
+            if self.announced > sync.version:
+                await self._sync(sync, self.announced)
+            req = m.LeaseRequest(job_id=job.job_id, max_leases=self.cfg.leases_at_once,
+                                 have_version=sync.version, timestamp=time.time())
+            try:
+                reply = m.decode(m.LeaseReply,
+                                 await self._call(ids.PROTO_LEASE, self._seal("lease_request", req)))
+            except RpcError as exc:
+                self.say(f"[yellow]lease request failed:[/yellow] {exc}")
+                await trio.sleep(2.0)
+                continue
+            if reply.current_version > sync.version:
+                await self._sync(sync, reply.current_version)
+            if not reply.leases:
+                if reply.message.startswith("job is") and "running" not in reply.message:
+                    self.say(f"{reply.message}; leaving")
+                    return
+                await trio.sleep(max(reply.retry_after_s, 0.05))
+                continue
+            leases = [self._open_lease(b) for b in reply.leases]
+            await self._work(leases, spec, tokenizer, task, sync)
+            done_groups += len(leases)
+
+    def _open_lease(self, data: bytes) -> m.Lease:
+        env = signing.open_envelope(data, kind="lease", expected_signer=self.coord_key)
+        return m.from_obj(m.Lease, env.decode_body())
+
+    async def _work(self, leases: list[m.Lease], spec: ModelSpec, tokenizer, task,
+                    sync: WeightSync) -> None:
+        assert self.engine is not None
+        version, digest = sync.version, sync.digest
+        reqs = [
+            GenRequest(
+                prompt_ids=encode_prompt(spec, task.prompt(lease.prompt_id), tokenizer),
+                n=lease.group_size,
+                params=SamplingParams(max_new_tokens=lease.sampling.max_new_tokens,
+                                      temperature=lease.sampling.temperature,
+                                      top_p=lease.sampling.top_p, seed=lease.sampling.seed))
+            for lease in leases
+        ]
+        t0 = time.perf_counter()
+        results = await trio.to_thread.run_sync(self.engine.generate, reqs)
+        gen_s = time.perf_counter() - t0
+        tokens = sum(len(c.token_ids) for group in results for c in group)
+        self.stats.tokens += tokens
+        self.stats.gen_seconds += gen_s
+        await self._throttle(tokens, gen_s)
+        for lease, group in zip(leases, results, strict=True):
+            sub = m.Submission(
+                lease_id=lease.lease_id, job_id=lease.job_id, version=version,
+                engine=self.engine_name, state_digest=digest,
+                completions=[m.CompletionRecord(
+                    token_ids=m.pack_tokens(c.token_ids), logprobs=m.pack_logprobs(c.logprobs),
+                    finish_reason=c.finish_reason) for c in group],
+                gen_seconds=gen_s / len(leases))
+            try:
+                reply = m.decode(m.SubmitReply,
+                                 await self._call(ids.PROTO_SUBMIT, self._seal("submission", sub)))
+            except RpcError as exc:
+                self.say(f"[yellow]submission failed:[/yellow] {exc}")
+                continue
+            self._show(reply, version)
+
+    async def _throttle(self, tokens: int, gen_s: float) -> None:
+        cap = self.cfg.max_tokens_per_s
+        if cap:
+            await trio.sleep(max(0.0, tokens / cap - gen_s))
+
+    def _show(self, reply: m.SubmitReply, version: int) -> None:
+        if reply.accepted:
+            self.stats.accepted += 1
+        else:
+            self.stats.rejected += 1
+            self.stats.reasons[reply.reason] += 1
+            self.say(f"[red]rejected[/red] ({reply.reason}) {reply.detail}")
+        if self.stats.accepted % 10 == 1 or not reply.accepted:
+            reasons = ", ".join(f"{k} {v}" for k, v in sorted(reply.rejected_by_reason.items()))
+            self.say(f"v{version} · accepted {reply.accepted_total} · rejected "
+                     f"{reply.rejected_total}{' (' + reasons + ')' if reasons else ''} · "
+                     f"{self.stats.tokens_per_s:,.0f} tok/s")
+
+
+async def run_node(cfg: NodeConfig, console: Console | None = None) -> None:
+    await Node(cfg, console).run()
+
+

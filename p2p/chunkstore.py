@@ -1,0 +1,112 @@
+"""Content-addressed chunks of policy versions: storing, serving and fetching them.
+
+A :class:`ChunkStore` keeps chunks by SHA-256 in a folder, grouped by the version that needs
+them, and forgets versions beyond the newest ``keep_versions`` (a node keeps a few to serve peers
+that lag). :func:`serve_chunks` answers ``PROTO_CHUNK`` requests from it; :func:`fetch_chunk`
+asks a peer for one chunk and checks its hash before returning it, so a relay can never make us
+store a byte the signed manifest did not name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+from echo.p2p.host import EchoHost
+from echo.protocol import ids
+from echo.protocol import messages as m
+from echo.protocol.errors import ProtocolError
+from echo.protocol.limits import MAX_CHUNK_BYTES
+
+CHUNK_REQUEST_MAX = 256
+
+
+class ChunkHashMismatch(ProtocolError):
+    """A peer sent bytes whose hash is not the one we asked for."""
+
+    code = "bad_chunk"
+
+
+def split_chunks(data: bytes, chunk_size: int = MAX_CHUNK_BYTES) -> list[bytes]:
+    if chunk_size <= 0 or chunk_size > MAX_CHUNK_BYTES:
+        raise ValueError(f"chunk size must be in (0, {MAX_CHUNK_BYTES}]")
+    return [data[i:i + chunk_size] for i in range(0, len(data), chunk_size)] or [b""]
+
+
+class ChunkStore:
+    """Chunks on disk under ``root/<version>/<sha256 hex>``; one writer (this process)."""
+
+    def __init__(self, root: Path, keep_versions: int = 4) -> None:
+        self.root = root
+        self.keep_versions = keep_versions
+        root.mkdir(parents=True, exist_ok=True)
+        self._index: dict[bytes, Path] = {}
+        for vdir in root.iterdir():
+            if vdir.is_dir() and vdir.name.isdigit():
+                for f in vdir.iterdir():
+                    if len(f.name) == 64:
+                        self._index[bytes.fromhex(f.name)] = f
+
+    def has(self, sha: bytes) -> bool:
+        return sha in self._index
+
+    def get(self, sha: bytes) -> bytes | None:
+        path = self._index.get(sha)
+        if path is None:
+            return None
+        try:
+            return path.read_bytes()
+        except FileNotFoundError:
+            self._index.pop(sha, None)
+            return None
+
+    def put(self, version: int, data: bytes, sha: bytes | None = None) -> bytes:
+        """Store ``data`` for ``version``; checks it against ``sha`` when given. Returns its hash."""
+        digest = hashlib.sha256(data).digest()
+        if sha is not None and digest != sha:
+            raise ChunkHashMismatch("chunk does not match its hash")
+        vdir = self.root / str(version)
+        vdir.mkdir(exist_ok=True)
+        path = vdir / digest.hex()
+        if not path.exists():
+            tmp = path.with_suffix(".tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
+        self._index[digest] = path
+        return digest
+
+    def versions(self) -> list[int]:
+        return sorted(int(p.name) for p in self.root.iterdir() if p.is_dir() and p.name.isdigit())
+
+    def prune(self, keep: set[int] | None = None) -> None:
+        """Forget all but the newest ``keep_versions`` versions (and any in ``keep``)."""
+        vs = self.versions()
+        keep = set(keep or ()) | set(vs[-self.keep_versions:])
+        for v in vs:
+            if v not in keep:
+                shutil.rmtree(self.root / str(v), ignore_errors=True)
+        self._index = {k: p for k, p in self._index.items() if p.exists()}
+
+
+def serve_chunks(host: EchoHost, store: ChunkStore) -> None:
+    """Answer ``PROTO_CHUNK`` requests from ``store`` (unknown chunk: a status-1 reply)."""
+
+    async def handler(peer_id, data: bytes) -> bytes:
+        req = m.decode(m.ChunkRequest, data)
+        chunk = store.get(req.sha256)
+        if chunk is None:
+            raise ProtocolError("chunk not held here", code="no_chunk")
+        return chunk
+
+    host.set_handler(ids.PROTO_CHUNK, handler, max_request=CHUNK_REQUEST_MAX)
+
+
+async def fetch_chunk(host: EchoHost, peer_id, ref: m.ChunkRef, *, timeout: float) -> bytes:
+    """One chunk from ``peer_id``, hash-checked. Raises ChunkHashMismatch or the rpc errors."""
+    data = await host.request(peer_id, ids.PROTO_CHUNK, m.encode(m.ChunkRequest(sha256=ref.sha256)),
+                              timeout=timeout, max_response=max(ref.size, 1))
+    if len(data) != ref.size or hashlib.sha256(data).digest() != ref.sha256:
+        raise ChunkHashMismatch(f"chunk {ref.sha256.hex()[:12]} from {peer_id} failed its hash")
+    return data

@@ -1,0 +1,19 @@
+"""Protocol version, stream protocol ids and gossip topics: the names both sides must agree on."""
+
+# Bump on any incompatible change to a message in echo.protocol.messages; peers with another
+# major version are refused at registration with a clear message.
+PROTOCOL_VERSION = 1
+
+# libp2p stream protocols (request/response, one frame each way).
+PROTO_REGISTER = "/echo/register/1.0.0"  # node -> coordinator
+PROTO_LEASE = "/echo/lease/1.0.0"  # node -> coordinator
+PROTO_SUBMIT = "/echo/submit/1.0.0"  # node -> coordinator
+PROTO_MANIFEST = "/echo/manifest/1.0.0"  # anyone -> coordinator: latest signed manifest of a job
+PROTO_CHUNK = "/echo/chunk/1.0.0"  # anyone -> any holder: a content-addressed chunk
+PROTO_LEARNER_HELLO = "/echo/learner/hello/1.0.0"  # learner -> coordinator: attach to its job
+PROTO_LEARNER_BATCH = "/echo/learner/batch/1.0.0"  # learner -> coordinator: take groups
+PROTO_LEARNER_REPORT = "/echo/learner/report/1.0.0"  # learner -> coordinator: publish a version
+PROTO_STATUS = "/echo/status/1.0.0"  # node -> coordinator: heartbeat with held version
+
+# gossipsub topics: small announcements only, never bulk bytes.
+TOPIC_VERSIONS = "echo/versions/1"

@@ -1,0 +1,113 @@
+"""The job specification a researcher submits (``job.toml``), validated with clear messages.
+
+Every field has a default that trains the tiny model on the CPU, so ``[job]`` with a name is a
+valid job. Unknown keys are refused by name: a typo must not silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class SpecError(ValueError):
+    """A job or config file that does not validate; the message names the bad key."""
+
+
+class ModelSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["tiny", "hf"] = "tiny"
+    path: str | None = Field(default=None, description="local Hugging Face model folder (kind=hf)")
+    hidden: int = Field(default=64, ge=8, le=8192)
+    layers: int = Field(default=2, ge=1, le=128)
+    heads: int = Field(default=4, ge=1, le=128)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _path_for_hf(self) -> ModelSection:
+        if self.kind == "hf" and not self.path:
+            raise ValueError("model.path is required when model.kind = 'hf'")
+        return self
+
+
+class TaskSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = "addition"
+    params: dict[str, int | float | str | bool] = Field(default_factory=dict)
+
+
+class GRPOSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lr: float = Field(default=1e-3, gt=0, le=1)
+    clip_eps: float = Field(default=0.2, gt=0, le=1)
+    tis_cap: float = Field(default=2.0, ge=1)
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+
+
+class SamplingSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    temperature: float = Field(default=1.0, gt=0, le=10)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    max_new_tokens: int = Field(default=8, ge=1, le=8192)
+
+
+class WarmupSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    steps: int = Field(default=150, ge=0, le=100_000)
+    lr: float = Field(default=3e-3, gt=0)
+
+
+class JobSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=128)
+    model: ModelSection = Field(default_factory=ModelSection)
+    task: TaskSection = Field(default_factory=TaskSection)
+    grpo: GRPOSection = Field(default_factory=GRPOSection)
+    sampling: SamplingSection = Field(default_factory=SamplingSection)
+    warmup: WarmupSection = Field(default_factory=WarmupSection)
+    steps: int = Field(default=60, ge=1, le=10_000_000, description="policy versions to train")
+    group_size: int = Field(default=16, ge=2, le=256)
+    batch_groups: int = Field(default=8, ge=1, le=4096, description="GRPO groups per step")
+    staleness: int = Field(default=2, ge=1, le=64, description="max versions a rollout may lag")
+    anchor_every: int = Field(default=10, ge=1, description="full anchor every K versions")
+    publish_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    learner_public_key: str | None = Field(
+        default=None, description="hex Ed25519 key of an external learner; unset = local learner"
+    )
+
+    def model_spec_dict(self) -> dict[str, Any]:
+        m = self.model
+        if m.kind == "hf":
+            return {"kind": "hf", "path": m.path}
+        return {"kind": "tiny", "hidden": m.hidden, "layers": m.layers, "heads": m.heads}
+
+
+def explain_validation(exc: ValidationError, what: str) -> SpecError:
+    """One line per bad key: where it is and what is wrong ('unknown key' for typos)."""
+    lines = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(root)"
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        lines.append(f"{what}: {where}: {msg}")
+    return SpecError("\n".join(lines))
+
+
+def parse_job(data: dict[str, Any]) -> JobSpec:
+    """Validate a job mapping (the ``[job]`` table of job.toml, or the same as JSON)."""
+    if "job" in data and isinstance(data["job"], dict) and len(data) == 1:
+        data = data["job"]
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as exc:
+        raise explain_validation(exc, "job") from None
+
+
+def load_job_toml(text: str) -> JobSpec:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(f"job.toml is not valid TOML: {exc}") from None
+    return parse_job(data)

@@ -1,0 +1,321 @@
+"""The messages of DESIGN.md's flows as typed, strictly validated records.
+
+Each record is a frozen pydantic model with ``extra="forbid"`` and strict types, so a field of the
+wrong type, an unknown field or an out-of-range value is a :class:`SchemaError`, never a silent
+coercion. Token ids and log-probs travel as packed little-endian arrays (int32 / float32) rather
+than msgpack lists: they are the bulk of a submission, and numpy checks them in microseconds.
+
+Records are encoded with :func:`encode` (canonical msgpack of the fields in declared order) and
+decoded with :func:`decode`; signed records go through :mod:`echo.protocol.signing`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from echo.protocol import codec
+from echo.protocol.errors import SchemaError
+
+Hash32 = Annotated[bytes, Field(min_length=32, max_length=32)]
+PubKey = Annotated[bytes, Field(min_length=32, max_length=32)]
+ShortStr = Annotated[str, Field(max_length=256)]
+Id = Annotated[str, Field(min_length=1, max_length=128)]
+Version = Annotated[int, Field(ge=0, le=2**40)]
+
+# Per-completion bounds; a lease narrows them further (max_new_tokens).
+MAX_COMPLETION_TOKENS = 8192
+MAX_GROUP_SIZE = 256
+
+
+class Record(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    def to_obj(self) -> dict[str, Any]:
+        return self.model_dump(mode="python")
+
+
+R = TypeVar("R", bound=Record)
+
+
+def encode(record: Record) -> bytes:
+    return codec.packb(record.to_obj())
+
+
+def from_obj(cls: type[R], obj: Any) -> R:
+    """Validate a decoded object as ``cls``; raises SchemaError naming the bad field."""
+    if not isinstance(obj, dict):
+        raise SchemaError(f"{cls.__name__}: expected a map, got {type(obj).__name__}")
+    try:
+        return cls.model_validate(obj)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(root)"
+        raise SchemaError(f"{cls.__name__}.{where}: {first['msg']}") from None
+
+
+def decode(cls: type[R], data: bytes, **limits: Any) -> R:
+    return from_obj(cls, codec.unpackb(data, **limits))
+
+
+# ---------------------------------------------------------------- node <-> coordinator
+
+
+class Hardware(Record):
+    cpu_count: int = Field(ge=0, le=4096)
+    ram_bytes: int = Field(ge=0)
+    gpu: ShortStr = ""
+    vram_bytes: int = Field(default=0, ge=0)
+    os: ShortStr = ""
+    python: ShortStr = ""
+
+
+class Register(Record):
+    """Signed by the node's identity key; the signer must be the Noise-authenticated peer."""
+
+    protocol_version: int
+    software: ShortStr
+    engine: ShortStr
+    hardware: Hardware
+    tokens_per_s: float = Field(ge=0, allow_inf_nan=False)
+    upload_bps: float = Field(ge=0, allow_inf_nan=False)
+    download_bps: float = Field(ge=0, allow_inf_nan=False)
+    timestamp: float = Field(allow_inf_nan=False)
+
+
+class TaskRef(Record):
+    name: ShortStr
+    params: dict[str, int | float | str | bool] = Field(default_factory=dict, max_length=64)
+
+
+class JobInfo(Record):
+    """What a node needs to serve a job: model, task, learner identity, version source."""
+
+    job_id: Id
+    model: dict[str, Any]
+    task: TaskRef
+    publish_dtype: Literal["float32", "bfloat16", "float16"]
+    learner_public_key: PubKey
+    learner_peer_id: ShortStr
+    learner_addrs: list[ShortStr] = Field(max_length=16)
+    group_size: int = Field(ge=1, le=MAX_GROUP_SIZE)
+    max_new_tokens: int = Field(ge=1, le=MAX_COMPLETION_TOKENS)
+    staleness: int = Field(ge=1, le=1024)
+    current_version: int = Field(ge=-1)
+
+
+class RegisterReply(Record):
+    node_id: Id
+    jobs: list[JobInfo] = Field(max_length=64)
+    message: ShortStr = ""
+
+
+class LeaseRequest(Record):
+    """Signed by the node. ``have_version`` is the policy version its engine holds."""
+
+    job_id: Id
+    max_leases: int = Field(ge=1, le=64)
+    have_version: int = Field(ge=-1)
+    timestamp: float = Field(allow_inf_nan=False)
+
+
+class SamplingSpec(Record):
+    max_new_tokens: int = Field(ge=1, le=MAX_COMPLETION_TOKENS)
+    temperature: float = Field(gt=0, le=10, allow_inf_nan=False)
+    top_p: float = Field(gt=0, le=1, allow_inf_nan=False)
+    seed: int = Field(ge=0, lt=2**63)
+
+
+class Lease(Record):
+    """Signed by the coordinator: one GRPO group of ``group_size`` samples of one prompt."""
+
+    lease_id: Id
+    job_id: Id
+    node_id: Id
+    prompt_id: int = Field(ge=0, lt=2**62)
+    group_size: int = Field(ge=1, le=MAX_GROUP_SIZE)
+    sampling: SamplingSpec
+    min_version: int = Field(ge=0)
+    issued_at: float = Field(allow_inf_nan=False)
+    deadline: float = Field(allow_inf_nan=False)
+
+
+class LeaseReply(Record):
+    leases: list[bytes] = Field(max_length=64)  # signed Lease envelopes
+    current_version: int = Field(ge=-1)
+    retry_after_s: float = Field(ge=0, le=3600, allow_inf_nan=False)
+    message: ShortStr = ""
+
+
+class CompletionRecord(Record):
+    token_ids: bytes = Field(max_length=4 * MAX_COMPLETION_TOKENS)  # int32 little-endian
+    logprobs: bytes = Field(max_length=4 * MAX_COMPLETION_TOKENS)  # float32 little-endian
+    finish_reason: Literal["stop", "length"]
+
+
+class Submission(Record):
+    """Signed by the node: the whole group of a lease, generated at ``version``."""
+
+    lease_id: Id
+    job_id: Id
+    version: Version
+    engine: ShortStr
+    state_digest: ShortStr
+    completions: list[CompletionRecord] = Field(min_length=1, max_length=MAX_GROUP_SIZE)
+    claimed_rewards: list[float] = Field(default_factory=list, max_length=MAX_GROUP_SIZE)
+    gen_seconds: float = Field(ge=0, allow_inf_nan=False)
+
+
+class SubmitReply(Record):
+    accepted: bool
+    reason: ShortStr
+    detail: ShortStr = ""
+    accepted_total: int = 0
+    rejected_total: int = 0
+    rejected_by_reason: dict[str, int] = Field(default_factory=dict, max_length=64)
+
+
+class NodeStatus(Record):
+    """Signed heartbeat: which version the node holds and how fast it is."""
+
+    job_id: Id
+    version: int = Field(ge=-1)
+    state_digest: ShortStr
+    tokens_per_s: float = Field(ge=0, allow_inf_nan=False)
+    timestamp: float = Field(allow_inf_nan=False)
+
+
+# ---------------------------------------------------------------- versions and chunks
+
+
+class ChunkRef(Record):
+    sha256: Hash32
+    size: int = Field(ge=0)
+
+
+class Manifest(Record):
+    """Signed by the learner's key, which nodes pin from the job."""
+
+    job_id: Id
+    version: Version
+    base_version: int = Field(ge=-1)  # -1 for a full anchor
+    kind: Literal["anchor", "patch"]
+    total_size: int = Field(ge=0)
+    chunks: list[ChunkRef] = Field(max_length=65536)
+    tensor_digests: dict[str, str] = Field(max_length=4096)
+    state_digest: ShortStr
+    anchor_version: int = Field(ge=0)  # the newest anchor at or before this version
+    created_at: float = Field(allow_inf_nan=False)
+
+
+class ManifestRequest(Record):
+    job_id: Id
+    version: int = Field(ge=-1)  # -1: the latest
+
+
+class ChunkRequest(Record):
+    sha256: Hash32
+
+
+# ---------------------------------------------------------------- learner <-> coordinator
+
+
+class LearnerHello(Record):
+    """Signed by the learner's key (the one the job pins): where nodes fetch its chunks."""
+
+    job_id: Id
+    peer_id: ShortStr
+    addrs: list[ShortStr] = Field(max_length=16)
+    timestamp: float = Field(allow_inf_nan=False)
+
+
+class LearnerHelloReply(Record):
+    current_version: int = Field(ge=-1)
+    cancelled: bool = False
+
+
+class BatchRequest(Record):
+    """Signed by the learner: accepted groups not yet trained, no older than ``min_version``."""
+
+    job_id: Id
+    max_groups: int = Field(ge=1, le=4096)
+    min_version: int = Field(ge=0)
+    timestamp: float = Field(allow_inf_nan=False)
+
+
+class TrainingGroup(Record):
+    rollout_id: Id
+    node_id: Id
+    prompt_id: int = Field(ge=0)
+    prompt_tokens: bytes  # int32 little-endian, re-derived by the coordinator from the task
+    version: Version
+    engine: ShortStr
+    rewards: list[float] = Field(max_length=MAX_GROUP_SIZE)
+    completions: list[CompletionRecord] = Field(max_length=MAX_GROUP_SIZE)
+    envelope: bytes  # the node's signed Submission, for audit
+
+
+class BatchReply(Record):
+    groups: list[TrainingGroup] = Field(max_length=4096)
+    current_version: int = Field(ge=-1)
+    cancelled: bool = False
+
+
+class RescoreVerdict(Record):
+    rollout_id: Id
+    ok: bool
+    reason: ShortStr = ""
+    stats: dict[str, float] = Field(default_factory=dict, max_length=32)
+
+
+class StepReport(Record):
+    """Signed by the learner: version ``manifest.version`` trained exactly ``trained`` rollouts."""
+
+    job_id: Id
+    version: Version
+    manifest: bytes  # signed Manifest envelope
+    trained: list[Id] = Field(max_length=4096)
+    verdicts: list[RescoreVerdict] = Field(default_factory=list, max_length=4096)
+    metrics: dict[str, float] = Field(default_factory=dict, max_length=64)
+
+
+class StepAck(Record):
+    ok: bool
+    message: ShortStr = ""
+
+
+# ---------------------------------------------------------------- packed arrays
+
+
+def pack_tokens(ids: Any) -> bytes:
+    return np.asarray(ids, dtype="<i4").tobytes()
+
+
+def pack_logprobs(values: Any) -> bytes:
+    return np.asarray(values, dtype="<f4").tobytes()
+
+
+def unpack_tokens(data: bytes, *, vocab_size: int, max_len: int) -> np.ndarray:
+    """Token ids from packed int32; SchemaError unless every id is in ``[0, vocab_size)``."""
+    if len(data) % 4:
+        raise SchemaError("token array length is not a multiple of 4")
+    if len(data) // 4 > max_len:
+        raise SchemaError(f"{len(data) // 4} tokens exceed the limit of {max_len}")
+    arr = np.frombuffer(data, dtype="<i4")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= vocab_size):
+        raise SchemaError(f"token id outside the vocabulary of {vocab_size}")
+    return arr
+
+
+def unpack_logprobs(data: bytes, *, max_len: int) -> np.ndarray:
+    """Log-probs from packed float32; SchemaError unless all are finite and <= 0."""
+    if len(data) % 4:
+        raise SchemaError("log-prob array length is not a multiple of 4")
+    if len(data) // 4 > max_len:
+        raise SchemaError(f"{len(data) // 4} log-probs exceed the limit of {max_len}")
+    arr = np.frombuffer(data, dtype="<f4")
+    if arr.size and (not np.isfinite(arr).all() or float(arr.max()) > 1e-4):
+        raise SchemaError("log-probs must be finite and not above 0")
+    return arr
