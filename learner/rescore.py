@@ -7,10 +7,13 @@ aggregate over many tokens because engines differ on single tokens even with equ
 - **mismatch**: mean |log-prob reported by the node - log-prob recomputed here|. Fabricated
   log-probs fail it. The threshold is per engine (:data:`MISMATCH_THRESHOLDS`), measured from
   honest runs.
-- **sampling shape**: for the policy's own samples, E[log p(x_t)] = -H_t, so
-  z = sum(log p(x_t) + H_t) / sqrt(sum Var_t) is about N(0, 1); tokens from another model or at
-  random sit far below the policy's entropy and give a very negative z. This works at any
-  entropy, where a fixed median-probability cut (grail's) fails on high-entropy policies.
+- **sampling shape**: K = the number of chosen tokens the policy gives probability below
+  :data:`IMPROBABLE_P`. For the policy's own samples, token t lands there with probability
+  q_t = the policy's total mass on such tokens, exactly computable, so K has mean sum(q_t) and
+  variance sum(q_t (1 - q_t)); random tokens or another model's land there almost always. A
+  count of bounded 0/1 events has light tails at any entropy, unlike a z-score of log-probs
+  (one rare honest token under a peaked policy would dominate it) or a fixed median-probability
+  cut (which fails on high-entropy policies).
 - **termination**: a completion that claims to stop must end on an EOS the policy would emit
   with non-negligible probability.
 
@@ -35,11 +38,12 @@ from echo.models.weights import load_state
 # margins keep honest false rejections near zero, while fabricated log-probs miss by >0.1.
 MISMATCH_THRESHOLDS = {"torch": 0.02, "llamacpp": 0.05, "vllm": 0.1}
 DEFAULT_MISMATCH = 0.1
-# z below this is a group whose tokens the policy would not have sampled (p ~ 1e-9 for honest
-# groups); generous because top-p and engine noise shift z a little.
-MIN_SAMPLING_Z = -6.0
-# A group needs this many tokens before the sampling-shape test says anything.
-MIN_TOKENS_FOR_SHAPE = 24
+# A chosen token below this probability is "improbable" for the sampling-shape count.
+IMPROBABLE_P = 0.01
+# K may exceed its honest mean by this many standard deviations plus a constant before a group
+# fails: the constant covers Poisson tails when the mean is near 0 (P(K >= 4 | mean 0.05) ~ 1e-7).
+SHAPE_SIGMAS = 5.0
+SHAPE_SLACK = 3.0
 # An EOS the policy gives less than this probability is not a place it would have stopped.
 MIN_EOS_PROB = 1e-3
 # More than this fraction of a group's "stop" completions ending improbably fails the group.
@@ -74,7 +78,8 @@ class Rescorer:
 
     @torch.no_grad()
     def _token_stats(self, group: TrainGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per completion token: log p(chosen), entropy H, and Var[log p] under the policy."""
+        """Per completion token: log p(chosen), entropy H, and the policy's mass on improbable
+        tokens (q_t of the sampling-shape count)."""
         rows = [list(group.prompt_ids) + list(c) for c in group.completions]
         width = max(len(r) for r in rows)
         ids = torch.zeros((len(rows), width), dtype=torch.long)
@@ -84,7 +89,7 @@ class Rescorer:
             mask[i, : len(r)] = 1
         logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
         plen = len(group.prompt_ids)
-        lps, ents, vars_ = [], [], []
+        lps, ents, qs = [], [], []
         for i, c in enumerate(group.completions):
             if not c:
                 continue
@@ -92,12 +97,10 @@ class Rescorer:
             logp = torch.log_softmax(lg, dim=-1)
             p = logp.exp()
             chosen = logp.gather(1, torch.tensor(c).unsqueeze(1)).squeeze(1)
-            ent = -(p * logp).sum(-1)
-            second = (p * logp * logp).sum(-1)
             lps.append(chosen)
-            ents.append(ent)
-            vars_.append((second - ent * ent).clamp(min=0))
-        return torch.cat(lps), torch.cat(ents), torch.cat(vars_)
+            ents.append(-(p * logp).sum(-1))
+            qs.append((p * (p < IMPROBABLE_P)).sum(-1))
+        return torch.cat(lps), torch.cat(ents), torch.cat(qs)
 
     def check(self, groups: list[TrainGroup], finish: list[list[str]],
               engines: list[str] | None = None) -> list[Verdict]:
@@ -118,12 +121,15 @@ class Rescorer:
         return out
 
     def _judge(self, g: TrainGroup, finish: list[str], engine: str) -> Verdict:
-        lp, ent, var = self._token_stats(g)
+        lp, ent, q = self._token_stats(g)
         behaviour = torch.tensor([x for c in g.behaviour_logprobs for x in c], dtype=torch.float32)
         n = int(lp.numel())
         mismatch = float((lp - behaviour).abs().mean()) if n else 0.0
-        z = float((lp + ent).sum() / math.sqrt(float(var.sum()) + 1e-6)) if n else 0.0
+        k = float((lp.exp() < IMPROBABLE_P).sum())
+        k_mean, k_var = float(q.sum()), float((q * (1 - q)).sum())
+        k_limit = k_mean + SHAPE_SIGMAS * math.sqrt(k_var) + SHAPE_SLACK
         median_p = float(lp.exp().median()) if n else 1.0
+        excess_entropy = float(-(lp + ent).mean()) if n else 0.0
         improbable, stops, at = 0, 0, 0
         for c, reason in zip(g.completions, finish, strict=True):
             at += len(c)
@@ -131,11 +137,12 @@ class Rescorer:
                 stops += 1
                 if math.exp(float(lp[at - 1])) < MIN_EOS_PROB:
                     improbable += 1
-        stats = {"mismatch": mismatch, "z": z, "median_p": median_p, "tokens": float(n),
+        stats = {"mismatch": mismatch, "improbable": k, "improbable_limit": k_limit,
+                 "median_p": median_p, "excess_nll": excess_entropy, "tokens": float(n),
                  "improbable_stops": float(improbable)}
         if mismatch > self.thresholds.get(engine, DEFAULT_MISMATCH):
             return Verdict(False, "rescore_mismatch", stats)
-        if n >= MIN_TOKENS_FOR_SHAPE and z < MIN_SAMPLING_Z:
+        if k > k_limit:
             return Verdict(False, "sampling_shape", stats)
         if stops and improbable / stops > MAX_IMPROBABLE_STOPS:
             return Verdict(False, "termination_improbable", stats)

@@ -1,0 +1,209 @@
+"""Run a whole Echo swarm on this machine: a coordinator, its learner and N volunteer nodes.
+
+Each role is its own process, talking over loopback exactly as across the internet (libp2p
+TCP + Noise + yamux, HTTP for the job API). Progress is shown live; ``--out DIR`` gets every
+process's log and ``summary.json``. Used by ``scripts/demo`` and by the end-to-end test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parent.parent
+
+JOB_TOML = """\
+[job]
+name = "{name}"
+steps = {steps}
+group_size = {group_size}
+batch_groups = {batch_groups}
+staleness = {staleness}
+anchor_every = {anchor_every}
+publish_dtype = "{dtype}"
+
+[job.model]
+kind = "tiny"
+hidden = 64
+layers = 2
+heads = 4
+
+[job.task]
+name = "{task}"
+params = {{ max_operand = {max_operand} }}
+
+[job.grpo]
+lr = {lr}
+
+[job.sampling]
+temperature = 1.0
+max_new_tokens = 4
+
+[job.warmup]
+steps = 150
+"""
+
+
+def start(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT,
+                            env={**os.environ, **(env or {})}, start_new_session=True)
+
+
+def stop(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+    deadline = time.time() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if path.exists():
+            return json.loads(path.read_text())
+        if proc.poll() is not None:
+            raise RuntimeError(f"coordinator exited with {proc.returncode}; see its log")
+        time.sleep(0.1)
+    raise TimeoutError(f"coordinator did not start within {timeout} s")
+
+
+def render(st: dict, nodes: list[dict], elapsed: float) -> Table:
+    t = Table(title=f"Echo swarm · job {st['job_id']} · {st['status']} · "
+                    f"v{st['current_version']}/{st['steps']} · {elapsed:.0f} s")
+    t.add_column("version")
+    t.add_column("mean reward", justify="right")
+    t.add_column("groups", justify="right")
+    for p in st["reward_by_version"][-8:]:
+        t.add_row(f"v{p['version']}", f"{p['mean_reward']:.3f}", str(p["groups"]))
+    r = st["rollouts"]
+    t.add_section()
+    t.add_row("trained", str(r.get("trained", 0)), "")
+    t.add_row("buffered", str(r.get("accepted", 0) + r.get("in_batch", 0)), "")
+    t.add_row("rejected", str(r.get("rejected_total", 0)), "")
+    for n in nodes:
+        t.add_row(f"node …{n['node_id'][-6:]}", f"{n['tokens_per_s']:,.0f} tok/s",
+                  f"v{n['version']} ✓{n['accepted']} ✗{n['rejected']}")
+    return t
+
+
+def summarize(st: dict, nodes: list[dict], wall: float) -> dict:
+    curve = st["reward_by_version"]
+    versions = st["versions"]
+    tta = [v["time_to_all_s"] for v in versions if v["time_to_all_s"] is not None]
+    return {
+        "job_id": st["job_id"],
+        "status": st["status"],
+        "versions": st["current_version"],
+        "reward_first": curve[0]["mean_reward"] if curve else None,
+        "reward_last": curve[-1]["mean_reward"] if curve else None,
+        "reward_by_version": curve,
+        "rollouts_accepted": sum(n["accepted"] for n in nodes),
+        "rollouts_rejected": st["rollouts"].get("rejected_total", 0),
+        "rollouts_trained": st["rollouts"].get("trained", 0),
+        "nodes": len(nodes),
+        "node_ids": [n["node_id"] for n in nodes],
+        "time_to_all_s": [{"version": v["version"], "s": v["time_to_all_s"]} for v in versions],
+        "time_to_all_s_median": sorted(tta)[len(tta) // 2] if tta else None,
+        "source_bytes_per_version": [{"version": v["version"], "kind": v["kind"],
+                                      "bytes": v["bytes"]} for v in versions],
+        "wall_s": wall,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / time.strftime("demo-%Y%m%d-%H%M%S"))
+    ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--task", default="addition")
+    ap.add_argument("--max-operand", type=int, default=5)
+    ap.add_argument("--group-size", type=int, default=16)
+    ap.add_argument("--batch-groups", type=int, default=8)
+    ap.add_argument("--staleness", type=int, default=2)
+    ap.add_argument("--anchor-every", type=int, default=10)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--timeout", type=float, default=280.0, help="give up after this many s")
+    ap.add_argument("--node-args", default="", help="extra arguments for every echo-node join")
+    ap.add_argument("--quiet", action="store_true", help="no live table (for tests)")
+    args = ap.parse_args()
+
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    console = Console()
+    py = sys.executable
+    t0 = time.time()
+    procs: list[subprocess.Popen] = []
+    env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    try:
+        coord = start([py, "-m", "echo.coordinator.cli", "serve", "--data-dir",
+                       str(out / "coordinator"), "--listen", "/ip4/127.0.0.1/tcp/0",
+                       "--http-port", "0", "--info-file", str(out / "coordinator.json")],
+                      out / "coordinator.log", env)
+        procs.append(coord)
+        info = wait_for(out / "coordinator.json", coord, 60)
+        url, token, maddr = info["http"][0], info["token"], info["multiaddrs"][0]
+        console.print(f"coordinator at {maddr}\nHTTP API {url}")
+        api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"},
+                           timeout=10)
+        job_toml = JOB_TOML.format(
+            name="demo", steps=args.steps, group_size=args.group_size,
+            batch_groups=args.batch_groups, staleness=args.staleness,
+            anchor_every=args.anchor_every, dtype=args.dtype, task=args.task,
+            max_operand=args.max_operand, lr=args.lr)
+        (out / "job.toml").write_text(job_toml)
+        r = api.post("/v1/jobs", content=job_toml, headers={"content-type": "application/toml"})
+        r.raise_for_status()
+        job_id = r.json()["job_id"]
+        console.print(f"submitted job {job_id}; starting {args.nodes} nodes")
+        for i in range(args.nodes):
+            procs.append(start(
+                [py, "-m", "echo.node.cli", "join", "--coordinator", maddr, "--data-dir",
+                 str(out / f"node-{i}"), "--threads", "1", "--keep-weights",
+                 *args.node_args.split()], out / f"node-{i}.log", env))
+        st, nodes = {}, []
+        with Live(console=console, refresh_per_second=2, transient=args.quiet) as live:
+            while time.time() - t0 < args.timeout:
+                st = api.get(f"/v1/jobs/{job_id}").json()
+                nodes = api.get("/v1/nodes").json()
+                if not args.quiet:
+                    live.update(render(st, nodes, time.time() - t0))
+                if st["status"] in ("done", "failed", "cancelled"):
+                    break
+                dead = [p for p in procs if p.poll() is not None]
+                if dead:
+                    console.print(f"[red]a process exited early (exit {dead[0].returncode}); "
+                                  f"see the logs in {out}[/red]")
+                    break
+                time.sleep(1.0)
+        summary = summarize(st, nodes, time.time() - t0)
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        console.print(f"[bold]{summary['status']}[/bold]: {summary['versions']} versions, reward "
+                      f"{summary['reward_first']} → {summary['reward_last']}, "
+                      f"{summary['rollouts_accepted']} groups accepted, "
+                      f"{summary['rollouts_rejected']} rejected, {summary['wall_s']:.0f} s")
+        console.print(f"logs and summary.json in {out}")
+        return 0 if summary["status"] == "done" else 1
+    finally:
+        stop(procs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
