@@ -51,6 +51,7 @@ from typing import Any
 
 import numpy as np
 import zstandard
+
 from echo.protocol.errors import DecodeError
 
 MAGIC = b"ECHP"
