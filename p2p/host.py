@@ -10,7 +10,10 @@ Errors raised by :class:`EchoHost` methods: ``ValueError`` for malformed multiad
 :class:`~echo.p2p.rpc.RpcTimeout` and :class:`~echo.p2p.rpc.RpcConnectionError` from
 :meth:`EchoHost.connect` and :meth:`EchoHost.request`, plus ``RemoteError`` / ``FrameError``
 from :meth:`EchoHost.request` (see :mod:`echo.p2p.rpc`), ``RuntimeError`` for pubsub use on a
-host opened with ``pubsub=False``.
+host opened with ``pubsub=False`` and for any use after the context exited.
+
+Request handlers run in py-libp2p's per-stream tasks (inside the host's service nursery), so
+they are cancelled when the host closes.
 """
 
 from __future__ import annotations
@@ -20,20 +23,6 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import trio
-from echo.p2p.identity import Identity
-from echo.p2p.pubsub import PubsubConfig, PubsubService, Subscription, Validator
-from echo.p2p.rpc import (
-    DEFAULT_HANDLER_TIMEOUT,
-    Handler,
-    HandlerSpec,
-    RpcConnectionError,
-    RpcTimeout,
-    ViolationCallback,
-    ViolationLog,
-    call,
-    serve_stream,
-)
-from echo.protocol.limits import MAX_FRAME_BYTES
 from libp2p import new_host
 from libp2p.abc import IHost, INetStream
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
@@ -49,6 +38,21 @@ from libp2p.tools.anyio_service import background_trio_service
 from libp2p.transport.tcp.tcp import TCP
 from multiaddr import Multiaddr
 
+from echo.p2p.identity import Identity
+from echo.p2p.pubsub import PubsubConfig, PubsubService, Subscription, Validator
+from echo.p2p.rpc import (
+    DEFAULT_HANDLER_TIMEOUT,
+    Handler,
+    HandlerSpec,
+    RpcConnectionError,
+    RpcTimeout,
+    ViolationCallback,
+    ViolationLog,
+    call,
+    serve_stream,
+)
+from echo.protocol.limits import MAX_FRAME_BYTES
+
 logger = logging.getLogger(__name__)
 
 # Loopback with an OS-chosen port: safe default for tests and local runs; deployments pass
@@ -57,6 +61,8 @@ DEFAULT_LISTEN_ADDRS = ("/ip4/127.0.0.1/tcp/0",)
 # Default dial timeout. py-libp2p waits a fixed 0.25 s per dial (happy-eyeballs delay) before
 # Noise and yamux negotiation; 10 s leaves room for slow links without hanging a caller.
 DEFAULT_CONNECT_TIMEOUT = 10.0
+# Pubsub's queue tasks start within milliseconds; a bound so a broken start cannot hang us.
+PUBSUB_START_TIMEOUT = 10.0
 # A response frame carries one status byte before the payload.
 _STATUS_LEN = 1
 
@@ -263,7 +269,7 @@ async def open_host(
         if service is not None:
             await stack.enter_async_context(background_trio_service(service.pubsub))
             await stack.enter_async_context(background_trio_service(service.router))
-            with trio.fail_after(10):
+            with trio.fail_after(PUBSUB_START_TIMEOUT):
                 await service.pubsub.wait_until_ready()
         nursery = await stack.enter_async_context(trio.open_nursery())
         stack.callback(nursery.cancel_scope.cancel)

@@ -26,10 +26,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PrivateKey,
     Ed25519PublicKey,
 )
-from echo.protocol.errors import ProtocolError
 from libp2p.crypto.ed25519 import Ed25519PrivateKey as Libp2pEd25519PrivateKey
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
+
+from echo.protocol.errors import ProtocolError
 
 logger = logging.getLogger(__name__)
 

@@ -21,14 +21,15 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import trio
-from echo.p2p.streams import read_exactly, read_frame, write_frame
-from echo.protocol.errors import FrameError, ProtocolError
-from echo.protocol.framing import HEADER_LEN, decode_length
-from echo.protocol.limits import MAX_FRAME_BYTES
 from libp2p.abc import IHost, INetStream
 from libp2p.custom_types import TProtocol
 from libp2p.exceptions import BaseLibp2pError
 from libp2p.peer.id import ID
+
+from echo.p2p.streams import read_exactly, read_frame, write_frame
+from echo.protocol.errors import FrameError, ProtocolError
+from echo.protocol.framing import HEADER_LEN, decode_length
+from echo.protocol.limits import MAX_FRAME_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,8 @@ MIN_TRANSFER_RATE = 64 * 1024
 # How long a handler may run before the server answers "timed out" (the client usually gives up
 # earlier with its own timeout). Generous: handlers may do real work (verification, disk).
 DEFAULT_HANDLER_TIMEOUT = 120.0
+# Bound on closing/resetting a stream we are done with (shielded from cancellation).
+STREAM_CLOSE_TIMEOUT = 1.0
 # Generic text for handler crashes: internal details stay in our logs, not on the wire.
 INTERNAL_ERROR_MESSAGE = "internal: the handler failed"
 
@@ -119,7 +122,7 @@ def _error_payload(message: str) -> bytes:
 
 
 async def _reset_quietly(stream: INetStream) -> None:
-    with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+    with trio.CancelScope(shield=True), trio.move_on_after(STREAM_CLOSE_TIMEOUT):
         try:
             await stream.reset()
         except Exception:  # the stream is being dropped anyway
@@ -127,7 +130,7 @@ async def _reset_quietly(stream: INetStream) -> None:
 
 
 async def _close_quietly(stream: INetStream) -> None:
-    with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+    with trio.CancelScope(shield=True), trio.move_on_after(STREAM_CLOSE_TIMEOUT):
         try:
             await stream.close()
         except Exception:

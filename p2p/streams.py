@@ -14,10 +14,11 @@ through unchanged (a reset is the peer giving up, not a framing violation).
 
 from __future__ import annotations
 
-from echo.protocol.errors import FrameError
-from echo.protocol.framing import HEADER_LEN, decode_length, encode_frame
 from libp2p.abc import INetStream
 from libp2p.network.stream.exceptions import StreamEOF
+
+from echo.protocol.errors import FrameError
+from echo.protocol.framing import HEADER_LEN, decode_length, encode_frame
 
 # Upper bound on one read() call. yamux hands back whatever its buffer holds anyway; capping the
 # request keeps a single call from asking the muxer for an arbitrarily large slice.

@@ -1,10 +1,11 @@
 """echo.protocol.framing: header encoding and limits."""
 
 import pytest
-from echo.protocol.errors import FrameError, ProtocolError
-from echo.protocol.framing import HEADER_LEN, decode_length, encode_frame, encode_header
 from hypothesis import given
 from hypothesis import strategies as st
+
+from echo.protocol.errors import FrameError, ProtocolError
+from echo.protocol.framing import HEADER_LEN, decode_length, encode_frame, encode_header
 
 
 def test_roundtrip_and_layout() -> None:

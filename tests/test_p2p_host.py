@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import trio
+from libp2p.peer.id import ID
+
 from echo.p2p.host import open_host
 from echo.p2p.identity import Identity, public_key_from_peer_id
 from echo.p2p.rpc import RpcConnectionError, RpcTimeout
-from libp2p.peer.id import ID
 
 TEST_DEADLINE = 30.0
 

@@ -6,6 +6,9 @@ from pathlib import Path
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from libp2p.crypto.rsa import create_new_key_pair as create_rsa_key_pair
+from libp2p.peer.id import ID
+
 from echo.p2p.identity import (
     Identity,
     InsecureKeyFileError,
@@ -14,8 +17,6 @@ from echo.p2p.identity import (
     public_key_from_peer_id,
 )
 from echo.protocol.errors import ProtocolError
-from libp2p.crypto.rsa import create_new_key_pair as create_rsa_key_pair
-from libp2p.peer.id import ID
 
 
 def _mode(path: Path) -> int:

@@ -6,10 +6,11 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 import trio
+from libp2p.peer.id import ID
+
 from echo.p2p.host import EchoHost, open_host
 from echo.p2p.identity import Identity
 from echo.p2p.pubsub import MAX_PUBSUB_MESSAGE_BYTES
-from libp2p.peer.id import ID
 
 TOPIC = "echo/test/announce"
 TEST_DEADLINE = 30.0

@@ -7,14 +7,15 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 import trio
+from libp2p.custom_types import TProtocol
+from libp2p.network.stream.exceptions import StreamError
+from libp2p.peer.id import ID
+
 from echo.p2p import rpc
 from echo.p2p.host import EchoHost, open_host
 from echo.p2p.identity import Identity
 from echo.p2p.rpc import RemoteError, RpcConnectionError, RpcTimeout
 from echo.protocol.errors import FrameError, ProtocolError, SchemaError
-from libp2p.custom_types import TProtocol
-from libp2p.network.stream.exceptions import StreamError
-from libp2p.peer.id import ID
 
 PROTO = "/echo/test/rpc/1"
 MAX_REQ = 4 * 1024 * 1024
