@@ -29,7 +29,7 @@ from echo.coordinator.store import LeaseRow, Store, StoreError
 from echo.coordinator.verify import Accepted, Rejected, check_submission
 from echo.p2p.host import EchoHost, open_host
 from echo.p2p.identity import Identity, public_key_from_peer_id
-from echo.protocol import ids, limits, signing
+from echo.protocol import codec, ids, limits, signing
 from echo.protocol import messages as m
 from echo.protocol.errors import ProtocolError, SchemaError, SignatureError, VersionError
 from echo.protocol.jobspec import JobSpec
@@ -267,6 +267,11 @@ class Coordinator:
         node = self.store.node(node_id)
         lease_id, job_id = "", ""
         try:
+            if codec.is_zstd(data):
+                try:
+                    data = codec.decompress(data, max_output=limits.MAX_MESSAGE_BYTES)
+                except ProtocolError as exc:
+                    raise Rejected(R.MALFORMED, str(exc)) from None
             if not self._rate_ok(node_id):
                 raise Rejected(R.RATE_LIMITED, "too many submissions per minute")
             result = check_submission(

@@ -31,7 +31,7 @@ from echo.p2p.chunkstore import ChunkStore, serve_chunks
 from echo.p2p.host import EchoHost, open_host
 from echo.p2p.identity import Identity, public_key_from_peer_id
 from echo.p2p.rpc import RpcError
-from echo.protocol import ids, signing
+from echo.protocol import codec, ids, signing
 from echo.protocol import messages as m
 from echo.protocol.errors import ProtocolError
 from echo.tasks.registry import make_task
@@ -260,8 +260,9 @@ class Node:
                     finish_reason=c.finish_reason) for c in group],
                 gen_seconds=gen_s / len(leases))
             try:
-                reply = m.decode(m.SubmitReply,
-                                 await self._call(ids.PROTO_SUBMIT, self._seal("submission", sub)))
+                # Token and log-prob arrays compress ~2-4x; the coordinator caps the output size.
+                payload = codec.compress(self._seal("submission", sub))
+                reply = m.decode(m.SubmitReply, await self._call(ids.PROTO_SUBMIT, payload))
             except RpcError as exc:
                 self.say(f"[yellow]submission failed:[/yellow] {exc}")
                 continue

@@ -75,6 +75,11 @@ def _check_depth(obj: Any, max_depth: int) -> None:
             stack.extend((x, depth + 1) for x in item.values() if isinstance(x, list | dict))
 
 
+def is_zstd(data: bytes) -> bool:
+    """Whether ``data`` starts like a zstd frame (compressed messages are sent as one frame)."""
+    return bytes(data[:4]) == _ZSTD_MAGIC
+
+
 def compress(data: bytes, level: int = 3) -> bytes:
     """zstd-compress ``data``, recording the content size so the decoder can check it first."""
     return zstandard.ZstdCompressor(level=level, write_content_size=True).compress(data)
