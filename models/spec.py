@@ -15,10 +15,11 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 from echo.models.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE
 from echo.models.tokenizer import decode as byte_decode
 from echo.models.tokenizer import encode as byte_encode
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class ModelSpec(BaseModel):

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import random
 
-from echo.tasks.base import Task, TaskParams
 from pydantic import Field
+
+from echo.tasks.base import Task, TaskParams
 
 
 class AdditionParams(TaskParams):

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import ValidationError
+
 from echo.tasks.addition import Addition
 from echo.tasks.base import Task
 from echo.tasks.reverse import Reverse
-from pydantic import ValidationError
 
 TASKS: dict[str, type[Task]] = {cls.name: cls for cls in (Addition, Reverse)}
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import random
 import string
 
-from echo.tasks.base import Task, TaskParams
 from pydantic import Field, model_validator
+
+from echo.tasks.base import Task, TaskParams
 
 
 class ReverseParams(TaskParams):

@@ -1,0 +1,243 @@
+"""GRPO for rollouts generated elsewhere, in one file.
+
+The learner receives GRPO groups (one prompt, several sampled completions, their rewards, and the
+per-token log-probs the node's engine reported when it sampled them) and takes optimizer steps.
+
+Objective, per completion token t of sample i in group g (token-mean over all completion tokens in
+the batch):
+
+    A_i      = (r_i - mean_g(r)) / (std_g(r) + adv_eps)                 group-normalised advantage
+    old_t    = log pi_theta_old(t)      log-prob at the start of the step (no grad)
+    is_w_t   = min(exp(old_t - behaviour_t), tis_cap)                   truncated importance weight
+    ratio_t  = exp(log pi_theta(t) - old_t)
+    loss_t   = -is_w_t * min(ratio_t * A_i, clip(ratio_t, 1 - clip_eps, 1 + clip_eps) * A_i)
+
+``behaviour_t`` is what the node reported, so ``is_w`` corrects both staleness (the node sampled
+from an older version) and engine mismatch (its kernels differ from ours), truncated so a few
+tokens cannot dominate. With ``ppo_epochs == 1``, ``old == log pi_theta.detach()``, so ratio is 1
+and the clip is inactive; extra epochs reuse the batch with the PPO clip.
+
+Log-probs everywhere are ``log_softmax(logits / temperature)`` of the full vocabulary, the same
+definition the engines report (see ``echo.node.engines.base``), so :meth:`GRPOLearner.score`
+recomputes a node's numbers and the coordinator can use it to re-score submissions.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class GRPOConfig:
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.99)
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    clip_eps: float = 0.2  # PPO clip around the start-of-step policy (matters when ppo_epochs > 1)
+    tis_cap: float = 2.0  # truncation of the importance weight old / behaviour
+    ppo_epochs: int = 1  # optimizer updates per batch
+    temperature: float = 1.0  # the sampling temperature: log-probs are of logits / temperature
+    adv_eps: float = 1e-6
+
+
+@dataclass
+class TrainGroup:
+    """One GRPO group as the learner consumes it.
+
+    ``prompt_ids``: token ids of the prompt all completions share. ``completions``: generated token
+    ids (ending with EOS when the sample stopped). ``behaviour_logprobs``: per completion token, as
+    the node reported. ``version``: the policy version the node sampled with.
+    """
+
+    prompt_ids: list[int]
+    completions: list[list[int]]
+    behaviour_logprobs: list[list[float]]
+    rewards: list[float]
+    version: int = 0
+
+    def check(self, vocab_size: int) -> None:
+        """Raise ValueError if the lists disagree in length or hold impossible values."""
+        n = len(self.completions)
+        if n == 0:
+            raise ValueError("group has no completions")
+        if len(self.behaviour_logprobs) != n or len(self.rewards) != n:
+            raise ValueError(
+                f"group has {n} completions, {len(self.behaviour_logprobs)} log-prob lists "
+                f"and {len(self.rewards)} rewards"
+            )
+        if not self.prompt_ids:
+            raise ValueError("group has an empty prompt")
+        for c, lp in zip(self.completions, self.behaviour_logprobs, strict=True):
+            if len(c) != len(lp):
+                raise ValueError(f"completion of {len(c)} tokens has {len(lp)} log-probs")
+        ids = [t for c in self.completions for t in c] + list(self.prompt_ids)
+        if min(ids) < 0 or max(ids) >= vocab_size:
+            raise ValueError(f"token id outside [0, {vocab_size})")
+        if not all(math.isfinite(r) for r in self.rewards):
+            raise ValueError("reward is not finite")
+        if not all(math.isfinite(x) and x <= 0 for lp in self.behaviour_logprobs for x in lp):
+            raise ValueError("behaviour log-prob is not a finite number <= 0")
+
+
+def group_advantages(rewards: list[float] | torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """(r - mean) / (std + eps) within a group (population std); an all-equal group gives zeros,
+    exactly (it carries no signal about which sample was better)."""
+    r = torch.as_tensor(rewards, dtype=torch.float32)
+    if r.numel() == 0 or bool((r == r[0]).all()):
+        return torch.zeros_like(r)
+    return (r - r.mean()) / (r.std(unbiased=False) + eps)
+
+
+@dataclass
+class _Batch:
+    """Groups flattened to right-padded rows of prompt + completion."""
+
+    ids: torch.Tensor  # (rows, width) token ids, padded
+    mask: torch.Tensor  # (rows, width) 1 on real tokens
+    target: torch.Tensor  # (rows, width - 1) bool: position p predicts a completion token p + 1
+    lengths: list[int]  # completion length of each row
+
+
+class GRPOLearner:
+    """Owns the policy and its optimizer: :meth:`step` trains on groups, :meth:`score` re-scores."""
+
+    def __init__(self, model: torch.nn.Module, cfg: GRPOConfig | None = None) -> None:
+        self.model = model
+        self.cfg = cfg or GRPOConfig()
+        self.device = next(model.parameters()).device
+        self.vocab_size = model.config.vocab_size
+        pad = getattr(model.config, "pad_token_id", None)
+        self.pad_id = 0 if pad is None else int(pad)  # any valid id: padding is masked out
+        self.opt = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=self.cfg.lr,
+            betas=self.cfg.betas,
+            weight_decay=self.cfg.weight_decay,
+        )
+        self.version = 0  # number of steps taken; groups sampled at version v are version - v old
+
+    # -- batching and log-probs ---------------------------------------------------------------
+
+    def _batch(self, groups: list[TrainGroup]) -> _Batch:
+        seqs, lengths, prompt_lens = [], [], []
+        for g in groups:
+            g.check(self.vocab_size)
+            for c in g.completions:
+                seqs.append(list(g.prompt_ids) + list(c))
+                lengths.append(len(c))
+                prompt_lens.append(len(g.prompt_ids))
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        target = torch.zeros((len(seqs), width - 1), dtype=torch.bool)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)] = torch.tensor(s)
+            mask[i, : len(s)] = 1
+            # Logits at position p predict token p + 1: completion tokens sit at
+            # prompt_len .. prompt_len + length - 1, predicted from one position earlier.
+            target[i, prompt_lens[i] - 1 : prompt_lens[i] - 1 + lengths[i]] = True
+        return _Batch(ids.to(self.device), mask.to(self.device), target.to(self.device), lengths)
+
+    def _logprobs(self, batch: _Batch) -> torch.Tensor:
+        """Log-probs of every completion token, flattened in row-major order (rows, then tokens)."""
+        # Right padding: causal attention keeps real tokens from seeing the pads after them, and
+        # positions count from 0 in every row, as in the engine's left-padded batches.
+        logits = self.model(input_ids=batch.ids, attention_mask=batch.mask).logits
+        logits = logits[:, :-1][batch.target].float()  # (completion tokens, vocab)
+        tokens = batch.ids[:, 1:][batch.target]
+        logp = torch.log_softmax(logits / self.cfg.temperature, dim=-1)
+        return logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+    @torch.no_grad()
+    def score(self, groups: list[TrainGroup]) -> list[list[list[float]]]:
+        """Per-token log-probs of each group's completions under the current weights (the same
+        definition engines report). Only ``prompt_ids`` and ``completions`` are read."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            probe = [
+                TrainGroup(
+                    g.prompt_ids,
+                    g.completions,
+                    [[0.0] * len(c) for c in g.completions],
+                    [0.0] * len(g.completions),
+                    g.version,
+                )
+                for g in groups
+            ]
+            if not probe:
+                return []
+            batch = self._batch(probe)
+            flat = self._logprobs(batch).cpu().tolist()
+        finally:
+            self.model.train(was_training)
+        out, at, row = [], 0, 0
+        for g in groups:
+            per_group = []
+            for _ in g.completions:
+                n = batch.lengths[row]
+                per_group.append(flat[at : at + n])
+                at, row = at + n, row + 1
+            out.append(per_group)
+        return out
+
+    # -- the update ---------------------------------------------------------------------------
+
+    def step(self, groups: list[TrainGroup]) -> dict[str, float]:
+        """One update on ``groups`` (``ppo_epochs`` optimizer steps); returns metrics."""
+        cfg = self.cfg
+        start = time.perf_counter()
+        batch = self._batch(groups)
+        dev = self.device
+
+        # Per-token advantage and behaviour log-prob, in the same flat order as _logprobs.
+        adv_rows = torch.cat([group_advantages(g.rewards, cfg.adv_eps) for g in groups])
+        adv = torch.repeat_interleave(adv_rows, torch.tensor(batch.lengths)).to(dev)
+        behaviour = torch.tensor(
+            [x for g in groups for lp in g.behaviour_logprobs for x in lp], dtype=torch.float32
+        ).to(dev)
+        n_tokens = int(behaviour.numel())
+        rewards = [r for g in groups for r in g.rewards]
+        staleness = [self.version - g.version for g in groups]
+        metrics: dict[str, float] = {
+            "reward": sum(rewards) / len(rewards),
+            "tokens": float(n_tokens),
+            "staleness_max": float(max(staleness)),
+        }
+        if n_tokens == 0:  # nothing to learn from (all completions empty)
+            metrics.update(loss=0.0, mismatch=0.0, is_w=1.0, clip_frac=0.0, grad_norm=0.0)
+            metrics["step_s"] = time.perf_counter() - start
+            return metrics
+
+        self.model.train()
+        old = None
+        for epoch in range(cfg.ppo_epochs):
+            logp = self._logprobs(batch)
+            if old is None:
+                # The policy at the start of the step: the PPO anchor, and the numerator of the
+                # truncated importance weight against the node's behaviour policy.
+                old = logp.detach()
+                is_w = torch.exp(old - behaviour).clamp(max=cfg.tis_cap)
+                metrics["mismatch"] = float((old - behaviour).abs().mean())
+                metrics["is_w"] = float(is_w.mean())
+            ratio = torch.exp(logp - old)
+            clipped = ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps)
+            surrogate = torch.minimum(ratio * adv, clipped * adv)
+            loss = -(is_w * surrogate).sum() / n_tokens  # token-mean over the whole batch
+
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+            self.opt.step()
+            if epoch == 0:
+                metrics["loss"] = float(loss.detach())
+                metrics["grad_norm"] = float(grad_norm)
+            metrics["clip_frac"] = float(((ratio - clipped).abs() > 0).float().mean())
+
+        self.version += 1
+        metrics["step_s"] = time.perf_counter() - start
+        return metrics

@@ -1,0 +1,78 @@
+"""The engine interface every rollout backend (torch, llama.cpp, vLLM) implements.
+
+Log-prob convention, shared with ``GRPOLearner.score``: the log-prob reported for a sampled token is
+``log_softmax(logits / temperature)[token]`` over the full vocabulary, taken BEFORE top-p
+truncation. It is what the learner can recompute from the weights alone, so it serves both as the
+behaviour policy for importance sampling and as the quantity the coordinator re-scores. With
+temperature 0 (greedy) the raw ``log_softmax(logits)`` is reported.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. ``seed`` None draws a fresh one; ``temperature`` 0 means greedy."""
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, not {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, not {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """``n`` samples continuing the token ids ``prompt_ids`` (one GRPO group)."""
+
+    prompt_ids: list[int]
+    n: int = 1
+    params: SamplingParams = field(default_factory=SamplingParams)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, not {self.n}")
+
+
+@dataclass
+class Completion:
+    """Generated token ids (EOS included when it stopped there), the log-prob of each under the
+    convention above, and why it ended."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: Literal["stop", "length"]
+
+
+class Engine(ABC):
+    """A rollout backend holding one set of weights at a time."""
+
+    name: str
+
+    @abstractmethod
+    def generate(self, requests: list[GenRequest]) -> list[list[Completion]]:
+        """For each request, its ``n`` completions, in order."""
+
+    @abstractmethod
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Replace the weights with ``state`` (an ``echo.models.weights`` state)."""
+
+    @abstractmethod
+    def state_digest(self) -> str:
+        """``echo.models.weights.state_digest`` of the weights the engine holds now, computed from
+        them (not remembered): equal to the learner's digest iff the weights are bit-identical."""
