@@ -1,0 +1,110 @@
+"""Shared fixtures: an in-process coordinator with real libp2p and HTTP, and signed clients."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import trio
+
+from echo.coordinator.config import CoordinatorConfig
+from echo.coordinator.service import Coordinator
+from echo.coordinator.store import Store
+from echo.p2p.host import EchoHost, open_host
+from echo.p2p.identity import Identity
+from echo.protocol import ids, signing
+from echo.protocol import messages as m
+from echo.protocol.jobspec import parse_job
+
+TEST_DEADLINE = 60.0
+
+
+def make_coordinator(tmp: Path, **verification) -> Coordinator:
+    cfg = CoordinatorConfig(
+        data_dir=tmp / "coord", listen=["/ip4/127.0.0.1/tcp/0"], http_port=0,
+        api_token="test-token", learner={"local": False},
+        verification=verification or {},
+    )
+    cfg.data_dir.mkdir(parents=True, exist_ok=True)
+    return Coordinator(cfg, Store.open(cfg.data_dir / "db.sqlite"), Identity.generate())
+
+
+class Client:
+    """A peer talking to the coordinator with its own identity (a node or the learner)."""
+
+    def __init__(self, host: EchoHost, coord_peer, identity: Identity) -> None:
+        self.host, self.coord, self.identity = host, coord_peer, identity
+
+    async def call(self, proto: str, payload: bytes, max_response: int = 16 << 20) -> bytes:
+        return await self.host.request(self.coord, proto, payload, timeout=10,
+                                       max_response=max_response)
+
+    def seal(self, kind: str, record: m.Record) -> bytes:
+        return signing.seal(self.identity.private_key, kind, record.to_obj())
+
+    async def register(self) -> m.RegisterReply:
+        reg = m.Register(protocol_version=ids.PROTOCOL_VERSION, software="test", engine="torch",
+                         hardware=m.Hardware(cpu_count=2, ram_bytes=1 << 30), tokens_per_s=0.0,
+                         upload_bps=0.0, download_bps=0.0, timestamp=time.time())
+        return m.decode(m.RegisterReply, await self.call(ids.PROTO_REGISTER,
+                                                         self.seal("register", reg)))
+
+    async def leases(self, job_id: str, have: int, n: int = 1) -> m.LeaseReply:
+        req = m.LeaseRequest(job_id=job_id, max_leases=n, have_version=have,
+                             timestamp=time.time())
+        return m.decode(m.LeaseReply, await self.call(ids.PROTO_LEASE,
+                                                      self.seal("lease_request", req)))
+
+    async def submit(self, payload: bytes) -> m.SubmitReply:
+        return m.decode(m.SubmitReply, await self.call(ids.PROTO_SUBMIT, payload))
+
+
+def learner_publish_v0(coord: Coordinator, job_id: str, digest: str = "digest-v0"):
+    """Records (sealed hello, sealed report) for version 0 signed by the job's learner key."""
+    ident = Identity.load_or_create(coord.job_dir(job_id) / "learner.key")
+    man = m.Manifest(job_id=job_id, version=0, base_version=-1, kind="anchor", total_size=0,
+                     chunks=[], tensor_digests={}, state_digest=digest, anchor_version=0,
+                     created_at=time.time())
+    sealed_man = signing.seal(ident.private_key, "manifest", man.to_obj())
+    report = m.StepReport(job_id=job_id, version=0, manifest=sealed_man, trained=[])
+    return ident, sealed_man, report
+
+
+def run_with_coordinator(
+    tmp: Path,
+    body: Callable[[Coordinator, Callable[..., Awaitable[Client]]], Awaitable[None]],
+    **verification,
+) -> None:
+    coord = make_coordinator(tmp, **verification)
+
+    async def main() -> None:
+        with trio.fail_after(TEST_DEADLINE):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(coord.run)
+                async with trio.open_nursery() as clients:
+
+                    async def client(identity: Identity | None = None) -> Client:
+                        ident = identity or Identity.generate()
+                        host = await clients.start(_host_task, ident)
+                        peer = await host.connect(coord.multiaddrs[0])
+                        return Client(host, peer, ident)
+
+                    await body(coord, client)
+                    clients.cancel_scope.cancel()
+                nursery.cancel_scope.cancel()
+        coord.store.close()
+
+    trio.run(main)
+
+
+async def _host_task(ident: Identity, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async with open_host(ident, pubsub=False) as host:
+        task_status.started(host)
+        await trio.sleep_forever()
+
+
+def submit_job(coord: Coordinator, **over) -> str:
+    spec = parse_job({"name": "t", "group_size": 4, "batch_groups": 2, "steps": 5,
+                      "task": {"name": "addition", "params": {"max_operand": 5}}, **over})
+    return coord.submit_job(spec)

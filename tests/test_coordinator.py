@@ -1,0 +1,217 @@
+"""The coordinator over real libp2p: registration, leases, verification outcomes, the learner
+protocol, and bad input that must leave it running."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import trio
+import zstandard
+
+from echo.coordinator import reasons as R
+from echo.models.tokenizer import EOS_ID, encode
+from echo.p2p.rpc import RemoteError
+from echo.protocol import codec, ids, signing
+from echo.protocol import messages as m
+from echo.tasks.registry import make_task
+from libp2p.custom_types import TProtocol
+from tests.conftest import learner_publish_v0, run_with_coordinator, submit_job
+
+TASK = make_task("addition", {"max_operand": 5})
+
+
+def group_for(lease: m.Lease, *, answer: str | None = None, version: int = 0,
+              digest: str = "digest-v0", n: int | None = None, **over) -> m.Submission:
+    text = answer if answer is not None else TASK.answer(lease.prompt_id)
+    toks = encode(text) + [EOS_ID]
+    comps = [m.CompletionRecord(token_ids=m.pack_tokens(toks),
+                                logprobs=m.pack_logprobs([-0.1] * len(toks)),
+                                finish_reason="stop")
+             for _ in range(lease.group_size if n is None else n)]
+    fields = dict(lease_id=lease.lease_id, job_id=lease.job_id, version=version, engine="torch",
+                  state_digest=digest, completions=comps, gen_seconds=0.01)
+    fields.update(over)
+    return m.Submission(**fields)
+
+
+async def start_job(coord, client) -> tuple[str, object]:
+    job_id = submit_job(coord)
+    ident, _, report = learner_publish_v0(coord, job_id)
+    learner = await client(ident)
+    hello = m.LearnerHello(job_id=job_id, peer_id=str(learner.host.peer_id),
+                           addrs=learner.host.listen_multiaddrs, timestamp=time.time())
+    reply = m.decode(m.LearnerHelloReply, await learner.call(
+        ids.PROTO_LEARNER_HELLO, learner.seal("learner_hello", hello)))
+    assert reply.current_version == -1
+    ack = m.decode(m.StepAck, await learner.call(ids.PROTO_LEARNER_REPORT,
+                                                 learner.seal("step_report", report)))
+    assert ack.ok, ack.message
+    return job_id, learner
+
+
+def open_lease(coord, data: bytes) -> m.Lease:
+    env = signing.open_envelope(data, kind="lease", expected_signer=coord.identity.public_key_bytes)
+    return m.from_obj(m.Lease, env.decode_body())
+
+
+def test_register_lease_submit_and_batch(tmp_path) -> None:
+    async def body(coord, client) -> None:
+        job_id, learner = await start_job(coord, client)
+        node = await client()
+        reply = await node.register()
+        assert [j.job_id for j in reply.jobs] == [job_id]
+        assert reply.jobs[0].learner_public_key == learner.identity.public_key_bytes
+        lr = await node.leases(job_id, have=0, n=2)
+        assert len(lr.leases) == 2
+        lease = open_lease(coord, lr.leases[0])
+        assert lease.node_id == str(node.host.peer_id)
+        ok = await node.submit(node.seal("submission", group_for(lease)))
+        assert ok.accepted and ok.accepted_total == 1
+        # A wrong answer is still accepted (reward 0, recomputed here), compressed on the wire.
+        lease2 = open_lease(coord, lr.leases[1])
+        ok2 = await node.submit(codec.compress(node.seal("submission",
+                                                         group_for(lease2, answer="99"))))
+        assert ok2.accepted
+        rows = {r["rollout_id"]: r for r in coord.store._db.execute("SELECT * FROM rollouts")}
+        assert rows[lease.lease_id]["mean_reward"] == 1.0
+        assert rows[lease2.lease_id]["mean_reward"] == 0.0
+        # The learner takes both groups; prompts are re-derived by the coordinator.
+        req = m.BatchRequest(job_id=job_id, max_groups=8, min_version=0, timestamp=time.time())
+        batch = m.decode(m.BatchReply, await learner.call(
+            ids.PROTO_LEARNER_BATCH, learner.seal("batch_request", req), max_response=64 << 20))
+        assert {g.rollout_id for g in batch.groups} == {lease.lease_id, lease2.lease_id}
+        g = next(g for g in batch.groups if g.rollout_id == lease.lease_id)
+        assert m.unpack_tokens(g.prompt_tokens, vocab_size=259, max_len=99).tolist()[1:] == \
+            encode(TASK.prompt(lease.prompt_id))
+        # Version 1 trains exactly these; the ledger records it, and nothing is trained twice.
+        ident = learner.identity
+        man = m.Manifest(job_id=job_id, version=1, base_version=0, kind="patch", total_size=0,
+                         chunks=[], tensor_digests={}, state_digest="digest-v1",
+                         anchor_version=0, created_at=time.time())
+        rep = m.StepReport(job_id=job_id, version=1,
+                           manifest=signing.seal(ident.private_key, "manifest", man.to_obj()),
+                           trained=[lease.lease_id, lease2.lease_id])
+        ack = m.decode(m.StepAck, await learner.call(ids.PROTO_LEARNER_REPORT,
+                                                     learner.seal("step_report", rep)))
+        assert ack.ok
+        trained = coord.store.trained_rollouts(job_id)
+        assert {r["rollout_id"] for r in trained} == {lease.lease_id, lease2.lease_id}
+        assert all(r["trained_version"] == 1 for r in trained)
+        again = m.decode(m.StepAck, await learner.call(ids.PROTO_LEARNER_REPORT,
+                                                       learner.seal("step_report", rep)))
+        assert again.ok  # idempotent re-send after a learner restart
+        batch2 = m.decode(m.BatchReply, await learner.call(
+            ids.PROTO_LEARNER_BATCH, learner.seal("batch_request", req), max_response=64 << 20))
+        assert batch2.groups == []
+
+    run_with_coordinator(tmp_path, body)
+
+
+def test_verification_reasons(tmp_path) -> None:
+    async def body(coord, client) -> None:
+        job_id, _ = await start_job(coord, client)
+        node, other = await client(), await client()
+        await node.register()
+        await other.register()
+        leases = [open_lease(coord, b) for b in (await node.leases(job_id, 0, 4)).leases]
+        a, b, c, d = leases
+
+        async def expect(payload: bytes, reason: str, who=node) -> None:
+            reply = await who.submit(payload)
+            assert not reply.accepted and reply.reason == reason, (reply.reason, reply.detail)
+
+        await expect(node.seal("submission", group_for(a, n=3)), R.INCOMPLETE_GROUP)
+        # The lease is consumed by the failed attempt: a retry is a duplicate.
+        await expect(node.seal("submission", group_for(a)), R.DUPLICATE)
+        await expect(other.seal("submission", group_for(b)), R.LEASE_NOT_YOURS, who=other)
+        await expect(node.seal("submission", group_for(b, version=1)), R.FUTURE_VERSION)
+        await expect(node.seal("submission", group_for(c, digest="forged")), R.WRONG_WEIGHTS)
+        bad_tokens = group_for(d).model_copy(update={"completions": [m.CompletionRecord(
+            token_ids=m.pack_tokens([400, EOS_ID]), logprobs=m.pack_logprobs([-1, -1]),
+            finish_reason="stop")] * d.group_size})
+        await expect(node.seal("submission", bad_tokens), R.BAD_TOKENS)
+        # Signed by another key than the peer's own.
+        await expect(other.seal("submission", group_for(d)), R.WRONG_SIGNER)
+        await expect(b"\xdd\xff\xff\xff\xff", R.MALFORMED)
+        unknown = group_for(d).model_copy(update={"lease_id": "nope"})
+        await expect(node.seal("submission", unknown), R.UNKNOWN_LEASE)
+        counts = coord.store.rejection_counts(str(node.host.peer_id))
+        assert counts[R.DUPLICATE] == 1 and counts[R.MALFORMED] == 1
+
+    run_with_coordinator(tmp_path, body, exclude_after_failures=100)
+
+
+def test_bad_input_penalizes_and_coordinator_keeps_running(tmp_path) -> None:
+    async def body(coord, client) -> None:
+        job_id, _ = await start_job(coord, client)
+        node = await client()
+        await node.register()
+        peer = node.coord
+        me = str(node.host.peer_id)
+
+        async def raw(data: bytes, close: bool) -> None:
+            stream = await node.host.libp2p.new_stream(peer, [TProtocol(ids.PROTO_SUBMIT)])
+            await stream.write(data)
+            if close:
+                await stream.close()
+            with trio.move_on_after(3):
+                try:
+                    while await stream.read(1024):
+                        pass
+                except Exception:
+                    pass
+            await stream.reset()
+
+        # 1. oversized length prefix; 2. truncated frame: both are transport violations.
+        await raw((1 << 30).to_bytes(4, "big") + b"x" * 100, close=False)
+        await raw((1000).to_bytes(4, "big") + b"x" * 10, close=True)
+        with trio.fail_after(5):
+            while coord.host.violations.get(node.host.peer_id, 0) < 2:
+                await trio.sleep(0.02)
+        # 3. wrong signature (valid envelope, one body bit flipped).
+        lease = open_lease(coord, (await node.leases(job_id, 0, 1)).leases[0])
+        sealed = node.seal("submission", group_for(lease))
+        raw_env = codec.unpackb(sealed)
+        raw_env["body"] = raw_env["body"][:-1] + bytes([raw_env["body"][-1] ^ 1])
+        reply = await node.submit(codec.packb(raw_env))
+        assert (reply.accepted, reply.reason) == (False, R.SIGNATURE)
+        # 4. msgpack bomb; 5. zstd bomb (64 MiB of zeros declared in a few KB).
+        assert (await node.submit(b"\xdf\xff\xff\xff\xff")).reason == R.MALFORMED
+        bomb = zstandard.ZstdCompressor().compress(bytes(64 << 20))
+        reply = await node.submit(bomb)
+        assert reply.reason == R.MALFORMED and "declares" in reply.detail
+        # A bad register is a clean error reply, not a crash.
+        with pytest.raises(RemoteError, match="decode|frame|signature|schema"):
+            await node.call(ids.PROTO_REGISTER, b"\x91" * 50 + b"\x00")
+        # The node was penalized; the coordinator still serves it and others.
+        row = coord.store.node(me)
+        assert row["failures"] >= 4 and row["streak"] == 0
+        fresh = await client()
+        assert (await fresh.register()).jobs
+
+    run_with_coordinator(tmp_path, body, exclude_after_failures=100)
+
+
+def test_repeated_failures_exclude_node_and_drop_its_buffer(tmp_path) -> None:
+    async def body(coord, client) -> None:
+        job_id, _ = await start_job(coord, client)
+        node = await client()
+        await node.register()
+        leases = [open_lease(coord, b) for b in (await node.leases(job_id, 0, 4)).leases]
+        assert (await node.submit(node.seal("submission", group_for(leases[0])))).accepted
+        for lease in leases[1:3]:
+            r = await node.submit(node.seal("submission", group_for(lease, n=1)))
+            assert r.reason == R.INCOMPLETE_GROUP
+        row = coord.store.node(str(node.host.peer_id))
+        assert row["excluded"] == 1
+        status = coord.store._db.execute(
+            "SELECT status, reason FROM rollouts WHERE rollout_id=?", (leases[0].lease_id,)
+        ).fetchone()
+        assert tuple(status) == ("dropped", "node_excluded")
+        r = await node.submit(node.seal("submission", group_for(leases[3])))
+        assert r.reason == R.NODE_EXCLUDED
+        with pytest.raises(RemoteError, match="excluded"):
+            await node.leases(job_id, 0, 1)
+
+    run_with_coordinator(tmp_path, body, exclude_after_failures=2)
