@@ -27,13 +27,18 @@ homogeneous bytes and tiny tensors cost no frame overhead:
     gap_r    GAPS tensors: the low ``L`` bits of every ``s``, bit-packed, padded per tensor
     gap_x    GAPS tensors: ``s`` as u64 for every change whose ``gap_q`` byte is 255 (escape)
     sign     DIFF tensors: 1 bit per change, set when the new bits are below the old ones
-    plane0-3 byte k of each changed value: the new bits (NEW) or ``|new - old| - 1`` modulo
-             2**bits (DIFF); 16-bit tensors use planes 0-1, 32-bit tensors planes 0-3
+    big      DIFF tensors: 1 bit per change, set when the bits moved by more than 1
+    plane0-3 byte k of each value: the new bits of every change (NEW), or ``|new - old| - 2``
+             of every ``big`` change (DIFF; differences are taken modulo 2**bits as signed
+             integers); 16-bit tensors use planes 0-1, 32-bit tensors planes 0-3
 
 Position codings: NONE (nothing changed), ALL (every element changed: values only), BITMAP
 (dense changes) and GAPS (sparse changes: a Rice-like split of the gaps into a byte-sized
-quotient, which zstd entropy-codes well, and uniform low bits, which are stored packed). The
-encoder picks per tensor from cheap entropy estimates, as it does between NEW and DIFF values.
+quotient, which zstd entropy-codes well, and uniform low bits, which are stored packed). Value
+codings: NEW (the new bits) and DIFF (RL steps move most changed bf16 values by one unit in the
+last place, so a sign bit, a "moved further" bit and the rare larger distances cost about 2 bits
+per change, against about 11 for the new bits). The encoder picks per tensor from cheap entropy
+estimates and, for bitmap against gaps, a small trial compression.
 
 Decoding checks every count against limits and against the caller's base state before it
 allocates, decompresses each stream to an exactly predicted size, and raises
@@ -77,8 +82,9 @@ VAL_NEW, VAL_DIFF = 0, 1
 _POS_NAMES = {POS_NONE: "none", POS_ALL: "all", POS_BITMAP: "bitmap", POS_GAPS: "gaps"}
 _VAL_NAMES = {VAL_NEW: "new", VAL_DIFF: "diff"}
 
-_S_BITMAP, _S_GAP_Q, _S_GAP_R, _S_GAP_X, _S_SIGN, _S_PLANE0 = range(6)
-_STREAM_NAMES = ("bitmap", "gap_q", "gap_r", "gap_x", "sign") + tuple(f"plane{k}" for k in range(4))
+_S_BITMAP, _S_GAP_Q, _S_GAP_R, _S_GAP_X, _S_SIGN, _S_BIG, _S_PLANE0 = range(7)
+_STREAM_NAMES = ("bitmap", "gap_q", "gap_r", "gap_x", "sign", "big", "plane0", "plane1", "plane2")
+_STREAM_NAMES += ("plane3",)
 _N_STREAMS = len(_STREAM_NAMES)
 _STORED, _ZSTD = 0, 1
 
@@ -247,18 +253,31 @@ def _plan_values(ov: np.ndarray, nv: np.ndarray) -> tuple[int, dict[int, np.ndar
     so, sn = ov[::step], nv[::step]
     scale = ov.size / so.size
     new_cost = sum(_entropy_bits(p) for p in _planes(sn)) * scale
-    d = sn - so
-    neg = d.view(d.dtype.str.replace("u", "i")) < 0
-    mag = np.where(neg, -d, d) - d.dtype.type(1)
-    diff_cost = ov.size + sum(_entropy_bits(p) for p in _planes(mag)) * scale
+    neg, big, rest = _split_diff(so, sn)
+    p_big = big.mean()
+    big_bits = (
+        -(p_big * math.log2(p_big) + (1 - p_big) * math.log2(1 - p_big)) if 0 < p_big < 1 else 0
+    )
+    diff_cost = ov.size * (1 + big_bits) + sum(_entropy_bits(p) for p in _planes(rest)) * scale
     if new_cost <= diff_cost:
         return VAL_NEW, {_S_PLANE0 + k: p for k, p in enumerate(_planes(nv))}
+    neg, big, rest = _split_diff(ov, nv)
+    segs = {_S_PLANE0 + k: p for k, p in enumerate(_planes(rest))}
+    segs[_S_SIGN] = np.packbits(neg, bitorder="little")
+    segs[_S_BIG] = np.packbits(big, bitorder="little")
+    return VAL_DIFF, segs
+
+
+def _split_diff(ov: np.ndarray, nv: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """DIFF parts of changed values: sign, ``|d| > 1`` flags, and ``|d| - 2`` where flagged.
+
+    ``d = nv - ov`` modulo 2**bits, read as a signed integer, so the coding is exact for any bits.
+    """
     d = nv - ov
     neg = d.view(d.dtype.str.replace("u", "i")) < 0
-    mag = np.where(neg, -d, d) - d.dtype.type(1)
-    segs = {_S_PLANE0 + k: p for k, p in enumerate(_planes(mag))}
-    segs[_S_SIGN] = np.packbits(neg, bitorder="little")
-    return VAL_DIFF, segs
+    mag = np.where(neg, -d, d)
+    big = mag > 1
+    return neg, big, mag[big] - d.dtype.type(2)
 
 
 def _bitmap_wins(
@@ -453,6 +472,12 @@ def _parse(patch: bytes | bytearray | memoryview) -> _Parsed:
         if sid == _S_GAP_X:
             if raw % 8 or raw // 8 > expected[sid]:
                 raise DecodeError(f"stream gap_x: {raw} bytes is not 8 x at most {expected[sid]}")
+        elif sid >= _S_PLANE0:
+            # Exact once the big flags are known (apply_patch); the table gives an upper bound.
+            if raw > expected[sid]:
+                raise DecodeError(
+                    f"stream {sname}: {raw} raw bytes, the table allows {expected[sid]}"
+                )
         elif raw != expected[sid]:
             raise DecodeError(f"stream {sname}: {raw} raw bytes, the table implies {expected[sid]}")
     payload = sum(s[2] for s in streams)
@@ -497,7 +522,11 @@ def _check_entry(
 
 
 def _expected_raw(entries: list[_Entry]) -> list[int]:
-    """Raw byte length of each stream implied by the table (gap_x: the most escapes possible)."""
+    """Raw byte length of each stream implied by the table.
+
+    For gap_x (one u64 per escape) and the planes (DIFF values only for big changes) this is an
+    upper bound; the exact length follows from gap_q and big.
+    """
     out = [0] * _N_STREAMS
     for e in entries:
         m = e.changed
@@ -509,6 +538,7 @@ def _expected_raw(entries: list[_Entry]) -> list[int]:
             out[_S_GAP_X] += m
         if e.val == VAL_DIFF:
             out[_S_SIGN] += (m + 7) // 8
+            out[_S_BIG] += (m + 7) // 8
         for k in range(e.width):
             out[_S_PLANE0 + k] += m
     return out
@@ -578,6 +608,25 @@ def _validate_against(
     return views
 
 
+def _plane_lengths(entries: list[_Entry], big: np.ndarray) -> list[int]:
+    """Exact raw length of each value plane, given the decoded big-flag stream.
+
+    :raises DecodeError: if a tensor's big flags have non-zero padding bits.
+    """
+    out = [0] * 4
+    off = 0
+    for e in entries:
+        count = e.changed
+        if e.val == VAL_DIFF:
+            flags = big[off : off + (e.changed + 7) // 8]
+            off += flags.size
+            _check_bit_padding(flags, e.changed, f"tensor {e.name!r} big flags")
+            count = int(np.bitwise_count(flags).sum())
+        for k in range(e.width):
+            out[k] += count
+    return out
+
+
 class _Cursor:
     """Consumes one decompressed stream tensor by tensor."""
 
@@ -636,15 +685,21 @@ def _decode_values(e: _Entry, cur: list[_Cursor], ov: np.ndarray) -> np.ndarray:
     """
     m = e.changed
     dt = _WIDTHS[e.width]
-    planes = np.empty((m, e.width), np.uint8)
-    for k in range(e.width):
-        planes[:, k] = cur[_S_PLANE0 + k].take(m)
-    v = planes.view(dt).ravel()
+    big = None
+    count = m
     if e.val == VAL_DIFF:
         sbuf = cur[_S_SIGN].take((m + 7) // 8)
         _check_bit_padding(sbuf, m, f"tensor {e.name!r} signs")
         neg = np.unpackbits(sbuf, count=m, bitorder="little").view(bool)
-        delta = v + dt.type(1)
+        big = np.unpackbits(cur[_S_BIG].take((m + 7) // 8), count=m, bitorder="little").view(bool)
+        count = int(np.count_nonzero(big))
+    planes = np.empty((count, e.width), np.uint8)
+    for k in range(e.width):
+        planes[:, k] = cur[_S_PLANE0 + k].take(count)
+    v = planes.view(dt).ravel()
+    if big is not None:
+        delta = np.ones(m, dt)
+        delta[big] = v + dt.type(2)
         v = np.where(neg, ov - delta, ov + delta).astype(dt, copy=False)
     if np.any(v == ov):
         raise DecodeError(f"tensor {e.name!r}: a listed change leaves the bits unchanged")
@@ -669,13 +724,21 @@ def apply_patch(
     buf = memoryview(patch).cast("B")
     off = parsed.payload_start
     cursors = []
-    for sname, (method, raw, stored) in zip(_STREAM_NAMES, parsed.streams, strict=True):
-        if sname == "gap_x":
+    for sid, (sname, (method, raw, stored)) in enumerate(
+        zip(_STREAM_NAMES, parsed.streams, strict=True)
+    ):
+        if sid == _S_GAP_X:
             # Its exact length depends on gap_q (decoded just before): one u64 per escape byte.
-            q_len = parsed.streams[_S_GAP_Q][1]
-            escapes = int(np.count_nonzero(cursors[_S_GAP_Q].data[:q_len] == _ESCAPE))
+            escapes = int(np.count_nonzero(cursors[_S_GAP_Q].data == _ESCAPE))
             if raw != 8 * escapes:
                 raise DecodeError(f"stream gap_x: {raw} bytes for {escapes} escaped gaps")
+        elif sid == _S_PLANE0:
+            plane_len = _plane_lengths(parsed.entries, cursors[_S_BIG].data)
+        if sid >= _S_PLANE0 and raw != plane_len[sid - _S_PLANE0]:
+            raise DecodeError(
+                f"stream {sname}: {raw} raw bytes, table and big flags imply "
+                f"{plane_len[sid - _S_PLANE0]}"
+            )
         cursors.append(_Cursor(_decompress(buf[off : off + stored], raw, method, sname)))
         off += stored
     out: dict[str, np.ndarray] = {}
