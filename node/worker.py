@@ -219,7 +219,7 @@ class Node:
                 await self._sync(sync, reply.current_version)
             if not reply.leases:
                 if reply.message.startswith("job is") and "running" not in reply.message:
-                    self.say(f"{reply.message}; leaving")
+                    self.say(f"{reply.message} at v{sync.version}; leaving")
                     return
                 await trio.sleep(max(reply.retry_after_s, 0.05))
                 continue

@@ -1,0 +1,101 @@
+"""End to end: the real programs as separate processes on loopback (coordinator, its learner,
+three nodes), driven by scripts/local_swarm.py exactly as the demo runs them."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from echo.models.spec import ModelSpec, build_model
+from echo.models.weights import export_state, state_digest, state_from_bytes, to_bits
+from echo.protocol import signing
+from echo.protocol import messages as m
+from echo.protocol.jobspec import JobSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def swarm_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("swarm")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "local_swarm.py"), "--out", str(out), "--quiet",
+         "--nodes", "3", "--steps", "120", "--timeout", "170"],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )
+    if proc.returncode != 0:
+        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(out.glob("*.log")))
+        pytest.fail(f"local swarm failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{logs}")
+    return out
+
+
+def _job_dir(out: Path) -> Path:
+    (job_dir,) = (out / "coordinator" / "jobs").iterdir()
+    return job_dir
+
+
+def test_summary_and_reward_rose(swarm_run: Path) -> None:
+    s = json.loads((swarm_run / "summary.json").read_text())
+    for key in ("versions", "reward_first", "reward_last", "rollouts_accepted",
+                "rollouts_rejected", "nodes", "wall_s"):
+        assert key in s
+    assert s["status"] == "done" and s["versions"] == 120 and s["nodes"] == 3
+    curve = [p["mean_reward"] for p in s["reward_by_version"]]
+    first, last = sum(curve[:5]) / 5, sum(curve[-5:]) / 5
+    assert last > first + 0.15, (first, last, curve)
+    assert s["rollouts_rejected"] <= 0.005 * max(1, s["rollouts_accepted"]) + 1
+
+
+def test_every_trained_rollout_was_signed_by_a_registered_node_and_accepted(swarm_run) -> None:
+    db = sqlite3.connect(swarm_run / "coordinator" / "coordinator.sqlite")
+    db.row_factory = sqlite3.Row
+    nodes = {r["node_id"]: bytes(r["public_key"]) for r in db.execute("SELECT * FROM nodes")}
+    trained = db.execute("SELECT * FROM rollouts WHERE status='trained'").fetchall()
+    assert len(trained) > 100
+    for r in trained:
+        assert r["node_id"] in nodes
+        env = signing.open_envelope(bytes(r["envelope"]), kind="submission",
+                                    expected_signer=nodes[r["node_id"]])
+        sub = m.from_obj(m.Submission, env.decode_body())
+        lease = db.execute("SELECT * FROM leases WHERE lease_id=?", (sub.lease_id,)).fetchone()
+        assert lease["node_id"] == r["node_id"] and lease["status"] == "submitted"
+        assert r["trained_version"] is not None and r["trained_version"] > r["version"]
+    # Nothing trained twice, and nothing rejected was trained.
+    assert len({r["rollout_id"] for r in trained}) == len(trained)
+    n_versions = db.execute("SELECT COUNT(*) FROM versions").fetchone()[0]
+    assert n_versions == 121
+    assert sum(r["trained_count"] for r in db.execute("SELECT trained_count FROM versions")) \
+        == len(trained)
+
+
+def test_node_weights_are_bit_identical_to_the_learner(swarm_run: Path) -> None:
+    job_dir = _job_dir(swarm_run)
+    spec = JobSpec.model_validate_json((job_dir / "job.json").read_text())
+    db = sqlite3.connect(swarm_run / "coordinator" / "coordinator.sqlite")
+    published = dict(db.execute("SELECT version, state_digest FROM versions").fetchall())
+    checked = 0
+    for i in range(3):
+        meta = json.loads((swarm_run / f"node-{i}" / "policy.json").read_text())
+        node_state = state_from_bytes((swarm_run / f"node-{i}" / "policy.safetensors").read_bytes())
+        v = meta["version"]
+        assert state_digest(node_state) == meta["state_digest"] == published[v]
+        ckpt = job_dir / "checkpoints" / f"v{v:08d}" / "model.safetensors"
+        if ckpt.exists():  # the learner keeps its last checkpoints: compare the raw tensors too
+            from safetensors.torch import load_file
+
+            model = build_model(ModelSpec.from_dict(spec.model_spec_dict()))
+            model.load_state_dict(load_file(str(ckpt)))
+            learner_state = export_state(model, spec.publish_dtype)
+            a, b = to_bits(learner_state), to_bits(node_state)
+            assert a.keys() == b.keys()
+            for k in a:
+                assert np.array_equal(a[k], b[k]), k
+            checked += 1
+    assert checked >= 1
