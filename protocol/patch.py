@@ -14,7 +14,7 @@ Wire format, version 1 (all integers little-endian)::
     header   magic b"ECHP" | u16 format version | u16 flags (0) | u32 tensor count
     table    per tensor: u16 name length | UTF-8 name | u8 width (2 or 4 bytes per element)
              | u8 position coding | u8 value coding | u8 parameter | u64 elements | u64 changed
-    streams  per stream (9, fixed order): u8 method (0 stored, 1 zstd) | u64 raw length
+    streams  per stream (10, in the order below): u8 method (0 stored, 1 zstd) | u64 raw length
              | u64 stored length
     payload  the stored bytes of each stream, in order, and nothing after them
 
@@ -70,8 +70,9 @@ MAX_NAME_BYTES = 1024
 # 2**36 elements (128 GiB of bf16) is larger than any single tensor of a real model and keeps
 # every position, gap and running sum far from int64 overflow.
 MAX_TENSOR_ELEMENTS = 1 << 36
-# No legitimate stream is larger than the output it rebuilds plus a bit per element (DIFF sign
-# bits when everything changed); twice the output is a loose, safe cap on all streams together.
+# Legitimate streams add up to at most the output they rebuild plus about 3 bits per element
+# (bitmap, sign and big flags when nearly everything changed); twice the output is a loose, safe
+# cap on all of them together, and it stops forged gap parameters from inflating gap_r.
 _MAX_RAW_PER_OUTPUT = 2
 
 _WIDTHS = {2: np.dtype("<u2"), 4: np.dtype("<u4")}  # element width in bytes -> unsigned dtype
@@ -93,6 +94,8 @@ _TENSOR = struct.Struct("<BBBBQQ")
 _STREAM = struct.Struct("<BQQ")
 _U16 = struct.Struct("<H")
 
+# Set bits per byte value (np.bitwise_count needs numpy 2; we support 1.26).
+_POPCOUNT = np.array([bin(i).count("1") for i in range(256)], np.uint8)
 # gap_q byte meaning "the whole gap is in gap_x".
 _ESCAPE = 255
 # Escaped gaps cost about this many bits once zstd has squeezed the u64's zero bytes.
@@ -149,7 +152,7 @@ def _entropy_bits(x: np.ndarray) -> float:
 def _planes(values: np.ndarray) -> np.ndarray:
     """Return the (width, n) byte planes of little-endian unsigned ``values``."""
     w = values.dtype.itemsize
-    return np.ascontiguousarray(values.view(np.uint8).reshape(-1, w).T)
+    return np.ascontiguousarray(np.ascontiguousarray(values).view(np.uint8).reshape(-1, w).T)
 
 
 def _pack_low_bits(s: np.ndarray, nbits: int) -> np.ndarray:
@@ -621,7 +624,7 @@ def _plane_lengths(entries: list[_Entry], big: np.ndarray) -> list[int]:
             flags = big[off : off + (e.changed + 7) // 8]
             off += flags.size
             _check_bit_padding(flags, e.changed, f"tensor {e.name!r} big flags")
-            count = int(np.bitwise_count(flags).sum())
+            count = int(_POPCOUNT[flags].sum(dtype=np.int64))
         for k in range(e.width):
             out[k] += count
     return out

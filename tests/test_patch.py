@@ -123,6 +123,17 @@ def test_identical_states_make_a_tiny_patch() -> None:
     assert all(np.array_equal(out[k], state[k]) for k in state)
 
 
+def test_strided_inputs_round_trip() -> None:
+    rng = np.random.default_rng(6)
+    base = _bf16_like(rng, 20_000)
+    other = rng.integers(0, 2**16, 40_000, dtype=np.uint16)
+    old = {"sparse": base[::2], "diff": base[1::2], "new": base[::-1][::2]}
+    new = {"sparse": _nudge(rng, base, 0.05)[::2], "diff": (base + 1)[1::2], "new": other[::4]}
+    patch = encode_patch(old, new)
+    out = apply_patch(old, patch, max_output_bytes=BIG)
+    assert all(np.array_equal(out[k], new[k]) for k in old)
+
+
 def test_empty_state_round_trips() -> None:
     patch = encode_patch({}, {})
     assert apply_patch({}, patch, max_output_bytes=0) == {}
