@@ -130,6 +130,8 @@ def real_steps(lr: float, steps: int, hidden: int, layers: int) -> dict:
         prev = cur
     out = summarise(rows)
     out["params"] = params
+    out["bytes_per_step"] = [r["bytes"] for r in rows]
+    out["changed_fraction_per_step"] = [round(r["changed_fraction"], 6) for r in rows]
     return out
 
 

@@ -108,7 +108,7 @@ _TARGET_QUOTIENT = 32
 _BITMAP_MIN_DENSITY = 1 / 16
 # Between bitmap and gaps the encoder compresses both for the first this-many elements and keeps
 # the smaller: entropy estimates mislead there (zstd loses 10-25% on the skewed small alphabets
-# of dense gaps and bitmaps alike), and 2**20 elements cost about a millisecond to try.
+# of dense gaps and bitmaps alike), and 2**20 elements cost 1-5 ms to try.
 _TRIAL_ELEMENTS = 1 << 20
 # Coding choices are estimated on at most this many strided samples per tensor.
 _SAMPLE = 1 << 18
