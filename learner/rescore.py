@@ -126,6 +126,7 @@ class Rescorer:
         n = int(lp.numel())
         mismatch = float((lp - behaviour).abs().mean()) if n else 0.0
         k = float((lp.exp() < IMPROBABLE_P).sum())
+        q = q.clamp(0.0, 1.0)  # float rounding can push a sum of probabilities past 1
         k_mean, k_var = float(q.sum()), float((q * (1 - q)).sum())
         k_limit = k_mean + SHAPE_SIGMAS * math.sqrt(k_var) + SHAPE_SLACK
         median_p = float(lp.exp().median()) if n else 1.0

@@ -1,0 +1,148 @@
+"""Verification cost: steps 1-4 per core, and re-scoring (step 5) against the learner's step.
+
+Steps 1-4 (size limits, envelope + Ed25519 signature, strict schema, lease and version window,
+group shape, token/log-prob checks, termination, reward recomputed from the lease's prompt) run
+through ``echo.coordinator.verify.check_submission`` on one core, over real signed submissions;
+the baseline in the same run is the bare Ed25519 verification of the same bytes, the floor any
+design must pay. Re-scoring is timed as a fraction of the learner's own step on the same batch.
+
+    python benchmarks/verify.py [--quick]
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from _common import emit, parse_args, say  # noqa: E402
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey  # noqa: E402
+
+from echo.coordinator.store import LeaseRow  # noqa: E402
+from echo.coordinator.verify import JobContext, check_submission  # noqa: E402
+from echo.learner.grpo import GRPOConfig, GRPOLearner, TrainGroup  # noqa: E402
+from echo.learner.rescore import Rescorer  # noqa: E402
+from echo.models.spec import ModelSpec, build_model, decode_completion, encode_prompt  # noqa: E402
+from echo.models.tokenizer import EOS_ID, VOCAB_SIZE  # noqa: E402
+from echo.models.weights import export_state  # noqa: E402
+from echo.node.engines.base import GenRequest, SamplingParams  # noqa: E402
+from echo.node.engines.torch_engine import TorchEngine  # noqa: E402
+from echo.p2p.identity import Identity  # noqa: E402
+from echo.protocol import signing  # noqa: E402
+from echo.protocol import messages as m  # noqa: E402
+from echo.tasks.registry import make_task  # noqa: E402
+
+GROUP = 16
+MAX_NEW = 8
+
+
+def make_submissions(n: int, node: Identity, task) -> tuple[list[bytes], dict[str, LeaseRow]]:
+    rng = random.Random(0)
+    now = time.time()
+    leases, subs = {}, []
+    for i in range(n):
+        lid = f"lease-{i}"
+        leases[lid] = LeaseRow(lid, "job", node.peer_id_str, i, GROUP, MAX_NEW, i, 0, now,
+                               now + 3600, "open")
+        comps = []
+        for _ in range(GROUP):
+            k = rng.randrange(1, MAX_NEW)
+            toks = [rng.randrange(3, VOCAB_SIZE) for _ in range(k - 1)] + [EOS_ID]
+            comps.append(m.CompletionRecord(token_ids=m.pack_tokens(toks),
+                                            logprobs=m.pack_logprobs([-0.5] * k),
+                                            finish_reason="stop"))
+        sub = m.Submission(lease_id=lid, job_id="job", version=3, engine="torch",
+                           state_digest="d", completions=comps, gen_seconds=0.1)
+        subs.append(signing.seal(node.private_key, "submission", sub.to_obj()))
+    return subs, leases
+
+
+def bench_steps_1_4(n: int) -> dict[str, float]:
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core
+    node = Identity.generate()
+    task = make_task("addition", {"max_operand": 10})
+    spec = ModelSpec()
+    ctx = JobContext(job_id="job", task=task, decode=lambda ids: decode_completion(spec, ids),
+                     vocab_size=VOCAB_SIZE, eos_id=EOS_ID, staleness=2, current_version=3,
+                     digests={3: "d"})
+    subs, leases = make_submissions(n, node, task)
+    key = node.public_key_bytes
+    t0 = time.perf_counter()
+    for data in subs:
+        check_submission(data, peer_key=key, node_key=key, node_excluded=False,
+                         lookup_lease=leases.get, jobs={"job": ctx})
+    full = time.perf_counter() - t0
+    pub = Ed25519PublicKey.from_public_bytes(key)
+    raw = [signing.open_envelope(d, kind="submission") for d in subs]
+    t0 = time.perf_counter()
+    for env in raw:
+        pub.verify(env.sig, signing._signed_bytes("submission", env.body))
+    sig_only = time.perf_counter() - t0
+    os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
+    return {
+        "groups_per_s_per_core": n / full,
+        "rollouts_per_s_per_core": n * GROUP / full,
+        "signature_only_groups_per_s": n / sig_only,
+        "steps_1_4_vs_signature_only": full / sig_only,
+    }
+
+
+def bench_rescore(batch_groups: int, reps: int) -> dict[str, float]:
+    torch.set_num_threads(1)
+    spec = ModelSpec()
+    task = make_task("addition", {"max_operand": 5})
+    learner = GRPOLearner(build_model(spec, seed=0), GRPOConfig())
+    engine = TorchEngine(spec, threads=1)
+    engine.load_state(export_state(learner.model))
+    rescorer = Rescorer(spec, keep=3, temperature=1.0)
+    rescorer.remember(0, export_state(learner.model))
+    step_s, rescore_s = [], []
+    for r in range(reps):
+        reqs = [GenRequest(encode_prompt(spec, task.prompt(r * 100 + i)), GROUP,
+                           SamplingParams(max_new_tokens=MAX_NEW, seed=r * 100 + i))
+                for i in range(batch_groups)]
+        groups = []
+        for i, comps in enumerate(engine.generate(reqs)):
+            groups.append(TrainGroup(
+                reqs[i].prompt_ids, [c.token_ids for c in comps], [c.logprobs for c in comps],
+                [task.reward(r * 100 + i, decode_completion(spec, c.token_ids[:-1]))
+                 for c in comps], version=0))
+        finish = [["stop" if c[-1] == EOS_ID else "length" for c in g.completions]
+                  for g in groups]
+        t0 = time.perf_counter()
+        verdicts = rescorer.check(groups, finish)
+        rescore_s.append(time.perf_counter() - t0)
+        assert all(v.ok for v in verdicts), [v for v in verdicts if not v.ok]
+        t0 = time.perf_counter()
+        learner.step(groups)
+        step_s.append(time.perf_counter() - t0)
+        learner.version = 0  # keep rescoring against version 0's weights
+        rescorer._loaded = -1
+        rescorer.remember(0, export_state(learner.model))
+    step, resc = sorted(step_s)[len(step_s) // 2], sorted(rescore_s)[len(rescore_s) // 2]
+    return {"learner_step_s": step, "rescore_s": resc, "rescore_fraction": resc / step}
+
+
+def main() -> None:
+    args = parse_args(__doc__)
+    n = 300 if args.quick else 2000
+    say(f"steps 1-4 over {n} signed groups of {GROUP} on one core ...")
+    v = bench_steps_1_4(n)
+    say(f"  {v['rollouts_per_s_per_core']:,.0f} rollouts/s per core "
+        f"({v['groups_per_s_per_core']:,.0f} groups/s); "
+        f"{v['steps_1_4_vs_signature_only']:.2f}x the cost of the bare signature check")
+    reps = 5 if args.quick else 20
+    say(f"re-scoring vs learner step, batch of 8 groups x {GROUP}, {reps} reps ...")
+    r = bench_rescore(8, reps)
+    say(f"  learner step {r['learner_step_s'] * 1e3:.1f} ms, re-scoring "
+        f"{r['rescore_s'] * 1e3:.1f} ms = {r['rescore_fraction']:.1%} of the learner's time")
+    emit({**v, **r, "quick": args.quick})
+
+
+if __name__ == "__main__":
+    main()
