@@ -718,6 +718,10 @@ def apply_patch(
     limit (tensor count, element counts, output bytes <= ``max_output_bytes``, each stream's
     decompressed size) is checked before the memory it governs is allocated.
 
+    A patch does not name its base version: applied to a different base of the same shapes it
+    yields a wrong state (or a DecodeError). Callers check the result against the tensor hashes
+    of the signed manifest.
+
     :raises DecodeError: if the patch is malformed, exceeds a limit, or does not match ``old``
         (names, element widths, sizes).
     :raises ValueError: if ``old`` holds something that is not a supported 1-D bit view.

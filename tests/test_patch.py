@@ -134,6 +134,13 @@ def test_strided_inputs_round_trip() -> None:
     assert all(np.array_equal(out[k], new[k]) for k in old)
 
 
+def test_encoding_is_deterministic() -> None:
+    rng = np.random.default_rng(7)
+    old = _initial_state(rng)
+    new = {k: _mutate(rng, a, "sparse") for k, a in old.items()}
+    assert encode_patch(old, new) == encode_patch(dict(old), dict(new))
+
+
 def test_empty_state_round_trips() -> None:
     patch = encode_patch({}, {})
     assert apply_patch({}, patch, max_output_bytes=0) == {}
