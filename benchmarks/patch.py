@@ -25,7 +25,12 @@ import zstandard
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import emit, median, parse_args, say, timed  # noqa: E402
 
-from echo.protocol.patch import apply_patch, encode_patch, patch_stats  # noqa: E402
+from echo.protocol.patch import (  # noqa: E402
+    apply_patch,
+    apply_patch_inplace,
+    encode_patch,
+    patch_stats,
+)
 
 LEVEL = 3  # the codec's default zstd level; the baseline uses the same one
 # Encode and apply are timed best-of-N: the first call in a process pays page faults for fresh
@@ -57,6 +62,15 @@ def measure_pair(old: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray]) -
         if not np.array_equal(out[name], a):
             raise AssertionError(f"patch did not reproduce {name!r}")
     del out
+    t_inplace = float("inf")
+    for _ in range(REPEATS):
+        live = {k: a.copy() for k, a in old.items()}
+        t, _ = timed(lambda live=live: apply_patch_inplace(live, patch, max_output_bytes=full))
+        t_inplace = min(t_inplace, t)
+    for name, a in new.items():
+        if not np.array_equal(live[name], a):
+            raise AssertionError(f"in-place patch did not reproduce {name!r}")
+    del live
     stats = patch_stats(patch)
     base = int32_baseline(old, new)
     return {
@@ -68,6 +82,7 @@ def measure_pair(old: Mapping[str, np.ndarray], new: Mapping[str, np.ndarray]) -
         "baseline_bytes": base,
         "encode_MBps": full / 1e6 / t_enc,
         "apply_MBps": full / 1e6 / t_app,
+        "apply_inplace_MBps": full / 1e6 / t_inplace,
         "positions": stats["positions"],
         "values": stats["values"],
     }
@@ -80,6 +95,7 @@ def summarise(rows: list[dict]) -> dict:
     out["ratio_vs_int32_baseline"] = median([r["ratio_vs_int32_baseline"] for r in rows])
     out["encode_MBps"] = median([r["encode_MBps"] for r in rows])
     out["apply_MBps"] = median([r["apply_MBps"] for r in rows])
+    out["apply_inplace_MBps"] = median([r["apply_inplace_MBps"] for r in rows])
     out["versions"] = len(rows)
     return out
 
@@ -198,7 +214,7 @@ def synthetic(params: int, versions: int) -> dict[str, dict]:
                 f"{v + 1}: {r['bytes'] / 1e6:.2f} MB, x{r['ratio_vs_full_bf16']:.1f} vs bf16, "
                 f"x{r['ratio_vs_int32_baseline']:.2f} vs int32 baseline, "
                 f"{r['bits_per_change']:.2f} bits/change, encode {r['encode_MBps']:.0f} MB/s, "
-                f"apply {r['apply_MBps']:.0f} MB/s"
+                f"apply {r['apply_MBps']:.0f} MB/s (in place {r['apply_inplace_MBps']:.0f} MB/s)"
             )
             cur = nxt
         results[f"{unchanged:.3f}".rstrip("0")] = summarise(rows) | {"params": total}
@@ -243,11 +259,13 @@ def main() -> None:
             "bytes_per_version": s99["bytes_per_version"],
             "encode_MBps": s99["encode_MBps"],
             "apply_MBps": s99["apply_MBps"],
+            "apply_inplace_MBps": s99["apply_inplace_MBps"],
             "ratio_vs_full_bf16_99_9": s999["ratio_vs_full_bf16"],
             "ratio_vs_int32_baseline_99_9": s999["ratio_vs_int32_baseline"],
             "bytes_per_version_99_9": s999["bytes_per_version"],
             "encode_MBps_99_9": s999["encode_MBps"],
             "apply_MBps_99_9": s999["apply_MBps"],
+            "apply_inplace_MBps_99_9": s999["apply_inplace_MBps"],
             "synthetic": syn,
             "real": real,
         }

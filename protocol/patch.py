@@ -709,21 +709,15 @@ def _decode_values(e: _Entry, cur: list[_Cursor], ov: np.ndarray) -> np.ndarray:
     return v
 
 
-def apply_patch(
-    old: Mapping[str, np.ndarray], patch: bytes, *, max_output_bytes: int
-) -> dict[str, np.ndarray]:
-    """Apply ``patch`` to ``old`` and return the new state as fresh arrays (``old`` is untouched).
+def _decode_all(
+    old: Mapping[str, np.ndarray], patch: bytes, max_output_bytes: int
+) -> list[tuple[str, np.ndarray, np.ndarray | None, np.ndarray | None]]:
+    """Decode and validate every change in ``patch`` against ``old`` without writing anything.
 
-    Output arrays keep ``old``'s dtypes and are returned in the patch's tensor order. Every
-    limit (tensor count, element counts, output bytes <= ``max_output_bytes``, each stream's
-    decompressed size) is checked before the memory it governs is allocated.
+    Returns, per tensor in patch order, (name, unsigned view of the base, positions or None for
+    ALL, new values or None for NONE).
 
-    A patch does not name its base version: applied to a different base of the same shapes it
-    yields a wrong state (or a DecodeError). Callers check the result against the tensor hashes
-    of the signed manifest.
-
-    :raises DecodeError: if the patch is malformed, exceeds a limit, or does not match ``old``
-        (names, element widths, sizes).
+    :raises DecodeError: as :func:`apply_patch`.
     :raises ValueError: if ``old`` holds something that is not a supported 1-D bit view.
     """
     parsed = _parse(patch)
@@ -748,21 +742,70 @@ def apply_patch(
             )
         cursors.append(_Cursor(_decompress(buf[off : off + stored], raw, method, sname)))
         off += stored
-    out: dict[str, np.ndarray] = {}
+    changes = []
     for e in parsed.entries:
-        base = old[e.name]
         o = views[e.name]
         if e.pos == POS_NONE:
-            out[e.name] = base.copy()
+            changes.append((e.name, o, None, None))
             continue
         pos = _decode_positions(e, cursors)
-        if pos is None:
-            out[e.name] = _decode_values(e, cursors, o).view(base.dtype)
-            continue
-        res = o.copy()
-        res[pos] = _decode_values(e, cursors, o[pos])
-        out[e.name] = res.view(base.dtype)
+        values = _decode_values(e, cursors, o if pos is None else o[pos])
+        changes.append((e.name, o, pos, values))
+    return changes
+
+
+def apply_patch(
+    old: Mapping[str, np.ndarray], patch: bytes, *, max_output_bytes: int
+) -> dict[str, np.ndarray]:
+    """Apply ``patch`` to ``old`` and return the new state as fresh arrays (``old`` is untouched).
+
+    Output arrays keep ``old``'s dtypes and are returned in the patch's tensor order. Every
+    limit (tensor count, element counts, output bytes <= ``max_output_bytes``, each stream's
+    decompressed size) is checked before the memory it governs is allocated.
+
+    A patch does not name its base version: applied to a different base of the same shapes it
+    yields a wrong state (or a DecodeError). Callers check the result against the tensor hashes
+    of the signed manifest.
+
+    :raises DecodeError: if the patch is malformed, exceeds a limit, or does not match ``old``
+        (names, element widths, sizes).
+    :raises ValueError: if ``old`` holds something that is not a supported 1-D bit view.
+    """
+    out: dict[str, np.ndarray] = {}
+    for name, o, pos, values in _decode_all(old, patch, max_output_bytes):
+        if values is None:
+            res = o.copy()
+        elif pos is None:
+            res = values  # freshly decoded, shares nothing with old
+        else:
+            res = o.copy()
+            res[pos] = values
+        out[name] = res.view(old[name].dtype)
     return out
+
+
+def apply_patch_inplace(
+    state: Mapping[str, np.ndarray], patch: bytes, *, max_output_bytes: int
+) -> None:
+    """Apply ``patch`` by writing the changed elements into ``state``'s own arrays.
+
+    For nodes holding large models: no second copy of the state. All or nothing: the whole patch
+    is decoded and validated (as in :func:`apply_patch`) before the first element is written, so
+    on any error ``state`` is unchanged.
+
+    :raises DecodeError: as :func:`apply_patch`.
+    :raises ValueError: if an array of ``state`` is not a writeable, supported 1-D bit view.
+    """
+    for name, a in state.items():
+        if isinstance(a, np.ndarray) and not a.flags.writeable:
+            raise ValueError(f"tensor {name!r}: array is read-only")
+    for _, o, pos, values in _decode_all(state, patch, max_output_bytes):
+        if values is None:
+            continue
+        if pos is None:
+            o[...] = values
+        else:
+            o[pos] = values
 
 
 def patch_stats(patch: bytes) -> dict[str, Any]:

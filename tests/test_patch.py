@@ -20,6 +20,7 @@ from echo.protocol.patch import (
     MAX_PATCH_TENSORS,
     MAX_TENSOR_ELEMENTS,
     apply_patch,
+    apply_patch_inplace,
     encode_patch,
     patch_stats,
 )
@@ -132,6 +133,38 @@ def test_strided_inputs_round_trip() -> None:
     patch = encode_patch(old, new)
     out = apply_patch(old, patch, max_output_bytes=BIG)
     assert all(np.array_equal(out[k], new[k]) for k in old)
+
+
+def test_inplace_apply_matches_copying_apply() -> None:
+    rng = np.random.default_rng(8)
+    state = _initial_state(rng)
+    live = {k: a.copy() for k, a in state.items()}
+    for version in range(10):
+        new = {
+            k: _mutate(rng, a, MODES[(version + i) % len(MODES)])
+            for i, (k, a) in enumerate(state.items())
+        }
+        patch = encode_patch(state, new)
+        apply_patch_inplace(live, patch, max_output_bytes=BIG)
+        for k, a in new.items():
+            assert live[k].dtype == a.dtype and np.array_equal(live[k], a), (version, k)
+        state = new
+
+
+def test_inplace_apply_is_all_or_nothing() -> None:
+    rng = np.random.default_rng(9)
+    old = {"a": _bf16_like(rng, 5000), "b": _bf16_like(rng, 5000)}
+    new = {"a": _nudge(rng, old["a"], 0.05), "b": rng.integers(0, 2**16, 5000, dtype=np.uint16)}
+    patch = encode_patch(old, new)
+    assert patch_stats(patch)["values"] == {"new": 1, "diff": 1}
+    live = {"a": old["a"].copy(), "b": new["b"].copy()}  # "b" is already at the new version
+    with pytest.raises(DecodeError, match="unchanged"):
+        apply_patch_inplace(live, patch, max_output_bytes=BIG)
+    assert np.array_equal(live["a"], old["a"]), "tensor a was written before b failed"
+    frozen = {k: a.copy() for k, a in old.items()}
+    frozen["a"].flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        apply_patch_inplace(frozen, patch, max_output_bytes=BIG)
 
 
 def test_encoding_is_deterministic() -> None:
