@@ -33,8 +33,8 @@ from echo.models.weights import export_state  # noqa: E402
 from echo.node.engines.base import GenRequest, SamplingParams  # noqa: E402
 from echo.node.engines.torch_engine import TorchEngine  # noqa: E402
 from echo.p2p.identity import Identity  # noqa: E402
-from echo.protocol import signing  # noqa: E402
 from echo.protocol import messages as m  # noqa: E402
+from echo.protocol import signing  # noqa: E402
 from echo.tasks.registry import make_task  # noqa: E402
 
 GROUP = 16

@@ -77,51 +77,58 @@ class Rescorer:
             self._states.popitem(last=False)
 
     @torch.no_grad()
-    def _token_stats(self, group: TrainGroup) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per completion token: log p(chosen), entropy H, and the policy's mass on improbable
-        tokens (q_t of the sampling-shape count)."""
-        rows = [list(group.prompt_ids) + list(c) for c in group.completions]
+    def _token_stats(self, groups: list[TrainGroup]) -> list[tuple[torch.Tensor, ...]]:
+        """Per group, per completion token: log p(chosen), entropy H, and the policy's mass on
+        improbable tokens (q_t of the sampling-shape count). One batched prefill for all groups
+        (they share a version), as the learner's own forward does."""
+        rows, spans = [], []
+        for g in groups:
+            for c in g.completions:
+                rows.append(list(g.prompt_ids) + list(c))
+                spans.append((len(g.prompt_ids), len(c)))
         width = max(len(r) for r in rows)
         ids = torch.zeros((len(rows), width), dtype=torch.long)
         mask = torch.zeros_like(ids)
-        for i, r in enumerate(rows):
+        target = torch.zeros((len(rows), width - 1), dtype=torch.bool)
+        for i, (r, (plen, n)) in enumerate(zip(rows, spans, strict=True)):
             ids[i, : len(r)] = torch.tensor(r)
             mask[i, : len(r)] = 1
-        logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
-        plen = len(group.prompt_ids)
-        lps, ents, qs = [], [], []
-        for i, c in enumerate(group.completions):
-            if not c:
-                continue
-            lg = logits[i, plen - 1 : plen - 1 + len(c)] / self.temperature
-            logp = torch.log_softmax(lg, dim=-1)
-            p = logp.exp()
-            chosen = logp.gather(1, torch.tensor(c).unsqueeze(1)).squeeze(1)
-            lps.append(chosen)
-            ents.append(-(p * logp).sum(-1))
-            qs.append((p * (p < IMPROBABLE_P)).sum(-1))
-        return torch.cat(lps), torch.cat(ents), torch.cat(qs)
+            target[i, plen - 1 : plen - 1 + n] = True
+        logits = self.model(input_ids=ids, attention_mask=mask).logits[:, :-1][target].float()
+        logp = torch.log_softmax(logits / self.temperature, dim=-1)
+        p = logp.exp()
+        chosen = logp.gather(1, ids[:, 1:][target].unsqueeze(1)).squeeze(1)
+        ent = -(p * logp).sum(-1)
+        q = (p * (p < IMPROBABLE_P)).sum(-1)
+        sizes = [sum(len(c) for c in g.completions) for g in groups]
+        return list(zip(chosen.split(sizes), ent.split(sizes), q.split(sizes), strict=True))
 
     def check(self, groups: list[TrainGroup], finish: list[list[str]],
               engines: list[str] | None = None) -> list[Verdict]:
+        """A verdict per group, scoring each group under the weights of the version it claims."""
         t0 = time.perf_counter()
-        out = []
+        out: list[Verdict | None] = [None] * len(groups)
+        by_version: dict[int, list[int]] = {}
         for gi, g in enumerate(groups):
-            state = self._states.get(g.version)
-            if state is None:
-                out.append(Verdict(False, "stale_version",
-                                   {"version": float(g.version)}))
-                continue
-            if self._loaded != g.version:
-                load_state(self.model, state)
-                self._loaded = g.version
-            engine = engines[gi] if engines else "torch"
-            out.append(self._judge(g, finish[gi], engine))
+            if g.version not in self._states:
+                out[gi] = Verdict(False, "stale_version", {"version": float(g.version)})
+            elif not any(g.completions):
+                out[gi] = Verdict(False, "incomplete_group", {})
+            else:
+                by_version.setdefault(g.version, []).append(gi)
+        for version, members in by_version.items():
+            if self._loaded != version:
+                load_state(self.model, self._states[version])
+                self._loaded = version
+            stats = self._token_stats([groups[i] for i in members])
+            for gi, st in zip(members, stats, strict=True):
+                engine = engines[gi] if engines else "torch"
+                out[gi] = self._judge(groups[gi], finish[gi], engine, *st)
         self.last_seconds = time.perf_counter() - t0
-        return out
+        return [v for v in out if v is not None]
 
-    def _judge(self, g: TrainGroup, finish: list[str], engine: str) -> Verdict:
-        lp, ent, q = self._token_stats(g)
+    def _judge(self, g: TrainGroup, finish: list[str], engine: str, lp: torch.Tensor,
+               ent: torch.Tensor, q: torch.Tensor) -> Verdict:
         behaviour = torch.tensor([x for c in g.behaviour_logprobs for x in c], dtype=torch.float32)
         n = int(lp.numel())
         mismatch = float((lp - behaviour).abs().mean()) if n else 0.0
