@@ -30,7 +30,7 @@ from echo.node.weights import WeightSync
 from echo.p2p.chunkstore import ChunkStore, serve_chunks
 from echo.p2p.host import EchoHost, open_host
 from echo.p2p.identity import Identity, public_key_from_peer_id
-from echo.p2p.rpc import RpcError
+from echo.p2p.rpc import RemoteError, RpcError
 from echo.protocol import codec, ids, signing
 from echo.protocol import messages as m
 from echo.protocol.errors import ProtocolError
@@ -209,9 +209,15 @@ class Node:
             req = m.LeaseRequest(job_id=job.job_id, max_leases=self.cfg.leases_at_once,
                                  have_version=sync.version, timestamp=time.time())
             try:
-                reply = m.decode(m.LeaseReply,
-                                 await self._call(ids.PROTO_LEASE, self._seal("lease_request", req)))
-            except RpcError as exc:
+                sealed = self._seal("lease_request", req)
+                reply = m.decode(m.LeaseReply, await self._call(ids.PROTO_LEASE, sealed))
+            except RemoteError as exc:
+                if "excluded" in exc.message:
+                    raise NodeError(f"the coordinator excluded this node: {exc.message}") from None
+                self.say(f"[yellow]lease request refused:[/yellow] {exc.message}")
+                await trio.sleep(2.0)
+                continue
+            except (RpcError, ProtocolError) as exc:
                 self.say(f"[yellow]lease request failed:[/yellow] {exc}")
                 await trio.sleep(2.0)
                 continue
@@ -259,21 +265,28 @@ class Node:
                     token_ids=m.pack_tokens(c.token_ids), logprobs=m.pack_logprobs(c.logprobs),
                     finish_reason=c.finish_reason) for c in group],
                 gen_seconds=gen_s / len(leases))
-            try:
-                # Token and log-prob arrays compress ~2-4x; the coordinator caps the output size.
-                payload = codec.compress(self._seal("submission", sub))
-                reply = m.decode(m.SubmitReply, await self._call(ids.PROTO_SUBMIT, payload))
-            except RpcError as exc:
-                self.say(f"[yellow]submission failed:[/yellow] {exc}")
-                continue
-            self._show(reply, version)
+            await self._submit(self.encode_submission(sub))
+
+    def encode_submission(self, sub: m.Submission) -> bytes:
+        """Sign and compress a submission (token and log-prob arrays compress ~2-4x; the
+        coordinator caps the decompressed size)."""
+        return codec.compress(self._seal("submission", sub))
+
+    async def _submit(self, payload: bytes) -> m.SubmitReply | None:
+        try:
+            reply = m.decode(m.SubmitReply, await self._call(ids.PROTO_SUBMIT, payload))
+        except (RpcError, ProtocolError) as exc:
+            self.say(f"[yellow]submission failed:[/yellow] {exc}")
+            return None
+        self._show(reply)
+        return reply
 
     async def _throttle(self, tokens: int, gen_s: float) -> None:
         cap = self.cfg.max_tokens_per_s
         if cap:
             await trio.sleep(max(0.0, tokens / cap - gen_s))
 
-    def _show(self, reply: m.SubmitReply, version: int) -> None:
+    def _show(self, reply: m.SubmitReply) -> None:
         if reply.accepted:
             self.stats.accepted += 1
         else:
@@ -282,7 +295,7 @@ class Node:
             self.say(f"[red]rejected[/red] ({reply.reason}) {reply.detail}")
         if self.stats.accepted % 10 == 1 or not reply.accepted:
             reasons = ", ".join(f"{k} {v}" for k, v in sorted(reply.rejected_by_reason.items()))
-            self.say(f"v{version} · accepted {reply.accepted_total} · rejected "
+            self.say(f"accepted {reply.accepted_total} · rejected "
                      f"{reply.rejected_total}{' (' + reasons + ')' if reasons else ''} · "
                      f"{self.stats.tokens_per_s:,.0f} tok/s")
 
