@@ -47,17 +47,29 @@ def make_submissions(n: int, node: Identity, task) -> tuple[list[bytes], dict[st
     leases, subs = {}, []
     for i in range(n):
         lid = f"lease-{i}"
-        leases[lid] = LeaseRow(lid, "job", node.peer_id_str, i, GROUP, MAX_NEW, i, 0, now,
-                               now + 3600, "open")
+        leases[lid] = LeaseRow(
+            lid, "job", node.peer_id_str, i, GROUP, MAX_NEW, i, 0, now, now + 3600, "open"
+        )
         comps = []
         for _ in range(GROUP):
             k = rng.randrange(1, MAX_NEW)
             toks = [rng.randrange(3, VOCAB_SIZE) for _ in range(k - 1)] + [EOS_ID]
-            comps.append(m.CompletionRecord(token_ids=m.pack_tokens(toks),
-                                            logprobs=m.pack_logprobs([-0.5] * k),
-                                            finish_reason="stop"))
-        sub = m.Submission(lease_id=lid, job_id="job", version=3, engine="torch",
-                           state_digest="d", completions=comps, gen_seconds=0.1)
+            comps.append(
+                m.CompletionRecord(
+                    token_ids=m.pack_tokens(toks),
+                    logprobs=m.pack_logprobs([-0.5] * k),
+                    finish_reason="stop",
+                )
+            )
+        sub = m.Submission(
+            lease_id=lid,
+            job_id="job",
+            version=3,
+            engine="torch",
+            state_digest="d",
+            completions=comps,
+            gen_seconds=0.1,
+        )
         subs.append(signing.seal(node.private_key, "submission", sub.to_obj()))
     return subs, leases
 
@@ -67,15 +79,28 @@ def bench_steps_1_4(n: int) -> dict[str, float]:
     node = Identity.generate()
     task = make_task("addition", {"max_operand": 10})
     spec = ModelSpec()
-    ctx = JobContext(job_id="job", task=task, decode=lambda ids: decode_completion(spec, ids),
-                     vocab_size=VOCAB_SIZE, eos_id=EOS_ID, staleness=2, current_version=3,
-                     digests={3: "d"})
+    ctx = JobContext(
+        job_id="job",
+        task=task,
+        decode=lambda ids: decode_completion(spec, ids),
+        vocab_size=VOCAB_SIZE,
+        eos_id=EOS_ID,
+        staleness=2,
+        current_version=3,
+        digests={3: "d"},
+    )
     subs, leases = make_submissions(n, node, task)
     key = node.public_key_bytes
     t0 = time.perf_counter()
     for data in subs:
-        check_submission(data, peer_key=key, node_key=key, node_excluded=False,
-                         lookup_lease=leases.get, jobs={"job": ctx})
+        check_submission(
+            data,
+            peer_key=key,
+            node_key=key,
+            node_excluded=False,
+            lookup_lease=leases.get,
+            jobs={"job": ctx},
+        )
     full = time.perf_counter() - t0
     pub = Ed25519PublicKey.from_public_bytes(key)
     raw = [signing.open_envelope(d, kind="submission") for d in subs]
@@ -103,17 +128,29 @@ def bench_rescore(batch_groups: int, reps: int) -> dict[str, float]:
     rescorer.remember(0, export_state(learner.model))
     step_s, rescore_s = [], []
     for r in range(reps):
-        reqs = [GenRequest(encode_prompt(spec, task.prompt(r * 100 + i)), GROUP,
-                           SamplingParams(max_new_tokens=MAX_NEW, seed=r * 100 + i))
-                for i in range(batch_groups)]
+        reqs = [
+            GenRequest(
+                encode_prompt(spec, task.prompt(r * 100 + i)),
+                GROUP,
+                SamplingParams(max_new_tokens=MAX_NEW, seed=r * 100 + i),
+            )
+            for i in range(batch_groups)
+        ]
         groups = []
         for i, comps in enumerate(engine.generate(reqs)):
-            groups.append(TrainGroup(
-                reqs[i].prompt_ids, [c.token_ids for c in comps], [c.logprobs for c in comps],
-                [task.reward(r * 100 + i, decode_completion(spec, c.token_ids[:-1]))
-                 for c in comps], version=0))
-        finish = [["stop" if c[-1] == EOS_ID else "length" for c in g.completions]
-                  for g in groups]
+            groups.append(
+                TrainGroup(
+                    reqs[i].prompt_ids,
+                    [c.token_ids for c in comps],
+                    [c.logprobs for c in comps],
+                    [
+                        task.reward(r * 100 + i, decode_completion(spec, c.token_ids[:-1]))
+                        for c in comps
+                    ],
+                    version=0,
+                )
+            )
+        finish = [["stop" if c[-1] == EOS_ID else "length" for c in g.completions] for g in groups]
         t0 = time.perf_counter()
         verdicts = rescorer.check(groups, finish)
         rescore_s.append(time.perf_counter() - t0)
@@ -133,14 +170,18 @@ def main() -> None:
     n = 300 if args.quick else 2000
     say(f"steps 1-4 over {n} signed groups of {GROUP} on one core ...")
     v = bench_steps_1_4(n)
-    say(f"  {v['rollouts_per_s_per_core']:,.0f} rollouts/s per core "
+    say(
+        f"  {v['rollouts_per_s_per_core']:,.0f} rollouts/s per core "
         f"({v['groups_per_s_per_core']:,.0f} groups/s); "
-        f"{v['steps_1_4_vs_signature_only']:.2f}x the cost of the bare signature check")
+        f"{v['steps_1_4_vs_signature_only']:.2f}x the cost of the bare signature check"
+    )
     reps = 5 if args.quick else 20
     say(f"re-scoring vs learner step, batch of 8 groups x {GROUP}, {reps} reps ...")
     r = bench_rescore(8, reps)
-    say(f"  learner step {r['learner_step_s'] * 1e3:.1f} ms, re-scoring "
-        f"{r['rescore_s'] * 1e3:.1f} ms = {r['rescore_fraction']:.1%} of the learner's time")
+    say(
+        f"  learner step {r['learner_step_s'] * 1e3:.1f} ms, re-scoring "
+        f"{r['rescore_s'] * 1e3:.1f} ms = {r['rescore_fraction']:.1%} of the learner's time"
+    )
     emit({**v, **r, "quick": args.quick})
 
 

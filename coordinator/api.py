@@ -34,37 +34,58 @@ def job_status(coord: Coordinator, job_id: str) -> dict[str, Any] | None:
     spec = json.loads(row["spec_json"])
     versions = []
     for v in coord.store.versions(job_id):
-        versions.append({
-            "version": v["version"], "kind": v["kind"], "bytes": v["total_size"],
-            "trained_groups": v["trained_count"], "published_at": v["published_at"],
-            "time_to_all_s": (v["all_nodes_at"] - v["published_at"]) if v["all_nodes_at"] else None,
-            "metrics": json.loads(v["metrics_json"]),
-        })
+        versions.append(
+            {
+                "version": v["version"],
+                "kind": v["kind"],
+                "bytes": v["total_size"],
+                "trained_groups": v["trained_count"],
+                "published_at": v["published_at"],
+                "time_to_all_s": (v["all_nodes_at"] - v["published_at"])
+                if v["all_nodes_at"]
+                else None,
+                "metrics": json.loads(v["metrics_json"]),
+            }
+        )
     return {
-        "job_id": job_id, "name": row["name"], "status": row["status"], "error": row["error"],
-        "current_version": row["current_version"], "steps": spec.get("steps"),
-        "task": spec.get("task"), "learner_peer_id": row["learner_peer_id"],
+        "job_id": job_id,
+        "name": row["name"],
+        "status": row["status"],
+        "error": row["error"],
+        "current_version": row["current_version"],
+        "steps": spec.get("steps"),
+        "task": spec.get("task"),
+        "learner_peer_id": row["learner_peer_id"],
         "rollouts": coord.store.rollout_counts(job_id),
         "reward_by_version": [
             {"version": v, "mean_reward": r, "groups": n}
             for v, r, n in coord.store.reward_by_version(job_id)
         ],
         "versions": versions,
-        "created_at": row["created_at"], "updated_at": row["updated_at"],
+        "created_at": row["created_at"],
+        "updated_at": row["updated_at"],
     }
 
 
 def node_list(coord: Coordinator) -> list[dict[str, Any]]:
     out = []
     for n in coord.store.nodes():
-        out.append({
-            "node_id": n["node_id"], "engine": n["engine"], "tokens_per_s": n["tokens_per_s"],
-            "accepted": n["accepted"], "rejected": n["rejected"], "streak": n["streak"],
-            "excluded": bool(n["excluded"]), "version": n["version"],
-            "rejected_by_reason": coord.store.rejection_counts(n["node_id"]),
-            "hardware": json.loads(n["hardware_json"]), "last_seen": n["last_seen"],
-            "upload_bps": n["upload_bps"],
-        })
+        out.append(
+            {
+                "node_id": n["node_id"],
+                "engine": n["engine"],
+                "tokens_per_s": n["tokens_per_s"],
+                "accepted": n["accepted"],
+                "rejected": n["rejected"],
+                "streak": n["streak"],
+                "excluded": bool(n["excluded"]),
+                "version": n["version"],
+                "rejected_by_reason": coord.store.rejection_counts(n["node_id"]),
+                "hardware": json.loads(n["hardware_json"]),
+                "last_seen": n["last_seen"],
+                "upload_bps": n["upload_bps"],
+            }
+        )
     return out
 
 
@@ -77,6 +98,7 @@ def build_app(coord: Coordinator) -> Starlette:
             if not authorized(request):
                 return JSONResponse({"error": "missing or wrong bearer token"}, status_code=401)
             return await fn(request)
+
         return wrapper
 
     @guard
@@ -97,11 +119,17 @@ def build_app(coord: Coordinator) -> Starlette:
 
     @guard
     async def list_jobs(request: Request) -> Response:
-        return JSONResponse([
-            {"job_id": r["job_id"], "name": r["name"], "status": r["status"],
-             "current_version": r["current_version"]}
-            for r in coord.store.jobs()
-        ])
+        return JSONResponse(
+            [
+                {
+                    "job_id": r["job_id"],
+                    "name": r["name"],
+                    "status": r["status"],
+                    "current_version": r["current_version"],
+                }
+                for r in coord.store.jobs()
+            ]
+        )
 
     @guard
     async def get_job(request: Request) -> Response:
@@ -130,7 +158,9 @@ def build_app(coord: Coordinator) -> Starlette:
         return JSONResponse(node_list(coord))
 
     async def info(request: Request) -> Response:
-        return JSONResponse({"multiaddrs": coord.multiaddrs, "peer_id": str(coord.identity.peer_id)})
+        return JSONResponse(
+            {"multiaddrs": coord.multiaddrs, "peer_id": str(coord.identity.peer_id)}
+        )
 
     async def healthz(request: Request) -> Response:
         return JSONResponse({"ok": True})
@@ -141,18 +171,20 @@ def build_app(coord: Coordinator) -> Starlette:
     async def dashboard(request: Request) -> Response:
         return HTMLResponse(render_dashboard(coord))
 
-    return Starlette(routes=[
-        Route("/", dashboard),
-        Route("/healthz", healthz),
-        Route("/metrics", metrics),
-        Route("/v1/info", info),
-        Route("/v1/jobs", submit, methods=["POST"]),
-        Route("/v1/jobs", list_jobs, methods=["GET"]),
-        Route("/v1/jobs/{job_id}", get_job),
-        Route("/v1/jobs/{job_id}/cancel", cancel, methods=["POST"]),
-        Route("/v1/jobs/{job_id}/logs", logs),
-        Route("/v1/nodes", nodes),
-    ])
+    return Starlette(
+        routes=[
+            Route("/", dashboard),
+            Route("/healthz", healthz),
+            Route("/metrics", metrics),
+            Route("/v1/info", info),
+            Route("/v1/jobs", submit, methods=["POST"]),
+            Route("/v1/jobs", list_jobs, methods=["GET"]),
+            Route("/v1/jobs/{job_id}", get_job),
+            Route("/v1/jobs/{job_id}/cancel", cancel, methods=["POST"]),
+            Route("/v1/jobs/{job_id}/logs", logs),
+            Route("/v1/nodes", nodes),
+        ]
+    )
 
 
 def render_dashboard(coord: Coordinator) -> str:
@@ -180,9 +212,11 @@ def render_dashboard(coord: Coordinator) -> str:
         "<style>body{font-family:sans-serif}td,th{padding:2px 10px}</style>"
         "<h1>Echo swarm coordinator</h1><h2>Jobs</h2><table><tr><th>job</th><th>status</th>"
         "<th>version</th><th>reward first → last</th><th>groups trained</th></tr>"
-        + "".join(rows) + "</table><h2>Nodes</h2><table><tr><th>node</th><th>engine</th>"
+        + "".join(rows)
+        + "</table><h2>Nodes</h2><table><tr><th>node</th><th>engine</th>"
         "<th>version</th><th>tok/s</th><th>accepted</th><th>rejected</th><th>excluded</th></tr>"
-        + nrows + "</table>"
+        + nrows
+        + "</table>"
     )
 
 

@@ -13,8 +13,11 @@ from rich.console import Console
 
 from echo.protocol.jobspec import SpecError
 
-app = typer.Typer(help="Echo swarm coordinator: jobs, dispatch, verification, learner, HTTP API.",
-                  no_args_is_help=True, add_completion=False)
+app = typer.Typer(
+    help="Echo swarm coordinator: jobs, dispatch, verification, learner, HTTP API.",
+    no_args_is_help=True,
+    add_completion=False,
+)
 console = Console(stderr=True)
 
 
@@ -25,15 +28,27 @@ def _main() -> None:
 
 @app.command()
 def serve(
-    config: Annotated[Path | None, typer.Option(
-        "--config", "-c", help="coordinator.toml; defaults apply for anything it leaves out")] = None,
-    data_dir: Annotated[Path | None, typer.Option(
-        help="where the database, job folders and keys live (overrides the config)")] = None,
-    listen: Annotated[list[str] | None, typer.Option(
-        help="libp2p listen multiaddr, repeatable (overrides the config)")] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config", "-c", help="coordinator.toml; defaults apply for anything it leaves out"
+        ),
+    ] = None,
+    data_dir: Annotated[
+        Path | None,
+        typer.Option(help="where the database, job folders and keys live (overrides the config)"),
+    ] = None,
+    listen: Annotated[
+        list[str] | None,
+        typer.Option(help="libp2p listen multiaddr, repeatable (overrides the config)"),
+    ] = None,
     http_port: Annotated[int | None, typer.Option(help="HTTP API port (0 = any free port)")] = None,
-    info_file: Annotated[Path | None, typer.Option(
-        help="write the multiaddr, HTTP URL and API token as JSON here once listening")] = None,
+    info_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="write the multiaddr, HTTP URL and API token as JSON here once listening"
+        ),
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="debug logging")] = False,
 ) -> None:
     """Run the coordinator daemon until Ctrl-C.
@@ -47,8 +62,10 @@ def serve(
     from echo.coordinator.store import Store
     from echo.p2p.identity import Identity
 
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     for noisy in ("libp2p", "multiaddr", "hypercorn", "async_service"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
@@ -77,14 +94,21 @@ def serve(
                 console.print(f"  libp2p  {addr}")
             for url in coord.http_addrs:
                 console.print(f"  http    {url}   (token in {cfg.data_dir / 'api_token'})")
-            console.print("  join with: [bold]echo-node join --coordinator "
-                          f"{coord.multiaddrs[0]}[/bold]")
+            console.print(
+                f"  join with: [bold]echo-node join --coordinator {coord.multiaddrs[0]}[/bold]"
+            )
             if info_file is not None:
                 tmp = info_file.with_suffix(".tmp")
-                tmp.write_text(json.dumps({
-                    "multiaddrs": coord.multiaddrs, "http": coord.http_addrs,
-                    "token": coord.token, "peer_id": str(coord.identity.peer_id),
-                }))
+                tmp.write_text(
+                    json.dumps(
+                        {
+                            "multiaddrs": coord.multiaddrs,
+                            "http": coord.http_addrs,
+                            "token": coord.token,
+                            "peer_id": str(coord.identity.peer_id),
+                        }
+                    )
+                )
                 tmp.replace(info_file)
 
     try:

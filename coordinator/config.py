@@ -72,4 +72,4 @@ def load_config(path: Path | None) -> CoordinatorConfig:
     try:
         return CoordinatorConfig.model_validate(data)
     except ValidationError as exc:
-        raise explain_validation(exc, str(path or 'config')) from None
+        raise explain_validation(exc, str(path or "config")) from None

@@ -13,15 +13,24 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-app = typer.Typer(help="Submit and follow Echo swarm RL jobs (talks to echo-coordinator's HTTP API).",
-                  no_args_is_help=True, add_completion=False)
+app = typer.Typer(
+    help="Submit and follow Echo swarm RL jobs (talks to echo-coordinator's HTTP API).",
+    no_args_is_help=True,
+    add_completion=False,
+)
 console = Console()
 
-UrlOpt = Annotated[str, typer.Option(
-    "--url", envvar="ECHO_COORDINATOR_URL", help="coordinator HTTP API base URL")]
-TokenOpt = Annotated[str, typer.Option(
-    "--token", envvar="ECHO_API_TOKEN",
-    help="bearer token (the coordinator's api_token, or its data_dir/api_token file)")]
+UrlOpt = Annotated[
+    str, typer.Option("--url", envvar="ECHO_COORDINATOR_URL", help="coordinator HTTP API base URL")
+]
+TokenOpt = Annotated[
+    str,
+    typer.Option(
+        "--token",
+        envvar="ECHO_API_TOKEN",
+        help="bearer token (the coordinator's api_token, or its data_dir/api_token file)",
+    ),
+]
 
 
 def _client(url: str, token: str) -> httpx.Client:
@@ -51,14 +60,21 @@ def _call(url: str, token: str, method: str, path: str, **kw: Any) -> Any:
 
 @app.command()
 def submit(
-    job_file: Annotated[Path, typer.Argument(help="job.toml with a [job] table", exists=True,
-                                             dir_okay=False)],
+    job_file: Annotated[
+        Path, typer.Argument(help="job.toml with a [job] table", exists=True, dir_okay=False)
+    ],
     url: UrlOpt = "http://127.0.0.1:8080",
     token: TokenOpt = "",
 ) -> None:
     """Submit a job; prints its id."""
-    out = _call(url, token, "POST", "/v1/jobs", content=job_file.read_bytes(),
-                headers={"content-type": "application/toml"})
+    out = _call(
+        url,
+        token,
+        "POST",
+        "/v1/jobs",
+        content=job_file.read_bytes(),
+        headers={"content-type": "application/toml"},
+    )
     console.print(out["job_id"])
 
 
@@ -94,24 +110,33 @@ def status(
 
 def _print_status(st: dict[str, Any]) -> None:
     c = st["rollouts"]
-    console.print(f"[bold]{st['job_id']}[/bold] {st['status']}  v{st['current_version']}"
-                  f"/{st['steps']}  trained {c.get('trained', 0)}  buffered "
-                  f"{c.get('accepted', 0)}  rejected {c.get('rejected_total', 0)}")
+    console.print(
+        f"[bold]{st['job_id']}[/bold] {st['status']}  v{st['current_version']}"
+        f"/{st['steps']}  trained {c.get('trained', 0)}  buffered "
+        f"{c.get('accepted', 0)}  rejected {c.get('rejected_total', 0)}"
+    )
     if st["error"]:
         console.print(f"[red]{st['error']}[/red]")
     curve = st["reward_by_version"]
     if curve:
         pts = curve if len(curve) <= 12 else curve[:: max(1, len(curve) // 12)] + [curve[-1]]
-        console.print("reward by version: " + "  ".join(
-            f"v{p['version']}:{p['mean_reward']:.2f}" for p in pts))
+        console.print(
+            "reward by version: "
+            + "  ".join(f"v{p['version']}:{p['mean_reward']:.2f}" for p in pts)
+        )
 
 
 @app.command()
-def logs(job_id: str, url: UrlOpt = "http://127.0.0.1:8080", token: TokenOpt = "",
-         lines: int = 100) -> None:
+def logs(
+    job_id: str, url: UrlOpt = "http://127.0.0.1:8080", token: TokenOpt = "", lines: int = 100
+) -> None:
     """Print the tail of the job's learner log."""
-    console.print(_call(url, token, "GET", f"/v1/jobs/{job_id}/logs", params={"lines": lines}),
-                  end="", markup=False, highlight=False)
+    console.print(
+        _call(url, token, "GET", f"/v1/jobs/{job_id}/logs", params={"lines": lines}),
+        end="",
+        markup=False,
+        highlight=False,
+    )
 
 
 @app.command()

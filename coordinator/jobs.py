@@ -7,7 +7,13 @@ from dataclasses import dataclass
 
 from echo.coordinator.store import Store
 from echo.coordinator.verify import JobContext
-from echo.models.spec import ModelSpec, decode_completion, encode_prompt, eos_token_id, load_tokenizer
+from echo.models.spec import (
+    ModelSpec,
+    decode_completion,
+    encode_prompt,
+    eos_token_id,
+    load_tokenizer,
+)
 from echo.protocol import messages as m
 from echo.protocol.jobspec import JobSpec
 from echo.tasks.registry import make_task

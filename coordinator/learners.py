@@ -39,15 +39,23 @@ async def supervise_learner(coord: Coordinator, job_id: str, scope: trio.CancelS
         for attempt in range(MAX_RESTARTS + 1):
             with open(log_path, "ab") as out:
                 proc = await trio.run_process(
-                    coord.learner_command(job_id), check=False, stdout=out,
+                    coord.learner_command(job_id),
+                    check=False,
+                    stdout=out,
                     stderr=subprocess.STDOUT,
                 )
             status = coord.store.job(job_id)["status"]
             if proc.returncode == 0 or status in ("done", "cancelled"):
                 log.info("learner of %s exited (%s)", job_id, status)
                 return
-            log.warning("learner of %s crashed (exit %s), attempt %d:\n%s", job_id,
-                        proc.returncode, attempt + 1, tail(log_path, 8))
+            log.warning(
+                "learner of %s crashed (exit %s), attempt %d:\n%s",
+                job_id,
+                proc.returncode,
+                attempt + 1,
+                tail(log_path, 8),
+            )
             await trio.sleep(RESTART_DELAY_S)
-        coord.store.set_job_status(job_id, "failed",
-                                   f"learner crashed {MAX_RESTARTS + 1} times:\n" + tail(log_path))
+        coord.store.set_job_status(
+            job_id, "failed", f"learner crashed {MAX_RESTARTS + 1} times:\n" + tail(log_path)
+        )

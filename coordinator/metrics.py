@@ -13,14 +13,18 @@ class Metrics:
         self.leases_issued = Counter("echo_leases_issued_total", "Leases issued", registry=r)
         self.leases_expired = Counter("echo_leases_expired_total", "Leases expired", registry=r)
         self.submissions = Counter(
-            "echo_submissions_total", "Rollout group submissions by outcome",
-            ["result", "reason"], registry=r,
+            "echo_submissions_total",
+            "Rollout group submissions by outcome",
+            ["result", "reason"],
+            registry=r,
         )
         self.rollout_tokens = Counter(
             "echo_rollout_tokens_total", "Tokens in accepted rollouts", registry=r
         )
         self.verify_seconds = Histogram(
-            "echo_verify_seconds", "Time to verify one submission (steps 1-4)", registry=r,
+            "echo_verify_seconds",
+            "Time to verify one submission (steps 1-4)",
+            registry=r,
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 1.0),
         )
         self.versions_published = Counter(

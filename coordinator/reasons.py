@@ -24,12 +24,30 @@ BAD_TOKENS = "bad_tokens"  # ids outside the vocabulary, or over the length limi
 BAD_LOGPROBS = "bad_logprobs"  # not finite, positive, or not one per token
 BAD_TERMINATION = "bad_termination"  # finish reason does not match the tokens
 WRONG_WEIGHTS = "wrong_weights"  # state digest differs from the published version's
+REWARD_MISMATCH = "reward_mismatch"  # claimed rewards differ from the ones recomputed here
 RESCORE_MISMATCH = "rescore_mismatch"  # log-probs disagree with the claimed version's
 SAMPLING_SHAPE = "sampling_shape"  # chosen tokens too improbable to be the policy's samples
 TERMINATION_IMPROBABLE = "termination_improbable"  # stopped where the policy would not
 
-COUNTS_AGAINST = frozenset({
-    MALFORMED, SCHEMA, SIGNATURE, WRONG_SIGNER, LEASE_NOT_YOURS, DUPLICATE, JOB_MISMATCH,
-    FUTURE_VERSION, BELOW_MIN_VERSION, INCOMPLETE_GROUP, BAD_TOKENS, BAD_LOGPROBS,
-    BAD_TERMINATION, WRONG_WEIGHTS, RESCORE_MISMATCH, SAMPLING_SHAPE, TERMINATION_IMPROBABLE,
-})
+COUNTS_AGAINST = frozenset(
+    {
+        MALFORMED,
+        SCHEMA,
+        SIGNATURE,
+        WRONG_SIGNER,
+        LEASE_NOT_YOURS,
+        DUPLICATE,
+        JOB_MISMATCH,
+        FUTURE_VERSION,
+        BELOW_MIN_VERSION,
+        INCOMPLETE_GROUP,
+        BAD_TOKENS,
+        BAD_LOGPROBS,
+        BAD_TERMINATION,
+        WRONG_WEIGHTS,
+        REWARD_MISMATCH,
+        RESCORE_MISMATCH,
+        SAMPLING_SHAPE,
+        TERMINATION_IMPROBABLE,
+    }
+)

@@ -101,7 +101,8 @@ class Coordinator:
     def _active_node_count(self) -> int:
         now = time.time()
         return sum(
-            1 for n in self.store.nodes()
+            1
+            for n in self.store.nodes()
             if not n["excluded"] and now - n["last_seen"] < NODE_ACTIVE_S
         )
 
@@ -140,11 +141,17 @@ class Coordinator:
         import sys
 
         return [
-            sys.executable, "-m", "echo.learner",
-            "--job-dir", str(self.job_dir(job_id)),
-            "--job-id", job_id,
-            "--coordinator", self.multiaddrs[0],
-            "--threads", str(self.config.learner.torch_threads),
+            sys.executable,
+            "-m",
+            "echo.learner",
+            "--job-dir",
+            str(self.job_dir(job_id)),
+            "--job-id",
+            job_id,
+            "--coordinator",
+            self.multiaddrs[0],
+            "--threads",
+            str(self.config.learner.torch_threads),
         ]
 
     # ------------------------------------------------------------------ handlers
@@ -153,22 +160,25 @@ class Coordinator:
         small = 64 * 1024
         host.set_handler(ids.PROTO_REGISTER, self.handle_register, max_request=small)
         host.set_handler(ids.PROTO_LEASE, self.handle_lease, max_request=small)
-        host.set_handler(ids.PROTO_SUBMIT, self.handle_submit,
-                         max_request=limits.MAX_MESSAGE_BYTES)
+        host.set_handler(ids.PROTO_SUBMIT, self.handle_submit, max_request=limits.MAX_MESSAGE_BYTES)
         host.set_handler(ids.PROTO_MANIFEST, self.handle_manifest, max_request=small)
         host.set_handler(ids.PROTO_STATUS, self.handle_status, max_request=small)
         host.set_handler(ids.PROTO_LEARNER_HELLO, self.handle_learner_hello, max_request=small)
         host.set_handler(ids.PROTO_LEARNER_BATCH, self.handle_learner_batch, max_request=small)
-        host.set_handler(ids.PROTO_LEARNER_REPORT, self.handle_learner_report,
-                         max_request=limits.MAX_MESSAGE_BYTES)
+        host.set_handler(
+            ids.PROTO_LEARNER_REPORT,
+            self.handle_learner_report,
+            max_request=limits.MAX_MESSAGE_BYTES,
+        )
         host.add_violation_listener(self._on_violation)
 
     def _on_violation(self, peer_id, error: ProtocolError) -> None:
         node_id = str(peer_id)
         self.metrics.violations.labels(code=error.code).inc()
         if self.store.node(node_id) is not None:
-            self.store.record_rejection("", node_id, "", R.MALFORMED, str(error),
-                                        counts_against=True)
+            self.store.record_rejection(
+                "", node_id, "", R.MALFORMED, str(error), counts_against=True
+            )
             self._maybe_exclude(node_id)
         log.warning("framing violation from %s: %s", node_id, error)
 
@@ -188,15 +198,24 @@ class Coordinator:
                 f"{ids.PROTOCOL_VERSION}: upgrade echo-swarm"
             )
         row = self.store.upsert_node(
-            node_id, env.signer, reg.engine, reg.hardware.to_obj(), reg.tokens_per_s,
-            reg.upload_bps, reg.download_bps,
+            node_id,
+            env.signer,
+            reg.engine,
+            reg.hardware.to_obj(),
+            reg.tokens_per_s,
+            reg.upload_bps,
+            reg.download_bps,
         )
         if row["excluded"]:
-            raise ProtocolError("this node is excluded after repeated verification failures",
-                                code=R.NODE_EXCLUDED)
+            raise ProtocolError(
+                "this node is excluded after repeated verification failures", code=R.NODE_EXCLUDED
+            )
         log.info("node %s registered (%s, %.0f tok/s)", node_id[-8:], reg.engine, reg.tokens_per_s)
-        return m.encode(m.RegisterReply(node_id=node_id, jobs=self._job_infos(),
-                                        message=f"welcome to {SOFTWARE}"))
+        return m.encode(
+            m.RegisterReply(
+                node_id=node_id, jobs=self._job_infos(), message=f"welcome to {SOFTWARE}"
+            )
+        )
 
     def _job_infos(self) -> list[m.JobInfo]:
         out = []
@@ -221,33 +240,68 @@ class Coordinator:
         self.store.touch_node(node_id)
         current = int(row["current_version"])
         if row["status"] != "running" or current < 0:
-            return m.encode(m.LeaseReply(leases=[], current_version=current,
-                                         retry_after_s=2.0, message=f"job is {row['status']}"))
+            return m.encode(
+                m.LeaseReply(
+                    leases=[],
+                    current_version=current,
+                    retry_after_s=2.0,
+                    message=f"job is {row['status']}",
+                )
+            )
         min_version = max(0, current - job.spec.staleness + 1)
         if req.have_version < min_version:
-            return m.encode(m.LeaseReply(
-                leases=[], current_version=current, retry_after_s=0.2,
-                message=f"update to v{current} first"))
+            return m.encode(
+                m.LeaseReply(
+                    leases=[],
+                    current_version=current,
+                    retry_after_s=0.2,
+                    message=f"update to v{current} first",
+                )
+            )
         n = self._lease_budget(req.job_id, node_id, job, req.max_leases)
         if n <= 0:
-            return m.encode(m.LeaseReply(leases=[], current_version=current,
-                                         retry_after_s=IDLE_RETRY_S, message="buffer full"))
+            return m.encode(
+                m.LeaseReply(
+                    leases=[],
+                    current_version=current,
+                    retry_after_s=IDLE_RETRY_S,
+                    message="buffer full",
+                )
+            )
         now = time.time()
         rows, sealed = [], []
         for prompt_id in self.store.next_prompt_ids(req.job_id, n):
             lease = m.Lease(
-                lease_id=secrets.token_hex(12), job_id=req.job_id, node_id=node_id,
-                prompt_id=prompt_id, group_size=job.spec.group_size,
+                lease_id=secrets.token_hex(12),
+                job_id=req.job_id,
+                node_id=node_id,
+                prompt_id=prompt_id,
+                group_size=job.spec.group_size,
                 sampling=m.SamplingSpec(
                     max_new_tokens=job.max_new_tokens,
-                    temperature=job.spec.sampling.temperature, top_p=job.spec.sampling.top_p,
-                    seed=secrets.randbits(63)),
-                min_version=min_version, issued_at=now,
+                    temperature=job.spec.sampling.temperature,
+                    top_p=job.spec.sampling.top_p,
+                    seed=secrets.randbits(63),
+                ),
+                min_version=min_version,
+                issued_at=now,
                 deadline=now + self.config.verification.lease_timeout_s,
             )
-            rows.append(LeaseRow(lease.lease_id, lease.job_id, node_id, prompt_id,
-                                 lease.group_size, lease.sampling.max_new_tokens,
-                                 lease.sampling.seed, min_version, now, lease.deadline, "open"))
+            rows.append(
+                LeaseRow(
+                    lease.lease_id,
+                    lease.job_id,
+                    node_id,
+                    prompt_id,
+                    lease.group_size,
+                    lease.sampling.max_new_tokens,
+                    lease.sampling.seed,
+                    min_version,
+                    now,
+                    lease.deadline,
+                    "open",
+                )
+            )
             sealed.append(signing.seal(self.identity.private_key, "lease", lease.to_obj()))
         self.store.add_leases(rows)
         self.metrics.leases_issued.inc(len(rows))
@@ -293,8 +347,14 @@ class Coordinator:
                 if rej.reason not in (R.DUPLICATE,):
                     self.store.close_lease(lease_id)
             if node is not None:
-                self.store.record_rejection(job_id, node_id, lease_id, rej.reason, rej.detail,
-                                            counts_against=rej.reason in R.COUNTS_AGAINST)
+                self.store.record_rejection(
+                    job_id,
+                    node_id,
+                    lease_id,
+                    rej.reason,
+                    rej.detail,
+                    counts_against=rej.reason in R.COUNTS_AGAINST,
+                )
                 self._maybe_exclude(node_id)
             self.metrics.submissions.labels(result="rejected", reason=rej.reason).inc()
             log.info("rejected %s from %s: %s", lease_id or "?", node_id[-8:], rej)
@@ -308,10 +368,15 @@ class Coordinator:
     def _store_accepted(self, node_id: str, data: bytes, result: Accepted) -> None:
         try:
             self.store.accept_rollout(
-                lease_id=result.lease.lease_id, job_id=result.lease.job_id, node_id=node_id,
-                version=result.submission.version, prompt_id=result.lease.prompt_id,
-                rewards=result.rewards, tokens=result.tokens,
-                content_hash=result.content_hash, envelope=data,
+                lease_id=result.lease.lease_id,
+                job_id=result.lease.job_id,
+                node_id=node_id,
+                version=result.submission.version,
+                prompt_id=result.lease.prompt_id,
+                rewards=result.rewards,
+                tokens=result.tokens,
+                content_hash=result.content_hash,
+                envelope=data,
             )
         except StoreError as exc:
             raise Rejected(R.DUPLICATE, str(exc)) from None
@@ -319,20 +384,25 @@ class Coordinator:
     def _lease_of(self, data: bytes) -> LeaseRow | None:
         """Best-effort: the lease a (rejected) submission names, to close it and log against it."""
         try:
-            body = m.from_obj(m.Submission, signing.open_envelope(data, kind="submission")
-                              .decode_body())
+            body = m.from_obj(
+                m.Submission, signing.open_envelope(data, kind="submission").decode_body()
+            )
         except ProtocolError:
             return None
         return self.store.lease(body.lease_id)
 
     def _submit_reply(self, node_id: str, ok: bool, reason: str, detail: str) -> bytes:
         node = self.store.node(node_id)
-        return m.encode(m.SubmitReply(
-            accepted=ok, reason=reason, detail=detail[:250],
-            accepted_total=int(node["accepted"]) if node else 0,
-            rejected_total=int(node["rejected"]) if node else 0,
-            rejected_by_reason=self.store.rejection_counts(node_id) if node else {},
-        ))
+        return m.encode(
+            m.SubmitReply(
+                accepted=ok,
+                reason=reason,
+                detail=detail[:250],
+                accepted_total=int(node["accepted"]) if node else 0,
+                rejected_total=int(node["rejected"]) if node else 0,
+                rejected_by_reason=self.store.rejection_counts(node_id) if node else {},
+            )
+        )
 
     def _rate_ok(self, node_id: str) -> bool:
         window = self._submit_times[node_id]
@@ -346,8 +416,11 @@ class Coordinator:
 
     def _maybe_exclude(self, node_id: str) -> None:
         node = self.store.node(node_id)
-        if node is not None and not node["excluded"] and \
-                node["failures"] >= self.config.verification.exclude_after_failures:
+        if (
+            node is not None
+            and not node["excluded"]
+            and node["failures"] >= self.config.verification.exclude_after_failures
+        ):
             self.store.set_excluded(node_id, True)
             self.metrics.nodes_excluded.inc()
             log.warning("node %s excluded after %d failures", node_id[-8:], node["failures"])
@@ -368,19 +441,26 @@ class Coordinator:
         st = m.from_obj(m.NodeStatus, env.decode_body())
         if self.store.node(node_id) is None:
             raise ProtocolError("register first", code=R.UNKNOWN_NODE)
-        self.store.touch_node(node_id, version=st.version, digest=st.state_digest,
-                              tokens_per_s=st.tokens_per_s)
+        self.store.touch_node(
+            node_id, version=st.version, digest=st.state_digest, tokens_per_s=st.tokens_per_s
+        )
         job = self.jobs.get(st.job_id)
-        if job is not None and st.version >= 0 and \
-                job.ctx.digests.get(st.version) == st.state_digest:
+        if (
+            job is not None
+            and st.version >= 0
+            and job.ctx.digests.get(st.version) == st.state_digest
+        ):
             self.store.record_node_version(st.job_id, node_id, st.version)
             self._check_all_nodes(st.job_id, st.version)
         return m.encode(m.StepAck(ok=True))
 
     def _check_all_nodes(self, job_id: str, version: int) -> None:
         now = time.time()
-        active = [n for n in self.store.nodes()
-                  if not n["excluded"] and now - n["last_seen"] < NODE_ACTIVE_S]
+        active = [
+            n
+            for n in self.store.nodes()
+            if not n["excluded"] and now - n["last_seen"] < NODE_ACTIVE_S
+        ]
         if active and all(n["version"] >= version for n in active):
             self.store.mark_all_nodes(job_id, version, now)
 
@@ -401,49 +481,81 @@ class Coordinator:
         job, body = self._open_from_learner(data, "learner_hello", peer_id)
         hello = m.from_obj(m.LearnerHello, body)
         row = self.store.job(hello.job_id)
-        self.store.attach_learner(hello.job_id, bytes(row["learner_pubkey"]), str(peer_id),
-                                  list(hello.addrs))
+        self.store.attach_learner(
+            hello.job_id, bytes(row["learner_pubkey"]), str(peer_id), list(hello.addrs)
+        )
         row = self.store.job(hello.job_id)
-        log.info("learner %s attached to job %s at v%d", str(peer_id)[-8:], hello.job_id,
-                 row["current_version"])
-        return m.encode(m.LearnerHelloReply(current_version=int(row["current_version"]),
-                                            cancelled=row["status"] == "cancelled"))
+        log.info(
+            "learner %s attached to job %s at v%d",
+            str(peer_id)[-8:],
+            hello.job_id,
+            row["current_version"],
+        )
+        return m.encode(
+            m.LearnerHelloReply(
+                current_version=int(row["current_version"]), cancelled=row["status"] == "cancelled"
+            )
+        )
 
     async def handle_learner_batch(self, peer_id, data: bytes) -> bytes:
         job, body = self._open_from_learner(data, "batch_request", peer_id)
         req = m.from_obj(m.BatchRequest, body)
         row = self.store.job(req.job_id)
         if row["status"] != "running":
-            return m.encode(m.BatchReply(groups=[], current_version=int(row["current_version"]),
-                                         cancelled=row["status"] == "cancelled"))
+            return m.encode(
+                m.BatchReply(
+                    groups=[],
+                    current_version=int(row["current_version"]),
+                    cancelled=row["status"] == "cancelled",
+                )
+            )
         groups = []
         for r in self.store.take_batch(req.job_id, req.max_groups, req.min_version):
-            sub = m.from_obj(m.Submission, signing.open_envelope(
-                bytes(r["envelope"]), kind="submission").decode_body())
-            groups.append(m.TrainingGroup(
-                rollout_id=r["rollout_id"], node_id=r["node_id"], prompt_id=r["prompt_id"],
-                prompt_tokens=m.pack_tokens(job.prompt_tokens(r["prompt_id"])),
-                version=r["version"], engine=sub.engine, rewards=json.loads(r["rewards_json"]),
-                completions=sub.completions, envelope=bytes(r["envelope"]),
-            ))
+            sub = m.from_obj(
+                m.Submission,
+                signing.open_envelope(bytes(r["envelope"]), kind="submission").decode_body(),
+            )
+            groups.append(
+                m.TrainingGroup(
+                    rollout_id=r["rollout_id"],
+                    node_id=r["node_id"],
+                    prompt_id=r["prompt_id"],
+                    prompt_tokens=m.pack_tokens(job.prompt_tokens(r["prompt_id"])),
+                    version=r["version"],
+                    engine=sub.engine,
+                    rewards=json.loads(r["rewards_json"]),
+                    completions=sub.completions,
+                    envelope=bytes(r["envelope"]),
+                )
+            )
         return m.encode(m.BatchReply(groups=groups, current_version=int(row["current_version"])))
 
     async def handle_learner_report(self, peer_id, data: bytes) -> bytes:
         job, body = self._open_from_learner(data, "step_report", peer_id)
         rep = m.from_obj(m.StepReport, body)
         row = self.store.job(rep.job_id)
-        menv = signing.open_envelope(rep.manifest, kind="manifest",
-                                     expected_signer=bytes(row["learner_pubkey"]))
+        menv = signing.open_envelope(
+            rep.manifest, kind="manifest", expected_signer=bytes(row["learner_pubkey"])
+        )
         man = m.from_obj(m.Manifest, menv.decode_body())
         if man.job_id != rep.job_id or man.version != rep.version:
             raise SchemaError("manifest does not match the report")
-        rejected = [(v.rollout_id, v.reason or R.RESCORE_MISMATCH, json.dumps(v.stats))
-                    for v in rep.verdicts if not v.ok]
+        rejected = [
+            (v.rollout_id, v.reason or R.RESCORE_MISMATCH, json.dumps(v.stats))
+            for v in rep.verdicts
+            if not v.ok
+        ]
         try:
             self.store.publish_version(
-                rep.job_id, rep.version, kind=man.kind, manifest=rep.manifest,
-                state_digest=man.state_digest, total_size=man.total_size,
-                trained=list(rep.trained), rejected=rejected, metrics=dict(rep.metrics),
+                rep.job_id,
+                rep.version,
+                kind=man.kind,
+                manifest=rep.manifest,
+                state_digest=man.state_digest,
+                total_size=man.total_size,
+                trained=list(rep.trained),
+                rejected=rejected,
+                metrics=dict(rep.metrics),
             )
         except StoreError as exc:
             return m.encode(m.StepAck(ok=False, message=str(exc)[:250]))

@@ -213,9 +213,7 @@ class Store:
                 (status, error, time.time(), job_id),
             )
 
-    def attach_learner(
-        self, job_id: str, pubkey: bytes, peer_id: str, addrs: list[str]
-    ) -> None:
+    def attach_learner(self, job_id: str, pubkey: bytes, peer_id: str, addrs: list[str]) -> None:
         """Record the learner's identity and put the job's in-flight batches back in the buffer.
 
         A (re)attaching learner has lost whatever batch it held in memory without reporting it,
@@ -262,8 +260,17 @@ class Store:
                 " hardware_json=excluded.hardware_json, tokens_per_s=excluded.tokens_per_s,"
                 " upload_bps=excluded.upload_bps, download_bps=excluded.download_bps,"
                 " last_seen=excluded.last_seen",
-                (node_id, public_key, engine, json.dumps(hardware), tokens_per_s, upload_bps,
-                 download_bps, now, now),
+                (
+                    node_id,
+                    public_key,
+                    engine,
+                    json.dumps(hardware),
+                    tokens_per_s,
+                    upload_bps,
+                    download_bps,
+                    now,
+                    now,
+                ),
             )
             return db.execute("SELECT * FROM nodes WHERE node_id=?", (node_id,)).fetchone()
 
@@ -273,8 +280,14 @@ class Store:
     def nodes(self) -> list[sqlite3.Row]:
         return self._db.execute("SELECT * FROM nodes ORDER BY first_seen").fetchall()
 
-    def touch_node(self, node_id: str, *, version: int | None = None, digest: str = "",
-                   tokens_per_s: float | None = None) -> None:
+    def touch_node(
+        self,
+        node_id: str,
+        *,
+        version: int | None = None,
+        digest: str = "",
+        tokens_per_s: float | None = None,
+    ) -> None:
         with self._tx() as db:
             db.execute("UPDATE nodes SET last_seen=? WHERE node_id=?", (time.time(), node_id))
             if version is not None:
@@ -318,8 +331,19 @@ class Store:
             db.executemany(
                 "INSERT INTO leases VALUES (?,?,?,?,?,?,?,?,?,?,?)",
                 [
-                    (r.lease_id, r.job_id, r.node_id, r.prompt_id, r.group_size,
-                     r.max_new_tokens, r.seed, r.min_version, r.issued_at, r.deadline, r.status)
+                    (
+                        r.lease_id,
+                        r.job_id,
+                        r.node_id,
+                        r.prompt_id,
+                        r.group_size,
+                        r.max_new_tokens,
+                        r.seed,
+                        r.min_version,
+                        r.issued_at,
+                        r.deadline,
+                        r.status,
+                    )
                     for r in rows
                 ],
             )
@@ -340,14 +364,24 @@ class Store:
             q, args = "job_id=?", (job_id,)
         else:
             q, args = "job_id=? AND node_id=?", (job_id, node_id)
-        return int(self._db.execute(
-            f"SELECT COUNT(*) FROM leases WHERE status='open' AND {q}", args
-        ).fetchone()[0])
+        return int(
+            self._db.execute(
+                f"SELECT COUNT(*) FROM leases WHERE status='open' AND {q}", args
+            ).fetchone()[0]
+        )
 
     # ------------------------------------------------------------------ rollouts
 
-    def record_rejection(self, job_id: str, node_id: str, lease_id: str, reason: str,
-                         detail: str, *, counts_against: bool) -> None:
+    def record_rejection(
+        self,
+        job_id: str,
+        node_id: str,
+        lease_id: str,
+        reason: str,
+        detail: str,
+        *,
+        counts_against: bool,
+    ) -> None:
         """Log a rejection; ``counts_against`` resets the node's streak (a verification failure)."""
         with self._tx() as db:
             db.execute(
@@ -395,8 +429,19 @@ class Store:
                     "INSERT INTO rollouts (rollout_id, job_id, node_id, version, prompt_id,"
                     " status, rewards_json, mean_reward, tokens, content_hash, envelope,"
                     " created_at) VALUES (?,?,?,?,?,'accepted',?,?,?,?,?,?)",
-                    (lease_id, job_id, node_id, version, prompt_id, json.dumps(rewards),
-                     sum(rewards) / len(rewards), tokens, content_hash, envelope, now),
+                    (
+                        lease_id,
+                        job_id,
+                        node_id,
+                        version,
+                        prompt_id,
+                        json.dumps(rewards),
+                        sum(rewards) / len(rewards),
+                        tokens,
+                        content_hash,
+                        envelope,
+                        now,
+                    ),
                 )
             except sqlite3.IntegrityError as exc:
                 raise StoreError("duplicate") from exc
@@ -419,10 +464,12 @@ class Store:
         return row[0] if row else None
 
     def buffered_count(self, job_id: str) -> int:
-        return int(self._db.execute(
-            "SELECT COUNT(*) FROM rollouts WHERE job_id=? AND status IN ('accepted','in_batch')",
-            (job_id,),
-        ).fetchone()[0])
+        return int(
+            self._db.execute(
+                "SELECT COUNT(*) FROM rollouts WHERE job_id=? AND status IN ('accepted','in_batch')",
+                (job_id,),
+            ).fetchone()[0]
+        )
 
     def take_batch(self, job_id: str, max_groups: int, min_version: int) -> list[sqlite3.Row]:
         """Move up to ``max_groups`` trainable groups to ``in_batch`` and return them, oldest first.
@@ -468,7 +515,9 @@ class Store:
         """
         now = time.time()
         with self._tx() as db:
-            job = db.execute("SELECT current_version FROM jobs WHERE job_id=?", (job_id,)).fetchone()
+            job = db.execute(
+                "SELECT current_version FROM jobs WHERE job_id=?", (job_id,)
+            ).fetchone()
             if job is None:
                 raise StoreError(f"unknown job {job_id}")
             prev = db.execute(
@@ -479,9 +528,7 @@ class Store:
                     raise StoreError(f"version {version} already published with another digest")
                 return
             if version != int(job[0]) + 1:
-                raise StoreError(
-                    f"version {version} does not follow the current version {job[0]}"
-                )
+                raise StoreError(f"version {version} does not follow the current version {job[0]}")
             for rid in trained:
                 cur = db.execute(
                     "UPDATE rollouts SET status='trained', trained_version=?"
@@ -519,8 +566,17 @@ class Store:
             db.execute(
                 "INSERT INTO versions (job_id, version, kind, manifest, state_digest, total_size,"
                 " trained_count, metrics_json, published_at) VALUES (?,?,?,?,?,?,?,?,?)",
-                (job_id, version, kind, manifest, state_digest, total_size, len(trained),
-                 json.dumps(metrics), now),
+                (
+                    job_id,
+                    version,
+                    kind,
+                    manifest,
+                    state_digest,
+                    total_size,
+                    len(trained),
+                    json.dumps(metrics),
+                    now,
+                ),
             )
             db.execute(
                 "UPDATE jobs SET current_version=?, updated_at=? WHERE job_id=?",
@@ -561,9 +617,11 @@ class Store:
             "SELECT status, COUNT(*) FROM rollouts WHERE job_id=? GROUP BY status", (job_id,)
         ).fetchall()
         counts = {r[0]: int(r[1]) for r in rows}
-        counts["rejected_total"] = int(self._db.execute(
-            "SELECT COUNT(*) FROM rejections WHERE job_id=?", (job_id,)
-        ).fetchone()[0])
+        counts["rejected_total"] = int(
+            self._db.execute(
+                "SELECT COUNT(*) FROM rejections WHERE job_id=?", (job_id,)
+            ).fetchone()[0]
+        )
         return counts
 
     def trained_rollouts(self, job_id: str) -> list[sqlite3.Row]:

@@ -2,7 +2,8 @@
 
 Fail closed and cheapest first: size → envelope and signature → schema → node and lease →
 version window → group shape, tokens, log-probs and termination → weights digest → reward
-recomputed here from the lease's prompt. A node's claimed reward is never read. Re-scoring
+recomputed here from the lease's prompt. A node's claimed reward is never used; one that
+differs from the recomputed reward rejects the submission. Re-scoring
 under the claimed version (step 5) happens at the learner, which computes those log-probs anyway.
 
 :func:`check_submission` is pure over a :class:`VerifyContext` and the store lookups passed in,
@@ -79,8 +80,9 @@ def check_submission(
     try:
         env = signing.open_envelope(data, kind=SUBMISSION_KIND, expected_signer=peer_key)
     except SignatureError as exc:
-        raise Rejected(R.SIGNATURE if "bad signature" in str(exc) else R.WRONG_SIGNER,
-                       str(exc)) from None
+        raise Rejected(
+            R.SIGNATURE if "bad signature" in str(exc) else R.WRONG_SIGNER, str(exc)
+        ) from None
     except SchemaError as exc:
         raise Rejected(R.SCHEMA, str(exc)) from None
     except ProtocolError as exc:
@@ -108,13 +110,16 @@ def check_submission(
     if sub.version > ctx.current_version:
         raise Rejected(R.FUTURE_VERSION, f"v{sub.version} > published v{ctx.current_version}")
     if ctx.current_version - sub.version > ctx.staleness:
-        raise Rejected(R.STALE_VERSION,
-                       f"v{sub.version} is more than {ctx.staleness} behind v{ctx.current_version}")
+        raise Rejected(
+            R.STALE_VERSION,
+            f"v{sub.version} is more than {ctx.staleness} behind v{ctx.current_version}",
+        )
     if sub.version < lease.min_version:
         raise Rejected(R.BELOW_MIN_VERSION, f"lease needs v{lease.min_version}")
     if len(sub.completions) != lease.group_size:
-        raise Rejected(R.INCOMPLETE_GROUP,
-                       f"{len(sub.completions)} of {lease.group_size} completions")
+        raise Rejected(
+            R.INCOMPLETE_GROUP, f"{len(sub.completions)} of {lease.group_size} completions"
+        )
     expected = ctx.digests.get(sub.version)
     if expected is not None and sub.state_digest != expected:
         raise Rejected(R.WRONG_WEIGHTS, f"state digest differs from v{sub.version}")
@@ -124,8 +129,9 @@ def check_submission(
     tokens = 0
     for i, comp in enumerate(sub.completions):
         try:
-            ids = m.unpack_tokens(comp.token_ids, vocab_size=ctx.vocab_size,
-                                  max_len=lease.max_new_tokens)
+            ids = m.unpack_tokens(
+                comp.token_ids, vocab_size=ctx.vocab_size, max_len=lease.max_new_tokens
+            )
         except SchemaError as exc:
             raise Rejected(R.BAD_TOKENS, f"completion {i}: {exc}") from None
         try:
@@ -139,11 +145,18 @@ def check_submission(
             if eos_at.size != 1 or eos_at[0] != ids.size - 1:
                 raise Rejected(R.BAD_TERMINATION, f"completion {i}: 'stop' must end at one EOS")
         elif eos_at.size or ids.size != lease.max_new_tokens:
-            raise Rejected(R.BAD_TERMINATION,
-                           f"completion {i}: 'length' must fill max_new_tokens without EOS")
+            raise Rejected(
+                R.BAD_TERMINATION, f"completion {i}: 'length' must fill max_new_tokens without EOS"
+            )
         body = ids[:-1] if comp.finish_reason == "stop" else ids
         rewards.append(float(ctx.task.reward(lease.prompt_id, ctx.decode(body.tolist()))))
         hasher.update(comp.token_ids)
         hasher.update(b"\x00")
         tokens += int(ids.size)
+    # Rewards are never taken from a node; a node that claims others than the true ones is lying.
+    if sub.claimed_rewards and (
+        len(sub.claimed_rewards) != len(rewards)
+        or any(abs(a - b) > 1e-6 for a, b in zip(sub.claimed_rewards, rewards, strict=True))
+    ):
+        raise Rejected(R.REWARD_MISMATCH, "claimed rewards differ from the recomputed ones")
     return Accepted(sub, lease, rewards, tokens, hasher.digest())

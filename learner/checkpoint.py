@@ -38,11 +38,14 @@ def save(root: Path, ckpt: Checkpoint) -> None:
     tmp = root / f".tmp-{ckpt.version}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_file({k: v.contiguous() for k, v in ckpt.model_state.items()}, str(tmp / "model.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in ckpt.model_state.items()}, str(tmp / "model.safetensors")
+    )
     torch.save(ckpt.optim_state, tmp / "optim.pt")
     (tmp / "report.bin").write_bytes(ckpt.report)
-    (tmp / "meta.json").write_text(json.dumps(
-        {"version": ckpt.version, "anchor_version": ckpt.anchor_version}))
+    (tmp / "meta.json").write_text(
+        json.dumps({"version": ckpt.version, "anchor_version": ckpt.anchor_version})
+    )
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     for old in sorted(p for p in root.iterdir() if p.name.startswith("v"))[:-KEEP]:
@@ -56,7 +59,8 @@ def latest(root: Path) -> Checkpoint | None:
         try:
             meta = json.loads((d / "meta.json").read_text())
             return Checkpoint(
-                version=int(meta["version"]), anchor_version=int(meta["anchor_version"]),
+                version=int(meta["version"]),
+                anchor_version=int(meta["anchor_version"]),
                 model_state=load_file(str(d / "model.safetensors")),
                 optim_state=torch.load(d / "optim.pt", weights_only=True),
                 report=(d / "report.bin").read_bytes(),

@@ -34,8 +34,9 @@ class Published:
 
 
 class Publisher:
-    def __init__(self, key: Ed25519PrivateKey, job_id: str, store: ChunkStore,
-                 anchor_every: int) -> None:
+    def __init__(
+        self, key: Ed25519PrivateKey, job_id: str, store: ChunkStore, anchor_every: int
+    ) -> None:
         self.key = key
         self.job_id = job_id
         self.store = store
@@ -70,9 +71,15 @@ class Publisher:
             sha = self.store.put(version, chunk)
             refs.append(m.ChunkRef(sha256=sha, size=len(chunk)))
         manifest = m.Manifest(
-            job_id=self.job_id, version=version, base_version=base, kind=kind,
-            total_size=len(payload), chunks=refs, tensor_digests=state_digests(state),
-            state_digest=state_digest(state), anchor_version=self._anchor_version,
+            job_id=self.job_id,
+            version=version,
+            base_version=base,
+            kind=kind,
+            total_size=len(payload),
+            chunks=refs,
+            tensor_digests=state_digests(state),
+            state_digest=state_digest(state),
+            anchor_version=self._anchor_version,
             created_at=time.time(),
         )
         envelope = signing.seal(self.key, MANIFEST_KIND, manifest.to_obj())

@@ -60,8 +60,14 @@ class Verdict:
 class Rescorer:
     """Holds the published states of the last ``keep`` versions and scores groups under them."""
 
-    def __init__(self, spec: ModelSpec, *, keep: int, temperature: float,
-                 engine_thresholds: dict[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        *,
+        keep: int,
+        temperature: float,
+        engine_thresholds: dict[str, float] | None = None,
+    ) -> None:
         self.model = build_model(spec)
         self.model.eval()
         self.temperature = temperature
@@ -103,8 +109,9 @@ class Rescorer:
         sizes = [sum(len(c) for c in g.completions) for g in groups]
         return list(zip(chosen.split(sizes), ent.split(sizes), q.split(sizes), strict=True))
 
-    def check(self, groups: list[TrainGroup], finish: list[list[str]],
-              engines: list[str] | None = None) -> list[Verdict]:
+    def check(
+        self, groups: list[TrainGroup], finish: list[list[str]], engines: list[str] | None = None
+    ) -> list[Verdict]:
         """A verdict per group, scoring each group under the weights of the version it claims."""
         t0 = time.perf_counter()
         out: list[Verdict | None] = [None] * len(groups)
@@ -127,8 +134,15 @@ class Rescorer:
         self.last_seconds = time.perf_counter() - t0
         return [v for v in out if v is not None]
 
-    def _judge(self, g: TrainGroup, finish: list[str], engine: str, lp: torch.Tensor,
-               ent: torch.Tensor, q: torch.Tensor) -> Verdict:
+    def _judge(
+        self,
+        g: TrainGroup,
+        finish: list[str],
+        engine: str,
+        lp: torch.Tensor,
+        ent: torch.Tensor,
+        q: torch.Tensor,
+    ) -> Verdict:
         behaviour = torch.tensor([x for c in g.behaviour_logprobs for x in c], dtype=torch.float32)
         n = int(lp.numel())
         mismatch = float((lp - behaviour).abs().mean()) if n else 0.0
@@ -145,9 +159,15 @@ class Rescorer:
                 stops += 1
                 if math.exp(float(lp[at - 1])) < MIN_EOS_PROB:
                     improbable += 1
-        stats = {"mismatch": mismatch, "improbable": k, "improbable_limit": k_limit,
-                 "median_p": median_p, "excess_nll": excess_entropy, "tokens": float(n),
-                 "improbable_stops": float(improbable)}
+        stats = {
+            "mismatch": mismatch,
+            "improbable": k,
+            "improbable_limit": k_limit,
+            "median_p": median_p,
+            "excess_nll": excess_entropy,
+            "tokens": float(n),
+            "improbable_stops": float(improbable),
+        }
         if mismatch > self.thresholds.get(engine, DEFAULT_MISMATCH):
             return Verdict(False, "rescore_mismatch", stats)
         if k > k_limit:

@@ -28,7 +28,7 @@ from echo.learner.publish import Publisher
 from echo.learner.rescore import Rescorer
 from echo.learner.warmup import warmup
 from echo.models.spec import ModelSpec, build_model
-from echo.models.weights import export_state, load_state
+from echo.models.weights import export_state
 from echo.p2p.chunkstore import ChunkStore, serve_chunks
 from echo.p2p.host import EchoHost, open_host
 from echo.p2p.identity import Identity
@@ -54,8 +54,9 @@ class Learner:
         torch.set_num_threads(threads)
         self.model_spec = ModelSpec.from_dict(self.spec.model_spec_dict())
         self.chunks = ChunkStore(job_dir / "chunks", keep_versions=self.spec.staleness + 2)
-        self.publisher = Publisher(self.identity.private_key, job_id, self.chunks,
-                                   self.spec.anchor_every)
+        self.publisher = Publisher(
+            self.identity.private_key, job_id, self.chunks, self.spec.anchor_every
+        )
         self.version = 0
         self.pending_report: bytes | None = None
         self.host: EchoHost | None = None
@@ -68,16 +69,27 @@ class Learner:
         spec = self.spec
         model = build_model(self.model_spec, seed=spec.model.seed)
         ckpt = checkpoint.latest(self.job_dir / "checkpoints")
-        cfg = GRPOConfig(lr=spec.grpo.lr, clip_eps=spec.grpo.clip_eps, tis_cap=spec.grpo.tis_cap,
-                         max_grad_norm=spec.grpo.max_grad_norm,
-                         weight_decay=spec.grpo.weight_decay,
-                         temperature=spec.sampling.temperature)
+        cfg = GRPOConfig(
+            lr=spec.grpo.lr,
+            clip_eps=spec.grpo.clip_eps,
+            tis_cap=spec.grpo.tis_cap,
+            max_grad_norm=spec.grpo.max_grad_norm,
+            weight_decay=spec.grpo.weight_decay,
+            temperature=spec.sampling.temperature,
+        )
         if ckpt is None:
             task = make_task(spec.task.name, dict(spec.task.params))
             if spec.warmup.steps and self.model_spec.kind == "tiny":
                 t0 = time.perf_counter()
-                warmup(model, self.model_spec, task, steps=spec.warmup.steps, lr=spec.warmup.lr,
-                       seed=spec.model.seed, cache_dir=self.job_dir.parent.parent / "cache")
+                warmup(
+                    model,
+                    self.model_spec,
+                    task,
+                    steps=spec.warmup.steps,
+                    lr=spec.warmup.lr,
+                    seed=spec.model.seed,
+                    cache_dir=self.job_dir.parent.parent / "cache",
+                )
                 log.info("format warm-up done in %.1f s", time.perf_counter() - t0)
             self.learner = GRPOLearner(model, cfg)
         else:
@@ -89,28 +101,42 @@ class Learner:
             self.pending_report = ckpt.report
             self.publisher.reset(self.published_state(), ckpt.version, ckpt.anchor_version)
             log.info("resumed from checkpoint v%d", ckpt.version)
-        self.rescorer = Rescorer(self.model_spec, keep=spec.staleness + 1,
-                                 temperature=spec.sampling.temperature)
+        self.rescorer = Rescorer(
+            self.model_spec, keep=spec.staleness + 1, temperature=spec.sampling.temperature
+        )
         self.rescorer.remember(self.version, self.published_state())
 
     def published_state(self) -> dict[str, torch.Tensor]:
         return export_state(self.learner.model, self.spec.publish_dtype)
 
-    def _publish(self, trained: list[str], verdicts: list[m.RescoreVerdict],
-                 metrics: dict[str, float]) -> bytes:
+    def _publish(
+        self, trained: list[str], verdicts: list[m.RescoreVerdict], metrics: dict[str, float]
+    ) -> bytes:
         """Publish the current weights as ``self.version``; returns the signed report."""
         state = self.published_state()
         pub = self.publisher.publish(state, self.version)
-        metrics = {**metrics, "payload_bytes": float(pub.payload_bytes),
-                   "encode_s": pub.encode_s}
-        report = m.StepReport(job_id=self.job_id, version=self.version, manifest=pub.envelope,
-                              trained=trained, verdicts=verdicts, metrics=metrics)
+        metrics = {**metrics, "payload_bytes": float(pub.payload_bytes), "encode_s": pub.encode_s}
+        report = m.StepReport(
+            job_id=self.job_id,
+            version=self.version,
+            manifest=pub.envelope,
+            trained=trained,
+            verdicts=verdicts,
+            metrics=metrics,
+        )
         sealed = signing.seal(self.identity.private_key, "step_report", report.to_obj())
-        checkpoint.save(self.job_dir / "checkpoints", checkpoint.Checkpoint(
-            version=self.version, anchor_version=pub.manifest.anchor_version,
-            model_state={k: v.detach().clone() for k, v in self.learner.model.state_dict().items()},
-            optim_state=self.learner.opt.state_dict(), report=sealed,
-        ))
+        checkpoint.save(
+            self.job_dir / "checkpoints",
+            checkpoint.Checkpoint(
+                version=self.version,
+                anchor_version=pub.manifest.anchor_version,
+                model_state={
+                    k: v.detach().clone() for k, v in self.learner.model.state_dict().items()
+                },
+                optim_state=self.learner.opt.state_dict(),
+                report=sealed,
+            ),
+        )
         self.rescorer.remember(self.version, state)
         return sealed
 
@@ -119,14 +145,20 @@ class Learner:
     async def _rpc(self, proto: str, kind: str, record: m.Record, reply_cls):
         assert self.host is not None
         sealed = signing.seal(self.identity.private_key, kind, record.to_obj())
-        data = await self.host.request(self.coord_peer, proto, sealed, timeout=RPC_TIMEOUT,
-                                       max_response=64 << 20)
+        data = await self.host.request(
+            self.coord_peer, proto, sealed, timeout=RPC_TIMEOUT, max_response=64 << 20
+        )
         return m.decode(reply_cls, data, max_bytes=64 << 20)
 
     async def _send_report(self, sealed: bytes) -> None:
         assert self.host is not None
-        data = await self.host.request(self.coord_peer, ids.PROTO_LEARNER_REPORT, sealed,
-                                       timeout=RPC_TIMEOUT, max_response=1 << 16)
+        data = await self.host.request(
+            self.coord_peer,
+            ids.PROTO_LEARNER_REPORT,
+            sealed,
+            timeout=RPC_TIMEOUT,
+            max_response=1 << 16,
+        )
         ack = m.decode(m.StepAck, data)
         if not ack.ok:
             raise RuntimeError(f"coordinator refused version {self.version}: {ack.message}")
@@ -134,9 +166,11 @@ class Learner:
     async def _take_groups(self, want: int) -> tuple[list[m.TrainingGroup], bool]:
         min_version = max(0, self.version - self.spec.staleness)
         reply = await self._rpc(
-            ids.PROTO_LEARNER_BATCH, "batch_request",
-            m.BatchRequest(job_id=self.job_id, max_groups=want, min_version=min_version,
-                           timestamp=time.time()),
+            ids.PROTO_LEARNER_BATCH,
+            "batch_request",
+            m.BatchRequest(
+                job_id=self.job_id, max_groups=want, min_version=min_version, timestamp=time.time()
+            ),
             m.BatchReply,
         )
         return list(reply.groups), reply.cancelled
@@ -150,9 +184,14 @@ class Learner:
             serve_chunks(host, self.chunks)
             self.coord_peer = await host.connect(self.coordinator)
             hello = await self._rpc(
-                ids.PROTO_LEARNER_HELLO, "learner_hello",
-                m.LearnerHello(job_id=self.job_id, peer_id=str(host.peer_id),
-                               addrs=host.listen_multiaddrs, timestamp=time.time()),
+                ids.PROTO_LEARNER_HELLO,
+                "learner_hello",
+                m.LearnerHello(
+                    job_id=self.job_id,
+                    peer_id=str(host.peer_id),
+                    addrs=host.listen_multiaddrs,
+                    timestamp=time.time(),
+                ),
                 m.LearnerHelloReply,
             )
             if hello.cancelled:
@@ -180,18 +219,23 @@ class Learner:
             pending = [g for g in pending if g.version >= floor]
             if len(pending) < spec.batch_groups:
                 if time.monotonic() - last_wait_log > 10:
-                    log.info("waiting for rollouts (%d/%d groups)", len(pending),
-                             spec.batch_groups)
+                    log.info("waiting for rollouts (%d/%d groups)", len(pending), spec.batch_groups)
                     last_wait_log = time.monotonic()
                 await trio.sleep(POLL_S)
                 continue
-            batch, pending = pending[: spec.batch_groups], pending[spec.batch_groups:]
+            batch, pending = pending[: spec.batch_groups], pending[spec.batch_groups :]
             sealed, metrics = await trio.to_thread.run_sync(self._step, batch)
             await self._send_report(sealed)
-            log.info("v%d reward %.3f loss %.4f mismatch %.2e groups %d rejected %d step %.2fs",
-                     self.version, metrics["reward"], metrics.get("loss", 0.0),
-                     metrics.get("mismatch", 0.0), len(batch), int(metrics["rejected"]),
-                     metrics["step_s"])
+            log.info(
+                "v%d reward %.3f loss %.4f mismatch %.2e groups %d rejected %d step %.2fs",
+                self.version,
+                metrics["reward"],
+                metrics.get("loss", 0.0),
+                metrics.get("mismatch", 0.0),
+                len(batch),
+                int(metrics["rejected"]),
+                metrics["step_s"],
+            )
         log.info("trained %d versions; done", self.version)
 
     def _step(self, batch: list[m.TrainingGroup]) -> tuple[bytes, dict[str, float]]:
@@ -200,17 +244,25 @@ class Learner:
         decoded = []
         for g in batch:
             prompt = m.unpack_tokens(g.prompt_tokens, vocab_size=vocab, max_len=1 << 16).tolist()
-            comps = [m.unpack_tokens(c.token_ids, vocab_size=vocab, max_len=1 << 16).tolist()
-                     for c in g.completions]
-            lps = [np.frombuffer(c.logprobs, dtype="<f4").astype(float).tolist()
-                   for c in g.completions]
+            comps = [
+                m.unpack_tokens(c.token_ids, vocab_size=vocab, max_len=1 << 16).tolist()
+                for c in g.completions
+            ]
+            lps = [
+                np.frombuffer(c.logprobs, dtype="<f4").astype(float).tolist() for c in g.completions
+            ]
             decoded.append(TrainGroup(prompt, comps, lps, list(g.rewards), g.version))
         results = self.rescorer.check(
-            decoded, [[c.finish_reason for c in g.completions] for g in batch],
-            [g.engine for g in batch])
+            decoded,
+            [[c.finish_reason for c in g.completions] for g in batch],
+            [g.engine for g in batch],
+        )
         for g, tg, res in zip(batch, decoded, results, strict=True):
-            verdicts.append(m.RescoreVerdict(rollout_id=g.rollout_id, ok=res.ok,
-                                             reason=res.reason, stats=res.stats))
+            verdicts.append(
+                m.RescoreVerdict(
+                    rollout_id=g.rollout_id, ok=res.ok, reason=res.reason, stats=res.stats
+                )
+            )
             if res.ok:
                 train_groups.append(tg)
                 ids_ok.append(g.rollout_id)
@@ -226,15 +278,18 @@ class Learner:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description="Echo swarm learner for one job (started by the "
-                                 "coordinator; also runnable by hand as an external learner).")
+    ap = argparse.ArgumentParser(
+        description="Echo swarm learner for one job (started by the "
+        "coordinator; also runnable by hand as an external learner)."
+    )
     ap.add_argument("--job-dir", type=Path, required=True)
     ap.add_argument("--job-id", required=True)
     ap.add_argument("--coordinator", required=True, help="coordinator multiaddr")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     for noisy in ("libp2p", "multiaddr", "async_service"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     learner = Learner(args.job_dir, args.job_id, args.coordinator, args.threads)

@@ -12,8 +12,11 @@ from rich.console import Console
 
 from echo.protocol.jobspec import SpecError
 
-app = typer.Typer(help="Echo swarm volunteer node: lend this machine to RL training runs.",
-                  no_args_is_help=True, add_completion=False)
+app = typer.Typer(
+    help="Echo swarm volunteer node: lend this machine to RL training runs.",
+    no_args_is_help=True,
+    add_completion=False,
+)
 console = Console(stderr=True)
 
 
@@ -34,31 +37,59 @@ def _config(config: Path | None, **overrides):
 
 @app.command()
 def join(
-    coordinator: Annotated[str | None, typer.Option(
-        "--coordinator", "-C", help="the coordinator's multiaddr, as it prints on start "
-        "(/ip4/HOST/tcp/PORT/p2p/PEER_ID)")] = None,
-    config: Annotated[Path | None, typer.Option(
-        "--config", "-c", help="node.toml with any of these settings; flags win")] = None,
-    data_dir: Annotated[Path | None, typer.Option(
-        help="where the identity key, chunks and weights live (default: your user data dir)")] = None,
-    engine: Annotated[str | None, typer.Option(
-        help="auto (pick from the hardware), torch, llamacpp or vllm")] = None,
-    device: Annotated[str | None, typer.Option(help="torch engine device: auto, cpu, cuda, mps")] = None,
+    coordinator: Annotated[
+        str | None,
+        typer.Option(
+            "--coordinator",
+            "-C",
+            help="the coordinator's multiaddr, as it prints on start "
+            "(/ip4/HOST/tcp/PORT/p2p/PEER_ID)",
+        ),
+    ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option("--config", "-c", help="node.toml with any of these settings; flags win"),
+    ] = None,
+    data_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="where the identity key, chunks and weights live (default: your user data dir)"
+        ),
+    ] = None,
+    engine: Annotated[
+        str | None, typer.Option(help="auto (pick from the hardware), torch, llamacpp or vllm")
+    ] = None,
+    device: Annotated[
+        str | None, typer.Option(help="torch engine device: auto, cpu, cuda, mps")
+    ] = None,
     threads: Annotated[int | None, typer.Option(help="CPU threads the engine may use")] = None,
-    max_tokens_per_s: Annotated[float | None, typer.Option(
-        help="cap on generated tokens per second, to leave the machine responsive")] = None,
-    schedule: Annotated[str | None, typer.Option(
-        help="only work in these local hours, e.g. 22:00-07:00")] = None,
-    gpu_memory_fraction: Annotated[float | None, typer.Option(
-        help="fraction of GPU memory the engine may take (vLLM)")] = None,
-    leases_at_once: Annotated[int | None, typer.Option(
-        help="GRPO groups generated together in one batch")] = None,
+    max_tokens_per_s: Annotated[
+        float | None,
+        typer.Option(help="cap on generated tokens per second, to leave the machine responsive"),
+    ] = None,
+    schedule: Annotated[
+        str | None, typer.Option(help="only work in these local hours, e.g. 22:00-07:00")
+    ] = None,
+    gpu_memory_fraction: Annotated[
+        float | None, typer.Option(help="fraction of GPU memory the engine may take (vLLM)")
+    ] = None,
+    leases_at_once: Annotated[
+        int | None, typer.Option(help="GRPO groups generated together in one batch")
+    ] = None,
     listen: Annotated[str | None, typer.Option(help="libp2p listen multiaddr")] = None,
-    keep_weights: Annotated[bool | None, typer.Option(
-        "--keep-weights/--no-keep-weights",
-        help="write the policy the node holds to DATA_DIR/policy.safetensors")] = None,
-    max_groups: Annotated[int | None, typer.Option(
-        help="leave after this many groups (default: run until the job ends or Ctrl-C)")] = None,
+    keep_weights: Annotated[
+        bool | None,
+        typer.Option(
+            "--keep-weights/--no-keep-weights",
+            help="write the policy the node holds to DATA_DIR/policy.safetensors",
+        ),
+    ] = None,
+    max_groups: Annotated[
+        int | None,
+        typer.Option(
+            help="leave after this many groups (default: run until the job ends or Ctrl-C)"
+        ),
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Join a swarm: register, receive the policy, generate rollouts, submit them.
@@ -68,16 +99,30 @@ def join(
     """
     from echo.node.worker import Node, NodeError
 
-    cfg = _config(config, coordinator=coordinator, data_dir=data_dir, engine=engine,
-                  device=device, threads=threads, max_tokens_per_s=max_tokens_per_s,
-                  schedule=schedule, gpu_memory_fraction=gpu_memory_fraction,
-                  leases_at_once=leases_at_once, listen=listen, keep_weights=keep_weights)
+    cfg = _config(
+        config,
+        coordinator=coordinator,
+        data_dir=data_dir,
+        engine=engine,
+        device=device,
+        threads=threads,
+        max_tokens_per_s=max_tokens_per_s,
+        schedule=schedule,
+        gpu_memory_fraction=gpu_memory_fraction,
+        leases_at_once=leases_at_once,
+        listen=listen,
+        keep_weights=keep_weights,
+    )
     if not cfg.coordinator:
-        console.print("[red]no coordinator:[/red] pass --coordinator /ip4/.../p2p/... "
-                      "(the address echo-coordinator prints) or set it in node.toml")
+        console.print(
+            "[red]no coordinator:[/red] pass --coordinator /ip4/.../p2p/... "
+            "(the address echo-coordinator prints) or set it in node.toml"
+        )
         raise typer.Exit(2)
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     for noisy in ("libp2p", "multiaddr", "async_service"):
         logging.getLogger(noisy).setLevel(logging.ERROR if not verbose else logging.INFO)
     try:

@@ -16,18 +16,23 @@ class NodeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     coordinator: str = Field(default="", description="coordinator multiaddr (/ip4/.../p2p/...)")
     data_dir: Path = Field(
-        default_factory=lambda: Path(platformdirs.user_data_dir("echo-swarm")) / "node")
+        default_factory=lambda: Path(platformdirs.user_data_dir("echo-swarm")) / "node"
+    )
     engine: str = Field(default="auto", description="auto | torch | llamacpp | vllm")
     device: str = Field(default="auto", description="auto | cpu | cuda | mps (torch engine)")
-    threads: int | None = Field(default=None, ge=1, le=1024, description="CPU threads for the engine")
+    threads: int | None = Field(
+        default=None, ge=1, le=1024, description="CPU threads for the engine"
+    )
     gpu_memory_fraction: float = Field(default=0.9, gt=0, le=1)
     max_tokens_per_s: float | None = Field(default=None, gt=0, description="throughput cap")
     schedule: str | None = Field(
-        default=None, description="local hours to work, e.g. '22:00-07:00'; unset = always")
+        default=None, description="local hours to work, e.g. '22:00-07:00'; unset = always"
+    )
     leases_at_once: int = Field(default=2, ge=1, le=64, description="groups generated per batch")
     listen: str = "/ip4/127.0.0.1/tcp/0"
-    keep_weights: bool = Field(default=False,
-                               description="write the held policy to data_dir/policy.safetensors")
+    keep_weights: bool = Field(
+        default=False, description="write the held policy to data_dir/policy.safetensors"
+    )
 
     @field_validator("schedule")
     @classmethod

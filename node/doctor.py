@@ -35,29 +35,55 @@ def _version(pkg: str) -> str | None:
 def static_checks(cfg: NodeConfig) -> list[Check]:
     out = []
     py = sys.version_info
-    out.append(Check("python", py >= (3, 11), f"{py.major}.{py.minor}.{py.micro}",
-                     "install Python 3.11 or newer"))
+    out.append(
+        Check(
+            "python",
+            py >= (3, 11),
+            f"{py.major}.{py.minor}.{py.micro}",
+            "install Python 3.11 or newer",
+        )
+    )
     for pkg in ("torch", "transformers", "libp2p", "trio", "cryptography"):
         v = _version(pkg)
-        out.append(Check(f"package {pkg}", v is not None, v or "missing",
-                         f"pip install 'echo-swarm' (brings {pkg})"))
+        out.append(
+            Check(
+                f"package {pkg}",
+                v is not None,
+                v or "missing",
+                f"pip install 'echo-swarm' (brings {pkg})",
+            )
+        )
     cfg.data_dir.mkdir(parents=True, exist_ok=True)
     p = probe(cfg.data_dir)
     try:
         name, why = choose_engine(p, cfg.engine)
         out.append(Check("engine", True, f"{name}: {why}"))
     except ValueError as exc:
-        out.append(Check("engine", False, str(exc), "install the engine's extra or use --engine auto"))
+        out.append(
+            Check("engine", False, str(exc), "install the engine's extra or use --engine auto")
+        )
     if p.cuda:
         out.append(Check("gpu", True, f"{p.hardware.gpu}, {p.hardware.vram_bytes / 2**30:.1f} GiB"))
     else:
-        out.append(Check("gpu", True, "none (CPU engines only)" + (" · Apple MPS" if p.mps else "")))
-    out.append(Check("memory", p.hardware.ram_bytes >= MIN_RAM,
-                     f"{p.hardware.ram_bytes / 2**30:.1f} GiB RAM",
-                     "close other programs or pick a smaller job; 2 GiB is the minimum"))
-    out.append(Check("disk", p.free_disk_bytes >= MIN_FREE_DISK,
-                     f"{p.free_disk_bytes / 2**30:.1f} GiB free in {cfg.data_dir}",
-                     "free some disk or point --data-dir elsewhere (models keep a few versions)"))
+        out.append(
+            Check("gpu", True, "none (CPU engines only)" + (" · Apple MPS" if p.mps else ""))
+        )
+    out.append(
+        Check(
+            "memory",
+            p.hardware.ram_bytes >= MIN_RAM,
+            f"{p.hardware.ram_bytes / 2**30:.1f} GiB RAM",
+            "close other programs or pick a smaller job; 2 GiB is the minimum",
+        )
+    )
+    out.append(
+        Check(
+            "disk",
+            p.free_disk_bytes >= MIN_FREE_DISK,
+            f"{p.free_disk_bytes / 2**30:.1f} GiB free in {cfg.data_dir}",
+            "free some disk or point --data-dir elsewhere (models keep a few versions)",
+        )
+    )
     return out
 
 
@@ -77,21 +103,39 @@ async def network_checks(cfg: NodeConfig) -> list[Check]:
 
     out = []
     if not cfg.coordinator:
-        return [Check("coordinator", False, "no address given",
-                      "pass --coordinator with the multiaddr the coordinator prints")]
+        return [
+            Check(
+                "coordinator",
+                False,
+                "no address given",
+                "pass --coordinator with the multiaddr the coordinator prints",
+            )
+        ]
     async with open_host(Identity.generate(), [cfg.listen], pubsub=False) as host:
         try:
             with trio.fail_after(15):
                 await host.connect(cfg.coordinator)
             out.append(Check("coordinator", True, f"reachable at {cfg.coordinator}"))
         except (RpcError, ValueError, OSError, trio.TooSlowError) as exc:
-            out.append(Check("coordinator", False, str(exc),
-                             "check the address, that the coordinator runs, and your firewall"))
+            out.append(
+                Check(
+                    "coordinator",
+                    False,
+                    str(exc),
+                    "check the address, that the coordinator runs, and your firewall",
+                )
+            )
         public = any(_public(a) for a in host.listen_multiaddrs)
-        out.append(Check("reachability", True,
-                         "listening on a public address: peers can reach you" if public else
-                         "behind NAT or on a private address: peers cannot dial you, so you "
-                         "will receive weights but not relay them (a relay is not set up yet)"))
+        out.append(
+            Check(
+                "reachability",
+                True,
+                "listening on a public address: peers can reach you"
+                if public
+                else "behind NAT or on a private address: peers cannot dial you, so you "
+                "will receive weights but not relay them (a relay is not set up yet)",
+            )
+        )
     return out
 
 

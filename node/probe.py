@@ -38,8 +38,11 @@ def probe(data_dir: Path | None = None) -> Probe:
         gpu = "Apple GPU (MPS)"
     disk_at = data_dir if data_dir is not None and data_dir.exists() else Path.home()
     hw = m.Hardware(
-        cpu_count=os.cpu_count() or 1, ram_bytes=int(psutil.virtual_memory().total),
-        gpu=gpu, vram_bytes=vram, os=f"{platform.system()} {platform.release()}"[:256],
+        cpu_count=os.cpu_count() or 1,
+        ram_bytes=int(psutil.virtual_memory().total),
+        gpu=gpu,
+        vram_bytes=vram,
+        os=f"{platform.system()} {platform.release()}"[:256],
         python=platform.python_version(),
     )
     installed = {
@@ -57,8 +60,9 @@ def choose_engine(p: Probe, requested: str | None = None) -> tuple[str, str]:
             raise ValueError(f"unknown engine {requested!r}; choose one of {', '.join(ENGINES)}")
         if not p.installed[requested]:
             extra = {"llamacpp": "llamacpp", "vllm": "vllm"}.get(requested, "")
-            raise ValueError(f"engine {requested!r} is not installed: "
-                             f"pip install 'echo-swarm[{extra}]'")
+            raise ValueError(
+                f"engine {requested!r} is not installed: pip install 'echo-swarm[{extra}]'"
+            )
         return requested, "requested with --engine"
     if p.cuda and p.installed["vllm"]:
         return "vllm", f"NVIDIA GPU ({p.hardware.gpu}) with vLLM installed"

@@ -41,8 +41,14 @@ ProgressFn = Callable[[int, int, int], None]  # (version, bytes done, bytes tota
 
 
 class WeightSync:
-    def __init__(self, host: EchoHost, job: m.JobInfo, coordinator, store: ChunkStore,
-                 on_progress: ProgressFn | None = None) -> None:
+    def __init__(
+        self,
+        host: EchoHost,
+        job: m.JobInfo,
+        coordinator,
+        store: ChunkStore,
+        on_progress: ProgressFn | None = None,
+    ) -> None:
         self.host = host
         self.job = job
         self.coordinator = coordinator
@@ -69,15 +75,19 @@ class WeightSync:
 
     async def manifest(self, version: int) -> tuple[m.Manifest, bytes]:
         data = await self.host.request(
-            self.coordinator, ids.PROTO_MANIFEST,
+            self.coordinator,
+            ids.PROTO_MANIFEST,
             m.encode(m.ManifestRequest(job_id=self.job.job_id, version=version)),
-            timeout=MANIFEST_TIMEOUT_S, max_response=16 << 20)
+            timeout=MANIFEST_TIMEOUT_S,
+            max_response=16 << 20,
+        )
         return self.check_manifest(data), data
 
     def check_manifest(self, data: bytes) -> m.Manifest:
         """Verify a manifest envelope: the job's learner key, this job, a forward version."""
-        env = signing.open_envelope(data, kind="manifest", max_bytes=16 << 20,
-                                    expected_signer=self.job.learner_public_key)
+        env = signing.open_envelope(
+            data, kind="manifest", max_bytes=16 << 20, expected_signer=self.job.learner_public_key
+        )
         man = m.from_obj(m.Manifest, env.decode_body())
         if man.job_id != self.job.job_id:
             raise WeightError(f"manifest is for job {man.job_id}")
@@ -103,8 +113,9 @@ class WeightSync:
         if man.version <= self.version:
             raise WeightError(f"refusing v{man.version}: we hold v{self.version} (no going back)")
         if man.kind == "patch" and man.base_version != self.version:
-            raise WeightError(f"patch v{man.version} is against v{man.base_version}, "
-                              f"we hold v{self.version}")
+            raise WeightError(
+                f"patch v{man.version} is against v{man.base_version}, we hold v{self.version}"
+            )
         t0 = time.perf_counter()
         payload = await self._fetch_payload(man)
         state = await trio.to_thread.run_sync(self._decode, man, payload)
@@ -114,8 +125,13 @@ class WeightSync:
         elapsed = time.perf_counter() - t0
         self.download_bps = len(payload) / max(elapsed, 1e-6)
         self.store.prune(keep={man.version, man.anchor_version})
-        log.info("holding v%d (%s, %.1f kB in %.2f s)", man.version, man.kind,
-                 len(payload) / 1e3, elapsed)
+        log.info(
+            "holding v%d (%s, %.1f kB in %.2f s)",
+            man.version,
+            man.kind,
+            len(payload) / 1e3,
+            elapsed,
+        )
 
     def _decode(self, man: m.Manifest, payload: bytes) -> dict[str, torch.Tensor]:
         if man.kind == "anchor":
@@ -156,7 +172,6 @@ class WeightSync:
                 log.warning("peer %s sent a bad chunk; excluded", str(peer)[-8:])
             except (RpcError, ProtocolError) as exc:
                 errors.append(f"{str(peer)[-8:]}: {exc}")
-        raise WeightError(f"no peer could provide chunk {ref.sha256.hex()[:12]}: "
-                          + "; ".join(errors[-3:]))
-
-
+        raise WeightError(
+            f"no peer could provide chunk {ref.sha256.hex()[:12]}: " + "; ".join(errors[-3:])
+        )

@@ -62,8 +62,9 @@ class Stats:
 
 
 class Node:
-    def __init__(self, cfg: NodeConfig, console: Console | None = None,
-                 max_groups: int | None = None) -> None:
+    def __init__(
+        self, cfg: NodeConfig, console: Console | None = None, max_groups: int | None = None
+    ) -> None:
         self.cfg = cfg
         self.console = console or Console(stderr=True)
         self.max_groups = max_groups
@@ -83,32 +84,42 @@ class Node:
 
     async def _call(self, proto: str, payload: bytes, *, timeout: float = RPC_TIMEOUT_S) -> bytes:
         assert self.host is not None
-        return await self.host.request(self.coord, proto, payload, timeout=timeout,
-                                       max_response=16 << 20)
+        return await self.host.request(
+            self.coord, proto, payload, timeout=timeout, max_response=16 << 20
+        )
 
     def _seal(self, kind: str, record: m.Record) -> bytes:
         return signing.seal(self.identity.private_key, kind, record.to_obj())
 
     async def run(self) -> None:
         cfg = self.cfg
-        self.say(f"node {self.identity.peer_id_str} · engine [bold]{self.engine_name}[/bold] "
-                 f"({self.engine_reason})")
+        self.say(
+            f"node {self.identity.peer_id_str} · engine [bold]{self.engine_name}[/bold] "
+            f"({self.engine_reason})"
+        )
         async with open_host(self.identity, [cfg.listen]) as host:
             self.host = host
             try:
                 self.coord = await host.connect(cfg.coordinator)
             except (RpcError, ValueError, OSError) as exc:
-                raise NodeError(f"cannot reach the coordinator at {cfg.coordinator}: {exc}") \
-                    from None
+                raise NodeError(
+                    f"cannot reach the coordinator at {cfg.coordinator}: {exc}"
+                ) from None
             self.coord_key = public_key_from_peer_id(self.coord)
             job = await self._register()
             await self._serve_job(host, job)
 
     async def _register(self) -> m.JobInfo:
         reg = m.Register(
-            protocol_version=ids.PROTOCOL_VERSION, software=SOFTWARE, engine=self.engine_name,
-            hardware=self.probe.hardware, tokens_per_s=0.0, upload_bps=0.0, download_bps=0.0,
-            timestamp=time.time())
+            protocol_version=ids.PROTOCOL_VERSION,
+            software=SOFTWARE,
+            engine=self.engine_name,
+            hardware=self.probe.hardware,
+            tokens_per_s=0.0,
+            upload_bps=0.0,
+            download_bps=0.0,
+            timestamp=time.time(),
+        )
         while True:
             try:
                 data = await self._call(ids.PROTO_REGISTER, self._seal("register", reg))
@@ -117,8 +128,10 @@ class Node:
             reply = m.decode(m.RegisterReply, data)
             if reply.jobs:
                 job = reply.jobs[0]
-                self.say(f"registered · job [bold]{job.job_id}[/bold] ({job.task.name}) at "
-                         f"v{job.current_version}")
+                self.say(
+                    f"registered · job [bold]{job.job_id}[/bold] ({job.task.name}) at "
+                    f"v{job.current_version}"
+                )
                 return job
             self.say("registered · no running job yet, waiting")
             await trio.sleep(NO_JOB_RETRY_S)
@@ -126,12 +139,17 @@ class Node:
     async def _serve_job(self, host: EchoHost, job: m.JobInfo) -> None:
         cfg = self.cfg
         spec = ModelSpec.from_dict(job.model)
-        device = cfg.device if cfg.device != "auto" else (
-            "cuda" if self.probe.cuda else "cpu")
+        device = cfg.device if cfg.device != "auto" else ("cuda" if self.probe.cuda else "cpu")
         try:
-            self.engine = await trio.to_thread.run_sync(lambda: make_engine(
-                self.engine_name, spec, device=device, threads=cfg.threads,
-                gpu_memory_fraction=cfg.gpu_memory_fraction))
+            self.engine = await trio.to_thread.run_sync(
+                lambda: make_engine(
+                    self.engine_name,
+                    spec,
+                    device=device,
+                    threads=cfg.threads,
+                    gpu_memory_fraction=cfg.gpu_memory_fraction,
+                )
+            )
         except MemoryError:
             raise NodeError("the model does not fit in this machine's memory") from None
         tokenizer = load_tokenizer(spec)
@@ -166,12 +184,17 @@ class Node:
         tmp.replace(path)
         (self.cfg.data_dir / "policy.json").write_text(
             f'{{"job_id": "{sync.job.job_id}", "version": {sync.version}, '
-            f'"state_digest": "{sync.digest}"}}\n')
+            f'"state_digest": "{sync.digest}"}}\n'
+        )
 
     async def _send_status(self, sync: WeightSync) -> None:
-        st = m.NodeStatus(job_id=sync.job.job_id, version=sync.version,
-                          state_digest=sync.digest, tokens_per_s=self.stats.tokens_per_s,
-                          timestamp=time.time())
+        st = m.NodeStatus(
+            job_id=sync.job.job_id,
+            version=sync.version,
+            state_digest=sync.digest,
+            tokens_per_s=self.stats.tokens_per_s,
+            timestamp=time.time(),
+        )
         try:
             await self._call(ids.PROTO_STATUS, self._seal("node_status", st), timeout=10.0)
         except RpcError as exc:
@@ -188,16 +211,18 @@ class Node:
         sub = await self.host.subscribe(ids.TOPIC_VERSIONS)
         async for _peer, data in sub:
             try:
-                env = signing.open_envelope(data, kind="manifest",
-                                            expected_signer=job.learner_public_key)
+                env = signing.open_envelope(
+                    data, kind="manifest", expected_signer=job.learner_public_key
+                )
                 man = m.from_obj(m.Manifest, env.decode_body())
             except ProtocolError:
                 continue
             if man.job_id == job.job_id:
                 self.announced = max(self.announced, man.version)
 
-    async def _lease_loop(self, job: m.JobInfo, spec: ModelSpec, tokenizer, task,
-                          sync: WeightSync) -> None:
+    async def _lease_loop(
+        self, job: m.JobInfo, spec: ModelSpec, tokenizer, task, sync: WeightSync
+    ) -> None:
         done_groups = 0
         while self.max_groups is None or done_groups < self.max_groups:
             if not self.cfg.working_now():
@@ -206,8 +231,12 @@ class Node:
                     await trio.sleep(30)
             if self.announced > sync.version:
                 await self._sync(sync, self.announced)
-            req = m.LeaseRequest(job_id=job.job_id, max_leases=self.cfg.leases_at_once,
-                                 have_version=sync.version, timestamp=time.time())
+            req = m.LeaseRequest(
+                job_id=job.job_id,
+                max_leases=self.cfg.leases_at_once,
+                have_version=sync.version,
+                timestamp=time.time(),
+            )
             try:
                 sealed = self._seal("lease_request", req)
                 reply = m.decode(m.LeaseReply, await self._call(ids.PROTO_LEASE, sealed))
@@ -237,17 +266,22 @@ class Node:
         env = signing.open_envelope(data, kind="lease", expected_signer=self.coord_key)
         return m.from_obj(m.Lease, env.decode_body())
 
-    async def _work(self, leases: list[m.Lease], spec: ModelSpec, tokenizer, task,
-                    sync: WeightSync) -> None:
+    async def _work(
+        self, leases: list[m.Lease], spec: ModelSpec, tokenizer, task, sync: WeightSync
+    ) -> None:
         assert self.engine is not None
         version, digest = sync.version, sync.digest
         reqs = [
             GenRequest(
                 prompt_ids=encode_prompt(spec, task.prompt(lease.prompt_id), tokenizer),
                 n=lease.group_size,
-                params=SamplingParams(max_new_tokens=lease.sampling.max_new_tokens,
-                                      temperature=lease.sampling.temperature,
-                                      top_p=lease.sampling.top_p, seed=lease.sampling.seed))
+                params=SamplingParams(
+                    max_new_tokens=lease.sampling.max_new_tokens,
+                    temperature=lease.sampling.temperature,
+                    top_p=lease.sampling.top_p,
+                    seed=lease.sampling.seed,
+                ),
+            )
             for lease in leases
         ]
         t0 = time.perf_counter()
@@ -259,12 +293,21 @@ class Node:
         await self._throttle(tokens, gen_s)
         for lease, group in zip(leases, results, strict=True):
             sub = m.Submission(
-                lease_id=lease.lease_id, job_id=lease.job_id, version=version,
-                engine=self.engine_name, state_digest=digest,
-                completions=[m.CompletionRecord(
-                    token_ids=m.pack_tokens(c.token_ids), logprobs=m.pack_logprobs(c.logprobs),
-                    finish_reason=c.finish_reason) for c in group],
-                gen_seconds=gen_s / len(leases))
+                lease_id=lease.lease_id,
+                job_id=lease.job_id,
+                version=version,
+                engine=self.engine_name,
+                state_digest=digest,
+                completions=[
+                    m.CompletionRecord(
+                        token_ids=m.pack_tokens(c.token_ids),
+                        logprobs=m.pack_logprobs(c.logprobs),
+                        finish_reason=c.finish_reason,
+                    )
+                    for c in group
+                ],
+                gen_seconds=gen_s / len(leases),
+            )
             await self._submit(self.encode_submission(sub))
 
     def encode_submission(self, sub: m.Submission) -> bytes:
@@ -295,12 +338,12 @@ class Node:
             self.say(f"[red]rejected[/red] ({reply.reason}) {reply.detail}")
         if self.stats.accepted % 10 == 1 or not reply.accepted:
             reasons = ", ".join(f"{k} {v}" for k, v in sorted(reply.rejected_by_reason.items()))
-            self.say(f"accepted {reply.accepted_total} · rejected "
-                     f"{reply.rejected_total}{' (' + reasons + ')' if reasons else ''} · "
-                     f"{self.stats.tokens_per_s:,.0f} tok/s")
+            self.say(
+                f"accepted {reply.accepted_total} · rejected "
+                f"{reply.rejected_total}{' (' + reasons + ')' if reasons else ''} · "
+                f"{self.stats.tokens_per_s:,.0f} tok/s"
+            )
 
 
 async def run_node(cfg: NodeConfig, console: Console | None = None) -> None:
     await Node(cfg, console).run()
-
-

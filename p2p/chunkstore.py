@@ -32,7 +32,7 @@ class ChunkHashMismatch(ProtocolError):
 def split_chunks(data: bytes, chunk_size: int = MAX_CHUNK_BYTES) -> list[bytes]:
     if chunk_size <= 0 or chunk_size > MAX_CHUNK_BYTES:
         raise ValueError(f"chunk size must be in (0, {MAX_CHUNK_BYTES}]")
-    return [data[i:i + chunk_size] for i in range(0, len(data), chunk_size)] or [b""]
+    return [data[i : i + chunk_size] for i in range(0, len(data), chunk_size)] or [b""]
 
 
 class ChunkStore:
@@ -83,7 +83,7 @@ class ChunkStore:
     def prune(self, keep: set[int] | None = None) -> None:
         """Forget all but the newest ``keep_versions`` versions (and any in ``keep``)."""
         vs = self.versions()
-        keep = set(keep or ()) | set(vs[-self.keep_versions:])
+        keep = set(keep or ()) | set(vs[-self.keep_versions :])
         for v in vs:
             if v not in keep:
                 shutil.rmtree(self.root / str(v), ignore_errors=True)
@@ -105,8 +105,13 @@ def serve_chunks(host: EchoHost, store: ChunkStore) -> None:
 
 async def fetch_chunk(host: EchoHost, peer_id, ref: m.ChunkRef, *, timeout: float) -> bytes:
     """One chunk from ``peer_id``, hash-checked. Raises ChunkHashMismatch or the rpc errors."""
-    data = await host.request(peer_id, ids.PROTO_CHUNK, m.encode(m.ChunkRequest(sha256=ref.sha256)),
-                              timeout=timeout, max_response=max(ref.size, 1))
+    data = await host.request(
+        peer_id,
+        ids.PROTO_CHUNK,
+        m.encode(m.ChunkRequest(sha256=ref.sha256)),
+        timeout=timeout,
+        max_response=max(ref.size, 1),
+    )
     if len(data) != ref.size or hashlib.sha256(data).digest() != ref.sha256:
         raise ChunkHashMismatch(f"chunk {ref.sha256.hex()[:12]} from {peer_id} failed its hash")
     return data

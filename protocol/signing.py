@@ -51,7 +51,13 @@ def seal(key: Ed25519PrivateKey, kind: str, body_obj: Any) -> bytes:
     body = codec.packb(body_obj)
     sig = key.sign(_signed_bytes(kind, body))
     return codec.packb(
-        {"v": PROTOCOL_VERSION, "kind": kind, "body": body, "signer": public_key_bytes(key), "sig": sig}
+        {
+            "v": PROTOCOL_VERSION,
+            "kind": kind,
+            "body": body,
+            "signer": public_key_bytes(key),
+            "sig": sig,
+        }
     )
 
 

@@ -56,8 +56,14 @@ steps = 150
 
 
 def start(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT,
-                            env={**os.environ, **(env or {})}, start_new_session=True)
+    return subprocess.Popen(
+        cmd,
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
 
 
 def stop(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
@@ -85,8 +91,10 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> dict:
 
 
 def render(st: dict, nodes: list[dict], elapsed: float) -> Table:
-    t = Table(title=f"Echo swarm · job {st['job_id']} · {st['status']} · "
-                    f"v{st['current_version']}/{st['steps']} · {elapsed:.0f} s")
+    t = Table(
+        title=f"Echo swarm · job {st['job_id']} · {st['status']} · "
+        f"v{st['current_version']}/{st['steps']} · {elapsed:.0f} s"
+    )
     t.add_column("version")
     t.add_column("mean reward", justify="right")
     t.add_column("groups", justify="right")
@@ -98,8 +106,11 @@ def render(st: dict, nodes: list[dict], elapsed: float) -> Table:
     t.add_row("buffered", str(r.get("accepted", 0) + r.get("in_batch", 0)), "")
     t.add_row("rejected", str(r.get("rejected_total", 0)), "")
     for n in nodes:
-        t.add_row(f"node …{n['node_id'][-6:]}", f"{n['tokens_per_s']:,.0f} tok/s",
-                  f"v{n['version']} ✓{n['accepted']} ✗{n['rejected']}")
+        t.add_row(
+            f"node …{n['node_id'][-6:]}",
+            f"{n['tokens_per_s']:,.0f} tok/s",
+            f"v{n['version']} ✓{n['accepted']} ✗{n['rejected']}",
+        )
     return t
 
 
@@ -121,10 +132,84 @@ def summarize(st: dict, nodes: list[dict], wall: float) -> dict:
         "node_ids": [n["node_id"] for n in nodes],
         "time_to_all_s": [{"version": v["version"], "s": v["time_to_all_s"]} for v in versions],
         "time_to_all_s_median": sorted(tta)[len(tta) // 2] if tta else None,
-        "source_bytes_per_version": [{"version": v["version"], "kind": v["kind"],
-                                      "bytes": v["bytes"]} for v in versions],
+        "source_bytes_per_version": [
+            {"version": v["version"], "kind": v["kind"], "bytes": v["bytes"]} for v in versions
+        ],
         "wall_s": wall,
     }
+
+
+class Swarm:
+    """The processes of a local swarm under ``out``; :meth:`stop` ends them all."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.procs: list[subprocess.Popen] = []
+        self.env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        self.api: httpx.Client | None = None
+        self.maddr = ""
+
+    def start_coordinator(self) -> dict:
+        coord = start(
+            [
+                sys.executable,
+                "-m",
+                "echo.coordinator.cli",
+                "serve",
+                "--data-dir",
+                str(self.out / "coordinator"),
+                "--listen",
+                "/ip4/127.0.0.1/tcp/0",
+                "--http-port",
+                "0",
+                "--info-file",
+                str(self.out / "coordinator.json"),
+            ],
+            self.out / "coordinator.log",
+            self.env,
+        )
+        self.procs.append(coord)
+        info = wait_for(self.out / "coordinator.json", coord, 60)
+        self.maddr = info["multiaddrs"][0]
+        self.api = httpx.Client(
+            base_url=info["http"][0],
+            timeout=10,
+            headers={"Authorization": f"Bearer {info['token']}"},
+        )
+        return info
+
+    def submit(self, job_toml: str) -> str:
+        assert self.api is not None
+        (self.out / "job.toml").write_text(job_toml)
+        r = self.api.post(
+            "/v1/jobs", content=job_toml, headers={"content-type": "application/toml"}
+        )
+        r.raise_for_status()
+        return r.json()["job_id"]
+
+    def start_node(
+        self, name: str, extra: list[str] | None = None, module: list[str] | None = None
+    ) -> subprocess.Popen:
+        cmd = [
+            sys.executable,
+            "-m",
+            *(module or ["echo.node.cli", "join"]),
+            "--coordinator",
+            self.maddr,
+            "--data-dir",
+            str(self.out / name),
+            *(extra or []),
+        ]
+        proc = start(cmd, self.out / f"{name}.log", self.env)
+        self.procs.append(proc)
+        return proc
+
+    def status(self, job_id: str) -> tuple[dict, list[dict]]:
+        assert self.api is not None
+        return self.api.get(f"/v1/jobs/{job_id}").json(), self.api.get("/v1/nodes").json()
+
+    def stop(self) -> None:
+        stop(self.procs)
 
 
 def main() -> int:
@@ -148,61 +233,58 @@ def main() -> int:
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     console = Console()
-    py = sys.executable
     t0 = time.time()
-    procs: list[subprocess.Popen] = []
-    env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    swarm = Swarm(out)
     try:
-        coord = start([py, "-m", "echo.coordinator.cli", "serve", "--data-dir",
-                       str(out / "coordinator"), "--listen", "/ip4/127.0.0.1/tcp/0",
-                       "--http-port", "0", "--info-file", str(out / "coordinator.json")],
-                      out / "coordinator.log", env)
-        procs.append(coord)
-        info = wait_for(out / "coordinator.json", coord, 60)
-        url, token, maddr = info["http"][0], info["token"], info["multiaddrs"][0]
-        console.print(f"coordinator at {maddr}\nHTTP API {url}")
-        api = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"},
-                           timeout=10)
-        job_toml = JOB_TOML.format(
-            name="demo", steps=args.steps, group_size=args.group_size,
-            batch_groups=args.batch_groups, staleness=args.staleness,
-            anchor_every=args.anchor_every, dtype=args.dtype, task=args.task,
-            max_operand=args.max_operand, lr=args.lr)
-        (out / "job.toml").write_text(job_toml)
-        r = api.post("/v1/jobs", content=job_toml, headers={"content-type": "application/toml"})
-        r.raise_for_status()
-        job_id = r.json()["job_id"]
+        info = swarm.start_coordinator()
+        console.print(f"coordinator at {swarm.maddr}\nHTTP API {info['http'][0]}")
+        job_id = swarm.submit(
+            JOB_TOML.format(
+                name="demo",
+                steps=args.steps,
+                group_size=args.group_size,
+                batch_groups=args.batch_groups,
+                staleness=args.staleness,
+                anchor_every=args.anchor_every,
+                dtype=args.dtype,
+                task=args.task,
+                max_operand=args.max_operand,
+                lr=args.lr,
+            )
+        )
         console.print(f"submitted job {job_id}; starting {args.nodes} nodes")
         for i in range(args.nodes):
-            procs.append(start(
-                [py, "-m", "echo.node.cli", "join", "--coordinator", maddr, "--data-dir",
-                 str(out / f"node-{i}"), "--threads", "1", "--keep-weights",
-                 *args.node_args.split()], out / f"node-{i}.log", env))
+            swarm.start_node(
+                f"node-{i}", ["--threads", "1", "--keep-weights", *args.node_args.split()]
+            )
         st, nodes = {}, []
         with Live(console=console, refresh_per_second=2, transient=args.quiet) as live:
             while time.time() - t0 < args.timeout:
-                st = api.get(f"/v1/jobs/{job_id}").json()
-                nodes = api.get("/v1/nodes").json()
+                st, nodes = swarm.status(job_id)
                 if not args.quiet:
                     live.update(render(st, nodes, time.time() - t0))
                 if st["status"] in ("done", "failed", "cancelled"):
                     break
-                dead = [p for p in procs if p.poll() is not None]
+                dead = [p for p in swarm.procs if p.poll() is not None]
                 if dead:
-                    console.print(f"[red]a process exited early (exit {dead[0].returncode}); "
-                                  f"see the logs in {out}[/red]")
+                    console.print(
+                        f"[red]a process exited early (exit {dead[0].returncode}); "
+                        f"see the logs in {out}[/red]"
+                    )
                     break
                 time.sleep(1.0)
         summary = summarize(st, nodes, time.time() - t0)
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
-        console.print(f"[bold]{summary['status']}[/bold]: {summary['versions']} versions, reward "
-                      f"{summary['reward_first']} → {summary['reward_last']}, "
-                      f"{summary['rollouts_accepted']} groups accepted, "
-                      f"{summary['rollouts_rejected']} rejected, {summary['wall_s']:.0f} s")
+        console.print(
+            f"[bold]{summary['status']}[/bold]: {summary['versions']} versions, reward "
+            f"{summary['reward_first']} → {summary['reward_last']}, "
+            f"{summary['rollouts_accepted']} groups accepted, "
+            f"{summary['rollouts_rejected']} rejected, {summary['wall_s']:.0f} s"
+        )
         console.print(f"logs and summary.json in {out}")
         return 0 if summary["status"] == "done" else 1
     finally:
-        stop(procs)
+        swarm.stop()
 
 
 if __name__ == "__main__":

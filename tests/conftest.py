@@ -22,8 +22,11 @@ TEST_DEADLINE = 60.0
 
 def make_coordinator(tmp: Path, **verification) -> Coordinator:
     cfg = CoordinatorConfig(
-        data_dir=tmp / "coord", listen=["/ip4/127.0.0.1/tcp/0"], http_port=0,
-        api_token="test-token", learner={"local": False},
+        data_dir=tmp / "coord",
+        listen=["/ip4/127.0.0.1/tcp/0"],
+        http_port=0,
+        api_token="test-token",
+        learner={"local": False},
         verification=verification or {},
     )
     cfg.data_dir.mkdir(parents=True, exist_ok=True)
@@ -37,24 +40,33 @@ class Client:
         self.host, self.coord, self.identity = host, coord_peer, identity
 
     async def call(self, proto: str, payload: bytes, max_response: int = 16 << 20) -> bytes:
-        return await self.host.request(self.coord, proto, payload, timeout=10,
-                                       max_response=max_response)
+        return await self.host.request(
+            self.coord, proto, payload, timeout=10, max_response=max_response
+        )
 
     def seal(self, kind: str, record: m.Record) -> bytes:
         return signing.seal(self.identity.private_key, kind, record.to_obj())
 
     async def register(self) -> m.RegisterReply:
-        reg = m.Register(protocol_version=ids.PROTOCOL_VERSION, software="test", engine="torch",
-                         hardware=m.Hardware(cpu_count=2, ram_bytes=1 << 30), tokens_per_s=0.0,
-                         upload_bps=0.0, download_bps=0.0, timestamp=time.time())
-        return m.decode(m.RegisterReply, await self.call(ids.PROTO_REGISTER,
-                                                         self.seal("register", reg)))
+        reg = m.Register(
+            protocol_version=ids.PROTOCOL_VERSION,
+            software="test",
+            engine="torch",
+            hardware=m.Hardware(cpu_count=2, ram_bytes=1 << 30),
+            tokens_per_s=0.0,
+            upload_bps=0.0,
+            download_bps=0.0,
+            timestamp=time.time(),
+        )
+        return m.decode(
+            m.RegisterReply, await self.call(ids.PROTO_REGISTER, self.seal("register", reg))
+        )
 
     async def leases(self, job_id: str, have: int, n: int = 1) -> m.LeaseReply:
-        req = m.LeaseRequest(job_id=job_id, max_leases=n, have_version=have,
-                             timestamp=time.time())
-        return m.decode(m.LeaseReply, await self.call(ids.PROTO_LEASE,
-                                                      self.seal("lease_request", req)))
+        req = m.LeaseRequest(job_id=job_id, max_leases=n, have_version=have, timestamp=time.time())
+        return m.decode(
+            m.LeaseReply, await self.call(ids.PROTO_LEASE, self.seal("lease_request", req))
+        )
 
     async def submit(self, payload: bytes) -> m.SubmitReply:
         return m.decode(m.SubmitReply, await self.call(ids.PROTO_SUBMIT, payload))
@@ -63,9 +75,18 @@ class Client:
 def learner_publish_v0(coord: Coordinator, job_id: str, digest: str = "digest-v0"):
     """Records (sealed hello, sealed report) for version 0 signed by the job's learner key."""
     ident = Identity.load_or_create(coord.job_dir(job_id) / "learner.key")
-    man = m.Manifest(job_id=job_id, version=0, base_version=-1, kind="anchor", total_size=0,
-                     chunks=[], tensor_digests={}, state_digest=digest, anchor_version=0,
-                     created_at=time.time())
+    man = m.Manifest(
+        job_id=job_id,
+        version=0,
+        base_version=-1,
+        kind="anchor",
+        total_size=0,
+        chunks=[],
+        tensor_digests={},
+        state_digest=digest,
+        anchor_version=0,
+        created_at=time.time(),
+    )
     sealed_man = signing.seal(ident.private_key, "manifest", man.to_obj())
     report = m.StepReport(job_id=job_id, version=0, manifest=sealed_man, trained=[])
     return ident, sealed_man, report
@@ -105,6 +126,14 @@ async def _host_task(ident: Identity, *, task_status=trio.TASK_STATUS_IGNORED) -
 
 
 def submit_job(coord: Coordinator, **over) -> str:
-    spec = parse_job({"name": "t", "group_size": 4, "batch_groups": 2, "steps": 5,
-                      "task": {"name": "addition", "params": {"max_operand": 5}}, **over})
+    spec = parse_job(
+        {
+            "name": "t",
+            "group_size": 4,
+            "batch_groups": 2,
+            "steps": 5,
+            "task": {"name": "addition", "params": {"max_operand": 5}},
+            **over,
+        }
+    )
     return coord.submit_job(spec)

@@ -8,6 +8,7 @@ import time
 import pytest
 import trio
 import zstandard
+from libp2p.custom_types import TProtocol
 
 from echo.coordinator import reasons as R
 from echo.models.tokenizer import EOS_ID, encode
@@ -15,22 +16,39 @@ from echo.p2p.rpc import RemoteError
 from echo.protocol import codec, ids, signing
 from echo.protocol import messages as m
 from echo.tasks.registry import make_task
-from libp2p.custom_types import TProtocol
 from tests.conftest import learner_publish_v0, run_with_coordinator, submit_job
 
 TASK = make_task("addition", {"max_operand": 5})
 
 
-def group_for(lease: m.Lease, *, answer: str | None = None, version: int = 0,
-              digest: str = "digest-v0", n: int | None = None, **over) -> m.Submission:
+def group_for(
+    lease: m.Lease,
+    *,
+    answer: str | None = None,
+    version: int = 0,
+    digest: str = "digest-v0",
+    n: int | None = None,
+    **over,
+) -> m.Submission:
     text = answer if answer is not None else TASK.answer(lease.prompt_id)
     toks = encode(text) + [EOS_ID]
-    comps = [m.CompletionRecord(token_ids=m.pack_tokens(toks),
-                                logprobs=m.pack_logprobs([-0.1] * len(toks)),
-                                finish_reason="stop")
-             for _ in range(lease.group_size if n is None else n)]
-    fields = dict(lease_id=lease.lease_id, job_id=lease.job_id, version=version, engine="torch",
-                  state_digest=digest, completions=comps, gen_seconds=0.01)
+    comps = [
+        m.CompletionRecord(
+            token_ids=m.pack_tokens(toks),
+            logprobs=m.pack_logprobs([-0.1] * len(toks)),
+            finish_reason="stop",
+        )
+        for _ in range(lease.group_size if n is None else n)
+    ]
+    fields = dict(
+        lease_id=lease.lease_id,
+        job_id=lease.job_id,
+        version=version,
+        engine="torch",
+        state_digest=digest,
+        completions=comps,
+        gen_seconds=0.01,
+    )
     fields.update(over)
     return m.Submission(**fields)
 
@@ -39,13 +57,20 @@ async def start_job(coord, client) -> tuple[str, object]:
     job_id = submit_job(coord)
     ident, _, report = learner_publish_v0(coord, job_id)
     learner = await client(ident)
-    hello = m.LearnerHello(job_id=job_id, peer_id=str(learner.host.peer_id),
-                           addrs=learner.host.listen_multiaddrs, timestamp=time.time())
-    reply = m.decode(m.LearnerHelloReply, await learner.call(
-        ids.PROTO_LEARNER_HELLO, learner.seal("learner_hello", hello)))
+    hello = m.LearnerHello(
+        job_id=job_id,
+        peer_id=str(learner.host.peer_id),
+        addrs=learner.host.listen_multiaddrs,
+        timestamp=time.time(),
+    )
+    reply = m.decode(
+        m.LearnerHelloReply,
+        await learner.call(ids.PROTO_LEARNER_HELLO, learner.seal("learner_hello", hello)),
+    )
     assert reply.current_version == -1
-    ack = m.decode(m.StepAck, await learner.call(ids.PROTO_LEARNER_REPORT,
-                                                 learner.seal("step_report", report)))
+    ack = m.decode(
+        m.StepAck, await learner.call(ids.PROTO_LEARNER_REPORT, learner.seal("step_report", report))
+    )
     assert ack.ok, ack.message
     return job_id, learner
 
@@ -70,39 +95,65 @@ def test_register_lease_submit_and_batch(tmp_path) -> None:
         assert ok.accepted and ok.accepted_total == 1
         # A wrong answer is still accepted (reward 0, recomputed here), compressed on the wire.
         lease2 = open_lease(coord, lr.leases[1])
-        ok2 = await node.submit(codec.compress(node.seal("submission",
-                                                         group_for(lease2, answer="99"))))
+        ok2 = await node.submit(
+            codec.compress(node.seal("submission", group_for(lease2, answer="99")))
+        )
         assert ok2.accepted
         rows = {r["rollout_id"]: r for r in coord.store._db.execute("SELECT * FROM rollouts")}
         assert rows[lease.lease_id]["mean_reward"] == 1.0
         assert rows[lease2.lease_id]["mean_reward"] == 0.0
         # The learner takes both groups; prompts are re-derived by the coordinator.
         req = m.BatchRequest(job_id=job_id, max_groups=8, min_version=0, timestamp=time.time())
-        batch = m.decode(m.BatchReply, await learner.call(
-            ids.PROTO_LEARNER_BATCH, learner.seal("batch_request", req), max_response=64 << 20))
+        batch = m.decode(
+            m.BatchReply,
+            await learner.call(
+                ids.PROTO_LEARNER_BATCH, learner.seal("batch_request", req), max_response=64 << 20
+            ),
+        )
         assert {g.rollout_id for g in batch.groups} == {lease.lease_id, lease2.lease_id}
         g = next(g for g in batch.groups if g.rollout_id == lease.lease_id)
-        assert m.unpack_tokens(g.prompt_tokens, vocab_size=259, max_len=99).tolist()[1:] == \
-            encode(TASK.prompt(lease.prompt_id))
+        assert m.unpack_tokens(g.prompt_tokens, vocab_size=259, max_len=99).tolist()[1:] == encode(
+            TASK.prompt(lease.prompt_id)
+        )
         # Version 1 trains exactly these; the ledger records it, and nothing is trained twice.
         ident = learner.identity
-        man = m.Manifest(job_id=job_id, version=1, base_version=0, kind="patch", total_size=0,
-                         chunks=[], tensor_digests={}, state_digest="digest-v1",
-                         anchor_version=0, created_at=time.time())
-        rep = m.StepReport(job_id=job_id, version=1,
-                           manifest=signing.seal(ident.private_key, "manifest", man.to_obj()),
-                           trained=[lease.lease_id, lease2.lease_id])
-        ack = m.decode(m.StepAck, await learner.call(ids.PROTO_LEARNER_REPORT,
-                                                     learner.seal("step_report", rep)))
+        man = m.Manifest(
+            job_id=job_id,
+            version=1,
+            base_version=0,
+            kind="patch",
+            total_size=0,
+            chunks=[],
+            tensor_digests={},
+            state_digest="digest-v1",
+            anchor_version=0,
+            created_at=time.time(),
+        )
+        rep = m.StepReport(
+            job_id=job_id,
+            version=1,
+            manifest=signing.seal(ident.private_key, "manifest", man.to_obj()),
+            trained=[lease.lease_id, lease2.lease_id],
+        )
+        ack = m.decode(
+            m.StepAck,
+            await learner.call(ids.PROTO_LEARNER_REPORT, learner.seal("step_report", rep)),
+        )
         assert ack.ok
         trained = coord.store.trained_rollouts(job_id)
         assert {r["rollout_id"] for r in trained} == {lease.lease_id, lease2.lease_id}
         assert all(r["trained_version"] == 1 for r in trained)
-        again = m.decode(m.StepAck, await learner.call(ids.PROTO_LEARNER_REPORT,
-                                                       learner.seal("step_report", rep)))
+        again = m.decode(
+            m.StepAck,
+            await learner.call(ids.PROTO_LEARNER_REPORT, learner.seal("step_report", rep)),
+        )
         assert again.ok  # idempotent re-send after a learner restart
-        batch2 = m.decode(m.BatchReply, await learner.call(
-            ids.PROTO_LEARNER_BATCH, learner.seal("batch_request", req), max_response=64 << 20))
+        batch2 = m.decode(
+            m.BatchReply,
+            await learner.call(
+                ids.PROTO_LEARNER_BATCH, learner.seal("batch_request", req), max_response=64 << 20
+            ),
+        )
         assert batch2.groups == []
 
     run_with_coordinator(tmp_path, body)
@@ -127,9 +178,18 @@ def test_verification_reasons(tmp_path) -> None:
         await expect(other.seal("submission", group_for(b)), R.LEASE_NOT_YOURS, who=other)
         await expect(node.seal("submission", group_for(b, version=1)), R.FUTURE_VERSION)
         await expect(node.seal("submission", group_for(c, digest="forged")), R.WRONG_WEIGHTS)
-        bad_tokens = group_for(d).model_copy(update={"completions": [m.CompletionRecord(
-            token_ids=m.pack_tokens([400, EOS_ID]), logprobs=m.pack_logprobs([-1, -1]),
-            finish_reason="stop")] * d.group_size})
+        bad_tokens = group_for(d).model_copy(
+            update={
+                "completions": [
+                    m.CompletionRecord(
+                        token_ids=m.pack_tokens([400, EOS_ID]),
+                        logprobs=m.pack_logprobs([-1, -1]),
+                        finish_reason="stop",
+                    )
+                ]
+                * d.group_size
+            }
+        )
         await expect(node.seal("submission", bad_tokens), R.BAD_TOKENS)
         # Signed by another key than the peer's own.
         await expect(other.seal("submission", group_for(d)), R.WRONG_SIGNER)

@@ -14,8 +14,8 @@ import pytest
 
 from echo.models.spec import ModelSpec, build_model
 from echo.models.weights import export_state, state_digest, state_from_bytes, to_bits
-from echo.protocol import signing
 from echo.protocol import messages as m
+from echo.protocol import signing
 from echo.protocol.jobspec import JobSpec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,12 +26,28 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 def swarm_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("swarm")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "local_swarm.py"), "--out", str(out), "--quiet",
-         "--nodes", "3", "--steps", "120", "--timeout", "170"],
-        cwd=ROOT, capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "local_swarm.py"),
+            "--out",
+            str(out),
+            "--quiet",
+            "--nodes",
+            "3",
+            "--steps",
+            "120",
+            "--timeout",
+            "170",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     if proc.returncode != 0:
-        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(out.glob("*.log")))
+        logs = "\n".join(
+            f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(out.glob("*.log"))
+        )
         pytest.fail(f"local swarm failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{logs}")
     return out
 
@@ -43,8 +59,15 @@ def _job_dir(out: Path) -> Path:
 
 def test_summary_and_reward_rose(swarm_run: Path) -> None:
     s = json.loads((swarm_run / "summary.json").read_text())
-    for key in ("versions", "reward_first", "reward_last", "rollouts_accepted",
-                "rollouts_rejected", "nodes", "wall_s"):
+    for key in (
+        "versions",
+        "reward_first",
+        "reward_last",
+        "rollouts_accepted",
+        "rollouts_rejected",
+        "nodes",
+        "wall_s",
+    ):
         assert key in s
     assert s["status"] == "done" and s["versions"] == 120 and s["nodes"] == 3
     curve = [p["mean_reward"] for p in s["reward_by_version"]]
@@ -61,8 +84,9 @@ def test_every_trained_rollout_was_signed_by_a_registered_node_and_accepted(swar
     assert len(trained) > 100
     for r in trained:
         assert r["node_id"] in nodes
-        env = signing.open_envelope(bytes(r["envelope"]), kind="submission",
-                                    expected_signer=nodes[r["node_id"]])
+        env = signing.open_envelope(
+            bytes(r["envelope"]), kind="submission", expected_signer=nodes[r["node_id"]]
+        )
         sub = m.from_obj(m.Submission, env.decode_body())
         lease = db.execute("SELECT * FROM leases WHERE lease_id=?", (sub.lease_id,)).fetchone()
         assert lease["node_id"] == r["node_id"] and lease["status"] == "submitted"
@@ -71,8 +95,9 @@ def test_every_trained_rollout_was_signed_by_a_registered_node_and_accepted(swar
     assert len({r["rollout_id"] for r in trained}) == len(trained)
     n_versions = db.execute("SELECT COUNT(*) FROM versions").fetchone()[0]
     assert n_versions == 121
-    assert sum(r["trained_count"] for r in db.execute("SELECT trained_count FROM versions")) \
-        == len(trained)
+    assert sum(r["trained_count"] for r in db.execute("SELECT trained_count FROM versions")) == len(
+        trained
+    )
 
 
 def test_node_weights_are_bit_identical_to_the_learner(swarm_run: Path) -> None:

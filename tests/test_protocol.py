@@ -17,10 +17,18 @@ from echo.protocol.ids import PROTOCOL_VERSION
 
 def _submission(**over) -> m.Submission:
     base = dict(
-        lease_id="lease-1", job_id="job", version=3, engine="torch", state_digest="d" * 64,
-        completions=[m.CompletionRecord(token_ids=m.pack_tokens([5, 6, 2]),
-                                        logprobs=m.pack_logprobs([-0.5, -0.1, -0.2]),
-                                        finish_reason="stop")],
+        lease_id="lease-1",
+        job_id="job",
+        version=3,
+        engine="torch",
+        state_digest="d" * 64,
+        completions=[
+            m.CompletionRecord(
+                token_ids=m.pack_tokens([5, 6, 2]),
+                logprobs=m.pack_logprobs([-0.5, -0.1, -0.2]),
+                finish_reason="stop",
+            )
+        ],
         gen_seconds=0.5,
     )
     base.update(over)
@@ -31,8 +39,11 @@ def test_round_trip_keeps_types() -> None:
     sub = _submission()
     back = m.decode(m.Submission, m.encode(sub))
     assert back == sub
-    assert m.unpack_tokens(back.completions[0].token_ids, vocab_size=259, max_len=8).tolist() \
-        == [5, 6, 2]
+    assert m.unpack_tokens(back.completions[0].token_ids, vocab_size=259, max_len=8).tolist() == [
+        5,
+        6,
+        2,
+    ]
 
 
 def test_msgpack_array_bomb_is_refused_before_allocation() -> None:
@@ -80,12 +91,14 @@ def test_zstd_bomb_declared_and_streamed() -> None:
 def test_envelope_signature_checks() -> None:
     key, other = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
     sealed = signing.seal(key, "submission", _submission().to_obj())
-    env = signing.open_envelope(sealed, kind="submission",
-                                expected_signer=signing.public_key_bytes(key))
+    env = signing.open_envelope(
+        sealed, kind="submission", expected_signer=signing.public_key_bytes(key)
+    )
     assert env.signer == signing.public_key_bytes(key)
     with pytest.raises(SignatureError, match="unexpected key"):
-        signing.open_envelope(sealed, kind="submission",
-                              expected_signer=signing.public_key_bytes(other))
+        signing.open_envelope(
+            sealed, kind="submission", expected_signer=signing.public_key_bytes(other)
+        )
     with pytest.raises(SchemaError, match="expected a 'lease'"):
         signing.open_envelope(sealed, kind="lease")
     raw = msgpack.unpackb(sealed)

@@ -1,0 +1,211 @@
+"""Adversarial volunteer nodes for the tests: real node processes that each cheat one way.
+
+Run as ``python -m tests.adversaries KIND --coordinator MADDR --data-dir DIR``. Each is the real
+:class:`echo.node.worker.Node` (real libp2p identity, registration, weight sync, engine) with one
+step of its honest behaviour replaced. They live in tests/, never in the shipped CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+import torch
+import trio
+
+from echo.models.spec import build_model, encode_prompt
+from echo.models.tokenizer import EOS_ID, VOCAB_SIZE
+from echo.node.config import NodeConfig
+from echo.node.engines.base import GenRequest, SamplingParams
+from echo.node.engines.torch_engine import TorchEngine
+from echo.node.worker import Node, NodeError
+from echo.p2p.identity import Identity
+from echo.protocol import codec, signing
+from echo.protocol import messages as m
+
+# The reason the coordinator or learner must give for each adversary's submissions.
+EXPECTED = {
+    "random_tokens": "sampling_shape",
+    "other_model": "rescore_mismatch",
+    "fabricated_logprobs": "rescore_mismatch",
+    "inflated_reward": "reward_mismatch",
+    "replay": "duplicate",
+    "replay_new_version": "duplicate",
+    "stale_version": "stale_version",
+    "half_group": "incomplete_group",
+    "truncated": "bad_termination",
+    "foreign_signature": "wrong_signer",
+    "swapped_prompt": "rescore_mismatch",
+    "malformed": "malformed",
+    "oversized": "malformed",
+}
+
+
+class Adversary(Node):
+    kind = ""
+
+    def __init__(self, cfg: NodeConfig, kind: str) -> None:
+        super().__init__(cfg)
+        self.kind = kind
+        self.rng = random.Random(hash(kind) & 0xFFFF)
+        self.first_accepted: bytes | None = None
+        self.foreign = Identity.generate()
+        self.other: TorchEngine | None = None
+
+    def _true_logprobs(self, prompt: list[int], tokens: list[int], lease: m.Lease) -> list[float]:
+        """Log-probs of ``tokens`` under the node's real current weights (honest-looking)."""
+        model = self.engine.model
+        ids = torch.tensor([prompt + tokens])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+        logp = torch.log_softmax(logits / lease.sampling.temperature, dim=-1)
+        return logp.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
+
+    async def _work(self, leases, spec, tokenizer, task, sync) -> None:
+        for lease in leases:
+            # Replayers first need one honest accepted submission to replay.
+            cheat = not (self.kind.startswith("replay") and self.first_accepted is None)
+            payload = await trio.to_thread.run_sync(self._cheat, lease, spec, tokenizer, task, sync)
+            with open(self.cfg.data_dir / "adversary.jsonl", "a") as log:
+                log.write(json.dumps({"lease_id": lease.lease_id, "cheat": cheat}) + "\n")
+            reply = await self._submit(payload)
+            if reply is not None and reply.accepted and self.first_accepted is None:
+                self.first_accepted = payload
+
+    def _honest(self, lease: m.Lease, spec, tokenizer, task, prompt_id: int | None = None):
+        prompt = encode_prompt(
+            spec, task.prompt(lease.prompt_id if prompt_id is None else prompt_id), tokenizer
+        )
+        req = GenRequest(
+            prompt,
+            lease.group_size,
+            SamplingParams(
+                max_new_tokens=lease.sampling.max_new_tokens,
+                temperature=lease.sampling.temperature,
+                top_p=lease.sampling.top_p,
+                seed=lease.sampling.seed,
+            ),
+        )
+        return prompt, self.engine.generate([req])[0]
+
+    def _submission(self, lease, comps, sync, **over) -> m.Submission:
+        fields = dict(
+            lease_id=lease.lease_id,
+            job_id=lease.job_id,
+            version=sync.version,
+            engine="torch",
+            state_digest=sync.digest,
+            completions=comps,
+            gen_seconds=0.01,
+        )
+        fields.update(over)
+        return m.Submission(**fields)
+
+    @staticmethod
+    def _record(tokens, logprobs, finish) -> m.CompletionRecord:
+        return m.CompletionRecord(
+            token_ids=m.pack_tokens(tokens),
+            logprobs=m.pack_logprobs(logprobs),
+            finish_reason=finish,
+        )
+
+    def _cheat(self, lease: m.Lease, spec, tokenizer, task, sync) -> bytes:  # noqa: C901
+        k = self.kind
+        if k in ("replay", "replay_new_version") and self.first_accepted is not None:
+            if k == "replay":
+                return self.first_accepted
+            env = signing.open_envelope(codec.decompress(self.first_accepted), kind="submission")
+            old = m.from_obj(m.Submission, env.decode_body())
+            return self.encode_submission(old.model_copy(update={"version": sync.version}))
+        if k == "malformed":
+            return bytes(self.rng.randrange(256) for _ in range(200))
+        if k == "oversized":
+            return codec.compress(b"\x00" * (16 << 20))  # 16 MiB once decompressed
+        prompt, group = self._honest(lease, spec, tokenizer, task)
+        comps = [self._record(c.token_ids, c.logprobs, c.finish_reason) for c in group]
+        if k == "random_tokens":
+            comps = []
+            for _ in range(lease.group_size):
+                n = self.rng.randrange(1, lease.sampling.max_new_tokens)
+                toks = [self.rng.randrange(3, VOCAB_SIZE) for _ in range(n - 1)] + [EOS_ID]
+                comps.append(self._record(toks, self._true_logprobs(prompt, toks, lease), "stop"))
+        elif k == "other_model":
+            if self.other is None:
+                self.other = TorchEngine(spec)
+                self.other.load_state(
+                    {n: t.clone() for n, t in build_model(spec, seed=1234).state_dict().items()}
+                )
+            req = GenRequest(
+                prompt,
+                lease.group_size,
+                SamplingParams(
+                    max_new_tokens=lease.sampling.max_new_tokens, seed=lease.sampling.seed
+                ),
+            )
+            comps = [
+                self._record(c.token_ids, c.logprobs, c.finish_reason)
+                for c in self.other.generate([req])[0]
+            ]
+        elif k == "fabricated_logprobs":
+            comps = [
+                self._record(c.token_ids, [-0.01] * len(c.token_ids), c.finish_reason)
+                for c in group
+            ]
+        elif k == "inflated_reward":
+            return self.encode_submission(
+                self._submission(lease, comps, sync, claimed_rewards=[1.0] * lease.group_size)
+            )
+        elif k == "stale_version":
+            return self.encode_submission(
+                self._submission(lease, comps, sync, version=max(0, sync.version - 50))
+            )
+        elif k == "half_group":
+            comps = comps[: max(1, len(comps) // 2)]
+        elif k == "truncated":
+            comps = [
+                self._record(
+                    c.token_ids[:1] if c.token_ids[0] != EOS_ID else [5], c.logprobs[:1], "length"
+                )
+                for c in group
+            ]
+        elif k == "foreign_signature":
+            sub = self._submission(lease, comps, sync)
+            return codec.compress(
+                signing.seal(self.foreign.private_key, "submission", sub.to_obj())
+            )
+        elif k == "swapped_prompt":
+            _, other = self._honest(lease, spec, tokenizer, task, prompt_id=lease.prompt_id + 7)
+            comps = [self._record(c.token_ids, c.logprobs, c.finish_reason) for c in other]
+        return self.encode_submission(self._submission(lease, comps, sync))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("kind", choices=sorted(EXPECTED))
+    ap.add_argument("--coordinator", required=True)
+    ap.add_argument("--data-dir", type=Path, required=True)
+    ap.add_argument("--max-groups", type=int, default=40)
+    args = ap.parse_args()
+    cfg = NodeConfig(
+        coordinator=args.coordinator,
+        data_dir=args.data_dir,
+        engine="torch",
+        threads=1,
+        leases_at_once=2,
+    )
+    adv = Adversary(cfg, args.kind)
+    adv.max_groups = args.max_groups
+    try:
+        trio.run(adv.run)
+    except NodeError as exc:  # excluded: the expected end for most adversaries
+        print(f"adversary {args.kind} stopped: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
