@@ -466,7 +466,8 @@ class Store:
     def buffered_count(self, job_id: str) -> int:
         return int(
             self._db.execute(
-                "SELECT COUNT(*) FROM rollouts WHERE job_id=? AND status IN ('accepted','in_batch')",
+                "SELECT COUNT(*) FROM rollouts"
+                " WHERE job_id=? AND status IN ('accepted','in_batch')",
                 (job_id,),
             ).fetchone()[0]
         )

@@ -14,6 +14,7 @@ learner's weights never disagree.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -293,7 +294,5 @@ def main() -> None:
     for noisy in ("libp2p", "multiaddr", "async_service"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     learner = Learner(args.job_dir, args.job_id, args.coordinator, args.threads)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):  # the coordinator stops us with SIGINT
         trio.run(learner.run)
-    except KeyboardInterrupt:
-        pass

@@ -63,7 +63,7 @@ class ChunkStore:
             return None
 
     def put(self, version: int, data: bytes, sha: bytes | None = None) -> bytes:
-        """Store ``data`` for ``version``; checks it against ``sha`` when given. Returns its hash."""
+        """Store ``data`` for ``version`` (checked against ``sha`` when given); return its hash."""
         digest = hashlib.sha256(data).digest()
         if sha is not None and digest != sha:
             raise ChunkHashMismatch("chunk does not match its hash")
