@@ -15,7 +15,7 @@ from echo.protocol.jobspec import SpecError, explain_validation
 class VerificationSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
     lease_timeout_s: float = Field(default=120.0, gt=0, description="time a node has per lease")
-    max_open_leases_per_node: int = Field(default=4, ge=1)
+    max_open_leases_per_node: int = Field(default=8, ge=1)
     buffer_groups: int = Field(
         default=0, ge=0, description="accepted groups to keep ahead of the learner (0 = 2 batches)"
     )

@@ -51,7 +51,7 @@ temperature = 1.0
 max_new_tokens = 4
 
 [job.warmup]
-steps = 150
+steps = {warmup}
 """
 
 
@@ -150,6 +150,7 @@ class Swarm:
         self.maddr = ""
 
     def start_coordinator(self) -> dict:
+        (self.out / "coordinator.json").unlink(missing_ok=True)  # never read a previous run's
         coord = start(
             [
                 sys.executable,
@@ -216,15 +217,21 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / time.strftime("demo-%Y%m%d-%H%M%S"))
     ap.add_argument("--nodes", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--task", default="addition")
     ap.add_argument("--max-operand", type=int, default=5)
     ap.add_argument("--group-size", type=int, default=16)
-    ap.add_argument("--batch-groups", type=int, default=8)
+    ap.add_argument("--batch-groups", type=int, default=16)
+    ap.add_argument("--engines", default="torch",
+                    help="engines of the nodes, assigned in turn: e.g. torch,llamacpp")
+    ap.add_argument("--leases-at-once", type=int, default=4,
+                    help="groups each node generates in one batch")
     ap.add_argument("--staleness", type=int, default=2)
     ap.add_argument("--anchor-every", type=int, default=10)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--warmup", type=int, default=30,
+                    help="supervised format warm-up steps (a short one leaves room to learn)")
     ap.add_argument("--timeout", type=float, default=280.0, help="give up after this many s")
     ap.add_argument("--node-args", default="", help="extra arguments for every echo-node join")
     ap.add_argument("--quiet", action="store_true", help="no live table (for tests)")
@@ -250,12 +257,16 @@ def main() -> int:
                 task=args.task,
                 max_operand=args.max_operand,
                 lr=args.lr,
+                warmup=args.warmup,
             )
         )
-        console.print(f"submitted job {job_id}; starting {args.nodes} nodes")
+        engines = args.engines.split(",")
+        console.print(f"submitted job {job_id}; starting {args.nodes} nodes ({args.engines})")
         for i in range(args.nodes):
             swarm.start_node(
-                f"node-{i}", ["--threads", "1", "--keep-weights", *args.node_args.split()]
+                f"node-{i}",
+                ["--threads", "1", "--keep-weights", "--leases-at-once", str(args.leases_at_once),
+                 "--engine", engines[i % len(engines)], *args.node_args.split()],
             )
         st, nodes = {}, []
         with Live(console=console, refresh_per_second=2, transient=args.quiet) as live:

