@@ -1,0 +1,1 @@
+"""Echo swarm test suite (a package so tests can share helpers like tests.adversaries)."""
