@@ -12,4 +12,10 @@ def make_engine(name: str, spec: ModelSpec, *, device: str = "cpu", threads: int
         from echo.node.engines.torch_engine import TorchEngine
 
         return TorchEngine(spec, device=device, threads=threads, dtype=dtype)
+    if name == "llamacpp":
+        from echo.node.engines.llamacpp_engine import LlamaCppEngine
+
+        # llama.cpp runs on the CPU here (Metal offload is opt-in on the engine); ``dtype`` is the
+        # storage precision of matrices, as TorchEngine's is its compute precision.
+        return LlamaCppEngine(spec, threads=threads, dtype=dtype)
     raise ValueError(f"engine {name!r} is not available in this build")

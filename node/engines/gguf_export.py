@@ -268,14 +268,11 @@ def hf_vocab(tokenizer: Any, vocab_size: int, eos_id: int | None = None) -> GGUF
 
     Byte-level BPE tokenizers (Llama 3, Qwen2) become ``gpt2`` with their merges; SentencePiece
     ones with byte fallback (``<0x0A>`` present, Llama 2) become ``llama``. Raises ValueError when
-    the tokenizer has more tokens than the embedding has rows.
+    the EOS id is outside the embedding. Token ids beyond the embedding (tokenizers that add
+    specials of their own) are left out: the model can neither read nor produce them.
     """
     vocab: dict[str, int] = tokenizer.get_vocab()
-    if max(vocab.values()) >= vocab_size:
-        raise ValueError(
-            f"tokenizer has token id {max(vocab.values())}, the embedding only {vocab_size} rows"
-        )
-    by_id = {i: t for t, i in vocab.items()}
+    by_id = {i: t for t, i in vocab.items() if 0 <= i < vocab_size}
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
     spm = "<0x0A>" in vocab
     tokens, types = [], []
@@ -295,7 +292,10 @@ def hf_vocab(tokenizer: Any, vocab_size: int, eos_id: int | None = None) -> GGUF
             tokens.append(tok)
             types.append(TOKEN_NORMAL)
     eos = eos_id if eos_id is not None else tokenizer.eos_token_id
-    common = {"bos_id": tokenizer.bos_token_id, "eos_id": eos, "pad_id": tokenizer.pad_token_id}
+    if eos is not None and not 0 <= eos < vocab_size:
+        raise ValueError(f"EOS id {eos} is outside the embedding of {vocab_size} rows")
+    common = {"bos_id": _in_range(tokenizer.bos_token_id, vocab_size), "eos_id": eos,
+              "pad_id": _in_range(tokenizer.pad_token_id, vocab_size)}
     if spm:
         return GGUFVocab("llama", tokens, types, scores=[0.0] * vocab_size, **common)
     merges: list[str] = []
@@ -306,6 +306,10 @@ def hf_vocab(tokenizer: Any, vocab_size: int, eos_id: int | None = None) -> GGUF
     if not merges:
         merges = [f"{tokens[0]} {tokens[1]}"]  # must not be empty; see byte_vocab
     return GGUFVocab("gpt2", tokens, types, merges, **common)
+
+
+def _in_range(token_id: int | None, vocab_size: int) -> int | None:
+    return token_id if token_id is not None and 0 <= token_id < vocab_size else None
 
 
 def vocab_for(spec: ModelSpec) -> GGUFVocab:

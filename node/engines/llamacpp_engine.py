@@ -1,0 +1,453 @@
+"""The llama.cpp engine (llama-cpp-python): CPU and Apple nodes, weights in a GGUF patched in place.
+
+Weights. :meth:`LlamaCppEngine.load_state` writes the state as a GGUF
+(:mod:`echo.node.engines.gguf_export`, published precision, never quantized). When a new version
+has the same layout, only the elements whose bits changed are written into the existing file
+(``numpy.memmap``), then the model is reloaded: llama.cpp maps the file (mmap, no repacking, no GPU
+offload by default), so a reload costs milliseconds and the pages it computes on are the file's.
+:meth:`LlamaCppEngine.state_digest` reads the weights back from those bytes, undoing the Q/K
+permutation, so a wrong write shows up as a digest mismatch instead of a silently wrong model.
+
+Generation. llama-cpp-python's high-level ``Llama`` holds one sequence per context, so this engine
+drives the C API directly (``llama_batch`` / ``llama_decode``) with a context of ``max_seqs``
+sequences: each request's prompt is prefilled once and its KV cells copied to the other samples of
+the group (``llama_memory_seq_cp``), then every step decodes one token for every unfinished
+sample in a single batch. Logits of each step come back to Python (only the rows asked for, so
+``logits_all`` is not needed), and the engine samples itself: temperature, top-p and a per-sample
+random stream, reporting ``log_softmax(logits / temperature)`` of the sampled token over the full
+vocabulary before top-p truncation (the convention of :mod:`echo.node.engines.base`). Token ids go
+in and out directly; llama.cpp's tokenizer is never used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from echo.models.spec import ModelSpec, eos_token_id
+from echo.models.weights import state_digest as digest_of
+from echo.node.engines.base import Completion, Engine, GenRequest, SamplingParams
+from echo.node.engines.gguf_export import (
+    GGUFFile,
+    GGUFVocab,
+    check_state,
+    layout_of,
+    vocab_for,
+    write_gguf,
+)
+
+# ggml_type ids for the KV cache.
+_KV_TYPES = {"float32": 0, "float16": 1}
+
+
+@dataclass
+class LoadStats:
+    """What the last :meth:`LlamaCppEngine.load_state` did and how long it took."""
+
+    full_write: bool = False
+    changed: int = 0
+    bytes_written: int = 0
+    write_seconds: float = 0.0
+    load_seconds: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return self.write_seconds + self.load_seconds
+
+
+@dataclass
+class _Row:
+    """One sample being generated: its request, its KV sequence slot and what it produced."""
+
+    req: int
+    slot: int
+    rng: np.random.Generator | None
+    pos: int
+    tokens: list[int]
+    logprobs: list[float]
+    finish: str | None = None
+
+
+class LlamaCppEngine(Engine):
+    """llama.cpp on the CPU (or Apple GPU with ``gpu_layers``), weights from :meth:`load_state`.
+
+    ``threads``: llama.cpp threads (default: all cores). ``workdir``: where the GGUF lives
+    (default: a private temporary directory, removed by :meth:`close`). ``dtype``: storage dtype of
+    matrices (default: as published, which keeps the digest exact; a lossy cast makes the digest
+    differ, truthfully; BF16 matrices also make llama.cpp round activations to BF16, so
+    ``dtype="float32"`` buys log-prob parity with the learner for twice the memory).
+    ``seq_len``: the longest prompt + completion (default: the model's context, at most 2048).
+    ``max_seqs``: samples decoded together. ``kv_dtype`` (float32 or float16) and ``flash_attn``:
+    the defaults (F32 cache, no flash attention) keep log-probs within ~1e-5 of transformers;
+    float16 + flash attention is faster and within ~1e-2. ``kv_unified``: one KV buffer shared by
+    all sequences instead of one stream each.
+    ``gpu_layers`` > 0 offloads layers, after which :meth:`state_digest` covers the file, not the
+    GPU copy. Generation starts only after the first :meth:`load_state`. Not thread-safe.
+    """
+
+    name = "llamacpp"
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        *,
+        threads: int | None = None,
+        workdir: str | os.PathLike[str] | None = None,
+        dtype: str | None = None,
+        seq_len: int | None = None,
+        max_seqs: int = 32,
+        kv_dtype: str = "float32",
+        flash_attn: bool = False,
+        kv_unified: bool = False,
+        gpu_layers: int = 0,
+        vocab: GGUFVocab | None = None,
+        verbose: bool = False,
+    ) -> None:
+        try:
+            import llama_cpp
+        except ImportError as exc:
+            raise RuntimeError(
+                "the llamacpp engine needs llama-cpp-python: pip install 'echo-swarm[llamacpp]'"
+            ) from exc
+        if dtype is not None and dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be float32, float16 or bfloat16, not {dtype!r}")
+        if kv_dtype not in _KV_TYPES:
+            raise ValueError(f"kv_dtype must be one of {sorted(_KV_TYPES)}, not {kv_dtype!r}")
+        max_parallel = int(llama_cpp.llama_max_parallel_sequences())
+        if not 1 <= max_seqs <= max_parallel:
+            raise ValueError(f"max_seqs must be in [1, {max_parallel}], not {max_seqs}")
+        self._ll = llama_cpp
+        # llama-cpp-python routes llama.cpp's log through this logger (its callback is installed
+        # when the package is imported); keep it to errors unless asked.
+        logging.getLogger("llama-cpp-python").setLevel(logging.DEBUG if verbose else logging.ERROR)
+        self.spec = spec
+        self.layout = layout_of(spec)
+        self.vocab = vocab if vocab is not None else vocab_for(spec)
+        self.vocab_size = self.layout.vocab
+        self.eos_id = eos_token_id(spec)
+        self.dtype = dtype
+        self.threads = threads or os.cpu_count() or 1
+        self.seq_len = seq_len or min(self.layout.context_length, 2048)
+        self.max_seqs = max_seqs
+        self.kv_dtype = kv_dtype
+        self.flash_attn = flash_attn
+        self.kv_unified = kv_unified
+        self.gpu_layers = gpu_layers
+        self._own_workdir = workdir is None
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="echo-llamacpp-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.gguf_path = self.workdir / "policy.gguf"
+        self._file: GGUFFile | None = None
+        self._model: Any = None
+        self._ctx: Any = None
+        self._batch: Any = None
+        self._batch_size = 0
+        self.last_stats: dict[str, float] = {"tokens": 0, "seconds": 0.0, "tokens_per_s": 0.0}
+        self.last_load = LoadStats()
+        if not getattr(LlamaCppEngine, "_backend_ready", False):
+            llama_cpp.llama_backend_init()
+            LlamaCppEngine._backend_ready = True
+
+    # -- weights ------------------------------------------------------------------------------
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Make ``state`` the engine's weights: patch the GGUF in place when the layout is
+        unchanged (only changed elements are written), otherwise write it anew; then reload.
+
+        Raises ValueError for a state that does not match the model (nothing changes then),
+        RuntimeError when llama.cpp cannot load the result (the engine then holds no model
+        until the next successful call), OSError when the file cannot be written.
+        """
+        check_state(self.layout, state)
+        stats = LoadStats()
+        t0 = time.perf_counter()
+        self._unload()  # llama.cpp maps the file: never change it under a loaded model
+        try:
+            if self._file is not None and self._file.fits(state):
+                up = self._file.update(state)
+                stats.changed, stats.bytes_written = up.changed, up.bytes_written
+            else:
+                self._file = None
+                self._file = write_gguf(self.layout, state, self.gguf_path, vocab=self.vocab,
+                                        dtype=self.dtype)
+                stats.full_write = True
+                stats.bytes_written = self.gguf_path.stat().st_size
+        except BaseException:
+            # A failed in-place write may leave the file half updated: rewrite it next time.
+            self._file = None
+            raise
+        t1 = time.perf_counter()
+        self._load()
+        stats.write_seconds, stats.load_seconds = t1 - t0, time.perf_counter() - t1
+        self.last_load = stats
+
+    def state_digest(self) -> str:
+        """Digest of the weights read back from the GGUF llama.cpp has mapped (unpermuted, in the
+        published dtypes); RuntimeError before the first :meth:`load_state`."""
+        if self._file is None or self._model is None:
+            raise RuntimeError("the llamacpp engine holds no weights yet: call load_state first")
+        return digest_of(self._file.read_state())
+
+    def held_state(self) -> dict[str, torch.Tensor]:
+        """The state as read back from the GGUF (what :meth:`state_digest` hashes)."""
+        if self._file is None:
+            raise RuntimeError("the llamacpp engine holds no weights yet: call load_state first")
+        return self._file.read_state()
+
+    def _load(self) -> None:
+        ll = self._ll
+        mparams = ll.llama_model_default_params()
+        mparams.n_gpu_layers = self.gpu_layers
+        mparams.load_mode = ll.LLAMA_LOAD_MODE_MMAP
+        # No repacked copies: the weights computed on must be the file's pages (see the digest).
+        mparams.use_extra_bufts = False
+        model = ll.llama_model_load_from_file(str(self.gguf_path).encode(), mparams)
+        if not model:
+            raise RuntimeError(f"llama.cpp could not load {self.gguf_path}")
+        self._model = model
+        expected = sum(e.count for e in self._file.entries.values()) if self._file else 0
+        n_params = int(ll.llama_model_n_params(model))
+        if n_params != expected:
+            self._unload()
+            raise RuntimeError(f"llama.cpp loaded {n_params} parameters, the GGUF holds {expected}")
+        cparams = ll.llama_context_default_params()
+        cparams.n_ctx = self.seq_len * self.max_seqs
+        cparams.n_seq_max = self.max_seqs
+        cparams.n_batch = max(512, self.max_seqs)
+        cparams.n_ubatch = cparams.n_batch
+        # Only the last prompt token of each group and one token per sample per step need
+        # logits: bounding the outputs keeps the logits buffer small for large vocabularies.
+        cparams.n_outputs_max = self.max_seqs
+        cparams.n_threads = self.threads
+        cparams.n_threads_batch = self.threads
+        cparams.type_k = cparams.type_v = _KV_TYPES[self.kv_dtype]
+        # Off unless asked: llama.cpp's CPU flash attention rounds Q to F16, which moved
+        # log-probs by ~3e-3 on the tiny model, against ~2e-6 with it off and an F32 KV cache.
+        cparams.flash_attn_type = (
+            ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if self.flash_attn
+            else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
+        cparams.kv_unified = self.kv_unified
+        cparams.no_perf = True
+        ctx = ll.llama_init_from_model(model, cparams)
+        if not ctx:
+            self._unload()
+            raise RuntimeError("llama.cpp could not create a context (out of memory?)")
+        self._ctx = ctx
+        self._batch_size = int(cparams.n_batch)
+        self._batch = ll.llama_batch_init(self._batch_size, 0, 1)
+
+    def _unload(self) -> None:
+        ll = self._ll
+        if self._batch is not None:
+            ll.llama_batch_free(self._batch)
+            self._batch = None
+        if self._ctx is not None:
+            ll.llama_free(self._ctx)
+            self._ctx = None
+        if self._model is not None:
+            ll.llama_model_free(self._model)
+            self._model = None
+
+    def close(self) -> None:
+        """Free llama.cpp's model and context and remove a temporary workdir. Idempotent."""
+        self._unload()
+        self._file = None
+        if self._own_workdir and self.workdir.exists():
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __del__(self) -> None:
+        # Interpreter shutdown may have torn down llama_cpp already.
+        with contextlib.suppress(Exception):
+            self.close()
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of the last :meth:`generate` call."""
+        return self.last_stats["tokens_per_s"]
+
+    # -- generation ---------------------------------------------------------------------------
+
+    def generate(self, requests: list[GenRequest]) -> list[list[Completion]]:
+        """Sample every request's ``n`` completions (see the module docstring).
+
+        Raises ValueError for prompt ids outside the vocabulary or a prompt + ``max_new_tokens``
+        longer than ``seq_len``, RuntimeError before the first :meth:`load_state` or when
+        llama.cpp fails to decode.
+        """
+        if not requests:
+            return []
+        if self._ctx is None:
+            raise RuntimeError("the llamacpp engine holds no weights yet: call load_state first")
+        for r in requests:
+            if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= self.vocab_size:
+                raise ValueError(f"prompt token id outside [0, {self.vocab_size})")
+            if len(r.prompt_ids) + r.params.max_new_tokens > self.seq_len:
+                raise ValueError(
+                    f"prompt ({len(r.prompt_ids)}) + max_new_tokens ({r.params.max_new_tokens}) "
+                    f"exceeds the engine's seq_len {self.seq_len}"
+                )
+        start = time.perf_counter()
+        rows = [
+            _Row(req=i, slot=-1, rng=_rng(r.params, j), pos=0, tokens=[], logprobs=[])
+            for i, r in enumerate(requests)
+            for j in range(r.n)
+        ]
+        for lo in range(0, len(rows), self.max_seqs):
+            self._run_chunk(requests, rows[lo : lo + self.max_seqs])
+        result: list[list[Completion]] = [[] for _ in requests]
+        for row in rows:
+            result[row.req].append(
+                Completion(token_ids=row.tokens, logprobs=row.logprobs,
+                           finish_reason="stop" if row.finish == "stop" else "length")
+            )
+        seconds = time.perf_counter() - start
+        n_tokens = sum(len(r.tokens) for r in rows)
+        self.last_stats = {
+            "tokens": n_tokens,
+            "seconds": seconds,
+            "tokens_per_s": n_tokens / seconds if seconds > 0 else 0.0,
+        }
+        return result
+
+    def _run_chunk(self, requests: list[GenRequest], rows: list[_Row]) -> None:
+        """Generate ``rows`` (at most ``max_seqs``, one KV sequence each) to completion."""
+        ll = self._ll
+        mem = ll.llama_get_memory(self._ctx)
+        ll.llama_memory_clear(mem, True)
+        for slot, row in enumerate(rows):
+            row.slot = slot
+        # Prefill each request's prompt once, into the slot of its first row in this chunk.
+        groups: dict[int, list[_Row]] = {}
+        for row in rows:
+            groups.setdefault(row.req, []).append(row)
+        prefill = [
+            (g[0].slot, tok, pos, pos == len(requests[req].prompt_ids) - 1)
+            for req, g in groups.items()
+            for pos, tok in enumerate(requests[req].prompt_ids)
+        ]
+        logits = self._decode(prefill)
+        for (req, g), lg in zip(groups.items(), logits, strict=True):
+            plen = len(requests[req].prompt_ids)
+            for row in g[1:]:
+                # Whole range: across KV streams (kv_unified=False) llama.cpp copies only whole
+                # sequences; the source holds just the prompt anyway.
+                ll.llama_memory_seq_cp(mem, g[0].slot, row.slot, -1, -1)
+            for row in g:
+                row.pos = plen
+            self._step(requests, g, lg.unsqueeze(0).expand(len(g), -1))
+        active = [r for r in rows if r.finish is None]
+        while active:
+            logits = self._decode([(r.slot, r.tokens[-1], r.pos, True) for r in active])
+            for r in active:
+                r.pos += 1
+            self._step(requests, active, logits)
+            for r in active:
+                if r.finish is not None:
+                    # Frees its cells (matters for a unified cache; cheap otherwise).
+                    ll.llama_memory_seq_rm(mem, r.slot, -1, -1)
+            active = [r for r in active if r.finish is None]
+
+    def _decode(self, items: list[tuple[int, int, int, bool]]) -> torch.Tensor:
+        """Decode ``(seq, token, pos, wants_logits)`` items in batches of at most ``n_batch``;
+        return the logits of the items that asked for them, in order, as float32 (k, vocab)."""
+        ll = self._ll
+        b = self._batch
+        out: list[np.ndarray] = []
+        for lo in range(0, len(items), self._batch_size):
+            part = items[lo : lo + self._batch_size]
+            n = len(part)
+            tok = np.ctypeslib.as_array(b.token, shape=(self._batch_size,))
+            pos = np.ctypeslib.as_array(b.pos, shape=(self._batch_size,))
+            nseq = np.ctypeslib.as_array(b.n_seq_id, shape=(self._batch_size,))
+            want = np.ctypeslib.as_array(b.logits, shape=(self._batch_size,))
+            seq, toks, poss, wants = zip(*part, strict=True)
+            tok[:n] = toks
+            pos[:n] = poss
+            nseq[:n] = 1
+            want[:n] = wants
+            for i, s in enumerate(seq):
+                b.seq_id[i][0] = s
+            b.n_tokens = n
+            rc = ll.llama_decode(self._ctx, b)
+            if rc != 0:
+                raise RuntimeError(f"llama_decode failed with code {rc}")
+            k = int(sum(wants))
+            if k:
+                ptr = ll.llama_get_logits(self._ctx)
+                arr = np.ctypeslib.as_array(
+                    ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(k, self.vocab_size)
+                )
+                out.append(arr.copy())
+        if not out:
+            return torch.empty((0, self.vocab_size))
+        return torch.from_numpy(np.concatenate(out))
+
+    def _step(self, requests: list[GenRequest], rows: list[_Row], logits: torch.Tensor) -> None:
+        """Sample one token for each of ``rows`` from its logits row; mark finished rows."""
+        params = [requests[r.req].params for r in rows]
+        toks, lps = sample(logits, params, [r.rng for r in rows])
+        for r, p, t, lp in zip(rows, params, toks, lps, strict=True):
+            r.tokens.append(t)
+            r.logprobs.append(lp)
+            if t == self.eos_id:
+                r.finish = "stop"
+            elif len(r.tokens) >= p.max_new_tokens:
+                r.finish = "length"
+
+
+def _rng(params: SamplingParams, sample: int) -> np.random.Generator | None:
+    """Sample ``sample``'s own random stream: from (seed, sample index), so it does not depend on
+    batching; None for greedy."""
+    if params.temperature == 0:
+        return None
+    seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
+    return np.random.default_rng([seed, sample])
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    rngs: list[np.random.Generator | None],
+) -> tuple[list[int], list[float]]:
+    """One token per row of ``logits`` (rows, vocab) and its log-prob under the engine convention.
+
+    The log-prob is ``log_softmax(logits / temperature)`` over the full vocabulary, before top-p
+    (temperature 0: greedy argmax and the raw ``log_softmax``). Top-p keeps the smallest prefix of
+    the sorted distribution whose mass reaches ``top_p`` (the top token always stays) and samples
+    from it by inverse CDF with one uniform draw from the row's generator.
+    """
+    logits = logits.float()
+    temps = torch.tensor([p.temperature or 1.0 for p in params]).unsqueeze(1)
+    logp = torch.log_softmax(logits / temps, dim=-1)
+    toks = logits.argmax(-1)
+    sampled = [i for i, p in enumerate(params) if p.temperature != 0]
+    if sampled:
+        idx = torch.tensor(sampled)
+        lp = logp[idx].double()
+        probs = lp.exp()
+        top_p = torch.tensor([params[i].top_p for i in sampled], dtype=torch.float64)
+        if bool((top_p < 1).any()):
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            mass_before = sorted_p.cumsum(-1) - sorted_p
+            drop = torch.zeros_like(mass_before, dtype=torch.bool).scatter(
+                1, order, mass_before >= top_p.unsqueeze(1)
+            )
+            probs = probs.masked_fill(drop, 0.0)
+        cdf = probs.cumsum(-1)
+        u = torch.tensor([rngs[i].random() for i in sampled], dtype=torch.float64)  # type: ignore[union-attr]
+        draw = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+        toks[idx] = draw.clamp(max=logits.shape[1] - 1)
+    chosen = logp.gather(1, toks.unsqueeze(1)).squeeze(1)
+    return toks.tolist(), chosen.tolist()
