@@ -123,6 +123,11 @@ CREATE TABLE IF NOT EXISTS node_versions (
 """
 
 
+# Learner verdicts that drop a rollout without holding it against its node: the learner could
+# not score it (it restarted and no longer holds the weights of the version it claims).
+NOT_THE_NODES_FAULT = frozenset({"unscorable"})
+
+
 class StoreError(RuntimeError):
     """A state transition that the stored state does not allow."""
 
@@ -531,9 +536,12 @@ class Store:
             if version != int(job[0]) + 1:
                 raise StoreError(f"version {version} does not follow the current version {job[0]}")
             for rid in trained:
+                # 'accepted' too: a learner that crashed after checkpointing v but before
+                # reporting it re-attaches (which returns its batch to the buffer) and re-sends
+                # the report of v before taking anything else.
                 cur = db.execute(
                     "UPDATE rollouts SET status='trained', trained_version=?"
-                    " WHERE rollout_id=? AND job_id=? AND status='in_batch'",
+                    " WHERE rollout_id=? AND job_id=? AND status IN ('in_batch', 'accepted')",
                     (version, rid, job_id),
                 )
                 if cur.rowcount != 1:
@@ -543,6 +551,12 @@ class Store:
                     "SELECT node_id FROM rollouts WHERE rollout_id=? AND job_id=?", (rid, job_id)
                 ).fetchone()
                 if row is None:
+                    continue
+                if reason in NOT_THE_NODES_FAULT:
+                    db.execute(
+                        "UPDATE rollouts SET status='dropped', reason=? WHERE rollout_id=?",
+                        (reason, rid),
+                    )
                     continue
                 db.execute(
                     "UPDATE rollouts SET status='rejected', reason=? WHERE rollout_id=?",

@@ -118,7 +118,8 @@ class Rescorer:
         by_version: dict[int, list[int]] = {}
         for gi, g in enumerate(groups):
             if g.version not in self._states:
-                out[gi] = Verdict(False, "stale_version", {"version": float(g.version)})
+                # Not the node's fault (we restarted and lost that version's weights): dropped.
+                out[gi] = Verdict(False, "unscorable", {"version": float(g.version)})
             elif not any(g.completions):
                 out[gi] = Verdict(False, "incomplete_group", {})
             else:

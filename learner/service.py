@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import socket
 import time
 from pathlib import Path
 
@@ -178,9 +179,27 @@ class Learner:
 
     # ------------------------------------------------------------------ main loop
 
+    def _listen_addr(self) -> str:
+        """The port of the previous run if there was one: nodes fetching chunks from us when we
+        crashed find us again at the same address (they also re-ask the coordinator)."""
+        ip = self.coordinator.split("/")[2]  # the interface the coordinator is reached on
+        try:
+            port = int((self.job_dir / "learner.port").read_text())
+            with socket.socket() as probe:  # still free? (another process may have taken it)
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind((ip, port))
+        except (OSError, ValueError):
+            port = 0
+        return f"/ip4/{ip}/tcp/{port}"
+
+    def _remember_port(self, host: EchoHost) -> None:
+        port = host.listen_multiaddrs[0].split("/tcp/")[1].split("/")[0]
+        (self.job_dir / "learner.port").write_text(port)
+
     async def run(self) -> None:
         await trio.to_thread.run_sync(self.build)
-        async with open_host(self.identity) as host:
+        async with open_host(self.identity, [self._listen_addr()]) as host:
+            self._remember_port(host)
             self.host = host
             serve_chunks(host, self.chunks)
             self.coord_peer = await host.connect(self.coordinator)
@@ -224,7 +243,9 @@ class Learner:
                     last_wait_log = time.monotonic()
                 await trio.sleep(POLL_S)
                 continue
-            batch, pending = pending[: spec.batch_groups], pending[spec.batch_groups :]
+            # Never more than one batch is requested, so nothing is held across a publish: the
+            # coordinator returns whatever a report does not name to the buffer.
+            batch, pending = pending[: spec.batch_groups], []
             sealed, metrics = await trio.to_thread.run_sync(self._step, batch)
             await self._send_report(sealed)
             log.info(

@@ -26,7 +26,7 @@ from echo.node.config import NodeConfig
 from echo.node.engines.base import Engine, GenRequest, SamplingParams
 from echo.node.engines.factory import make_engine
 from echo.node.probe import choose_engine, probe
-from echo.node.weights import WeightSync
+from echo.node.weights import WeightError, WeightSync
 from echo.p2p.chunkstore import ChunkStore, serve_chunks
 from echo.p2p.host import EchoHost, open_host
 from echo.p2p.identity import Identity, public_key_from_peer_id
@@ -41,6 +41,8 @@ log = logging.getLogger("echo.node")
 RPC_TIMEOUT_S = 30.0
 STATUS_EVERY_S = 10.0
 NO_JOB_RETRY_S = 3.0
+# A learner restart takes a few seconds; a node waits this long for weights before giving up.
+SYNC_GIVE_UP_S = 300.0
 SOFTWARE = "echo-swarm/0.1.0"
 
 
@@ -109,20 +111,23 @@ class Node:
             job = await self._register()
             await self._serve_job(host, job)
 
-    async def _register(self) -> m.JobInfo:
-        reg = m.Register(
+    def _register_record(self) -> m.Register:
+        return m.Register(
             protocol_version=ids.PROTOCOL_VERSION,
             software=SOFTWARE,
             engine=self.engine_name,
             hardware=self.probe.hardware,
-            tokens_per_s=0.0,
+            tokens_per_s=self.stats.tokens_per_s,
             upload_bps=0.0,
             download_bps=0.0,
             timestamp=time.time(),
         )
+
+    async def _register(self) -> m.JobInfo:
         while True:
             try:
-                data = await self._call(ids.PROTO_REGISTER, self._seal("register", reg))
+                sealed = self._seal("register", self._register_record())
+                data = await self._call(ids.PROTO_REGISTER, sealed)
             except RpcError as exc:
                 raise NodeError(f"registration refused: {exc}") from None
             reply = m.decode(m.RegisterReply, data)
@@ -168,12 +173,42 @@ class Node:
             nursery.cancel_scope.cancel()
 
     async def _sync(self, sync: WeightSync, target: int) -> None:
-        if await sync.sync_to(target):
+        """Bring engine and weights to ``target``, riding out a learner restart or a lost peer.
+
+        The learner may come back on another address after a crash, so on failure the node asks
+        the coordinator for the job's current sources and tries again with a growing pause; a
+        node that cannot sync for :data:`SYNC_GIVE_UP_S` stops with a clear message.
+        """
+        started = time.monotonic()
+        delay = 0.5
+        while True:
+            try:
+                changed = await sync.sync_to(target)
+                break
+            except (WeightError, RpcError, ProtocolError) as exc:
+                if time.monotonic() - started > SYNC_GIVE_UP_S:
+                    raise NodeError(f"cannot get policy v{target}: {exc}") from None
+                self.say(f"[yellow]weights v{target} not available yet[/yellow] ({exc}); retrying")
+                await trio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+                await self._refresh_sources(sync)
+        if changed:
             assert self.engine is not None and sync.state is not None
             await trio.to_thread.run_sync(self.engine.load_state, sync.state)
             if self.cfg.keep_weights:
                 await trio.to_thread.run_sync(self._save_weights, sync)
             await self._send_status(sync)
+
+    async def _refresh_sources(self, sync: WeightSync) -> None:
+        try:
+            reply = m.decode(m.RegisterReply, await self._call(
+                ids.PROTO_REGISTER, self._seal("register", self._register_record())))
+        except (RpcError, ProtocolError):
+            return
+        for job in reply.jobs:
+            if job.job_id == sync.job.job_id:
+                sync.sources.clear()
+                await sync.add_source_addrs(job.learner_addrs)
 
     def _save_weights(self, sync: WeightSync) -> None:
         from echo.models.weights import state_to_bytes

@@ -209,6 +209,16 @@ class Swarm:
         assert self.api is not None
         return self.api.get(f"/v1/jobs/{job_id}").json(), self.api.get("/v1/nodes").json()
 
+    def kill_learner(self) -> int | None:
+        """SIGKILL the coordinator's learner subprocess (a crash drill); returns its pid."""
+        import psutil
+
+        for child in psutil.Process(self.procs[0].pid).children(recursive=True):
+            if "echo.learner" in " ".join(child.cmdline()):
+                child.kill()
+                return child.pid
+        return None
+
     def stop(self) -> None:
         stop(self.procs)
 
@@ -235,6 +245,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=280.0, help="give up after this many s")
     ap.add_argument("--node-args", default="", help="extra arguments for every echo-node join")
     ap.add_argument("--quiet", action="store_true", help="no live table (for tests)")
+    ap.add_argument("--kill-learner-at", type=int, default=None, metavar="V",
+                    help="crash drill: SIGKILL the learner once version V is out")
     args = ap.parse_args()
 
     out = args.out.resolve()
@@ -269,9 +281,15 @@ def main() -> int:
                  "--engine", engines[i % len(engines)], *args.node_args.split()],
             )
         st, nodes = {}, []
+        killed = None
         with Live(console=console, refresh_per_second=2, transient=args.quiet) as live:
             while time.time() - t0 < args.timeout:
                 st, nodes = swarm.status(job_id)
+                if killed is None and args.kill_learner_at is not None and \
+                        st["current_version"] >= args.kill_learner_at:
+                    killed = st["current_version"]
+                    console.print(f"crash drill: killed the learner (pid {swarm.kill_learner()}) "
+                                  f"at v{killed}")
                 if not args.quiet:
                     live.update(render(st, nodes, time.time() - t0))
                 if st["status"] in ("done", "failed", "cancelled"):
@@ -285,6 +303,7 @@ def main() -> int:
                     break
                 time.sleep(1.0)
         summary = summarize(st, nodes, time.time() - t0)
+        summary["learner_killed_at"] = killed
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         console.print(
             f"[bold]{summary['status']}[/bold]: {summary['versions']} versions, reward "

@@ -74,6 +74,10 @@ def test_summary_and_reward_rose(swarm_run: Path) -> None:
     first, last = sum(curve[:5]) / 5, sum(curve[-5:]) / 5
     assert last > first + 0.1, (first, last, curve)
     assert s["rollouts_rejected"] <= 0.005 * max(1, s["rollouts_accepted"]) + 1
+    # The learner was SIGKILLed mid-run; the coordinator restarted it from its checkpoint.
+    assert s["learner_killed_at"] is not None
+    log = (_job_dir(swarm_run) / "learner.log").read_text()
+    assert "resumed from checkpoint" in log
 
 
 def test_every_trained_rollout_was_signed_by_a_registered_node_and_accepted(swarm_run) -> None:
