@@ -331,6 +331,28 @@ def test_generation_terminates_correctly(engine, peaked) -> None:
 
 
 @needs_llama
+def test_long_requests_grow_the_context(tmp_path: Path) -> None:
+    """A request longer than the cells per sequence the engine started with gets a larger
+    context (the model allows 1024 positions) and still matches transformers."""
+    from echo.node.engines.llamacpp_engine import LlamaCppEngine
+
+    spec = ModelSpec(max_position=1024)
+    state = export_state(build_model(spec))
+    eng = LlamaCppEngine(spec, threads=2, workdir=tmp_path / "long", max_seqs=2)
+    try:
+        eng.load_state(state)
+        assert eng.seq_len == 256
+        reqs = [GenRequest(prompt_ids=[1, *range(3, 253)], n=2,
+                           params=SamplingParams(max_new_tokens=40, seed=5))]
+        results = eng.generate(reqs)
+        assert eng.seq_len == 512
+        check_termination(results, reqs)
+        assert max_logprob_error(spec, state, reqs, results) < LOGPROB_TOL
+    finally:
+        eng.close()
+
+
+@needs_llama
 def test_greedy_matches_torch_engine(engine, peaked) -> None:
     from echo.node.engines.torch_engine import TorchEngine
 
@@ -401,9 +423,9 @@ def test_bad_input_raises_and_keeps_the_weights(engine, peaked, tmp_path: Path) 
         assert engine.state_digest() == digest
     with pytest.raises(ValueError, match="outside"):
         engine.generate([GenRequest(prompt_ids=[1, VOCAB_SIZE], n=1)])
-    with pytest.raises(ValueError, match="seq_len"):
+    with pytest.raises(ValueError, match="context of 128"):
         engine.generate([GenRequest(prompt_ids=[1] * 100,
-                                    params=SamplingParams(max_new_tokens=100))])
+                                    params=SamplingParams(max_new_tokens=29))])
     # Still generating normally after all that.
     reqs = requests(max_new=4)
     check_termination(engine.generate(reqs), reqs)

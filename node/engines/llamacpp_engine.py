@@ -87,7 +87,8 @@ class LlamaCppEngine(Engine):
     matrices (default: as published, which keeps the digest exact; a lossy cast makes the digest
     differ, truthfully; BF16 matrices also make llama.cpp round activations to BF16, so
     ``dtype="float32"`` buys log-prob parity with the learner for twice the memory).
-    ``seq_len``: the longest prompt + completion (default: the model's context, at most 2048).
+    ``seq_len``: KV cells per sequence to start with (llama.cpp rounds it up to 256); a request
+    that needs more grows it (a new context), up to the model's context length.
     ``max_seqs``: samples decoded together. ``kv_dtype`` (float32 or float16) and ``flash_attn``:
     the defaults (F32 cache, no flash attention) keep log-probs within ~1e-5 of transformers;
     float16 + flash attention is faster and within ~1e-2. ``kv_unified``: one KV buffer shared by
@@ -138,7 +139,8 @@ class LlamaCppEngine(Engine):
         self.eos_id = eos_token_id(spec)
         self.dtype = dtype
         self.threads = threads or os.cpu_count() or 1
-        self.seq_len = seq_len or min(self.layout.context_length, 2048)
+        self.seq_len = seq_len or min(self.layout.context_length, 256)
+        self.max_seq_len = max(self.layout.context_length, self.seq_len)
         self.max_seqs = max_seqs
         self.kv_dtype = kv_dtype
         self.flash_attn = flash_attn
@@ -221,6 +223,12 @@ class LlamaCppEngine(Engine):
         if n_params != expected:
             self._unload()
             raise RuntimeError(f"llama.cpp loaded {n_params} parameters, the GGUF holds {expected}")
+        self._make_context()
+
+    def _make_context(self) -> None:
+        """(Re)create the context and batch for ``max_seqs`` sequences of ``seq_len`` tokens."""
+        ll = self._ll
+        self._free_context()
         cparams = ll.llama_context_default_params()
         cparams.n_ctx = self.seq_len * self.max_seqs
         cparams.n_seq_max = self.max_seqs
@@ -240,7 +248,7 @@ class LlamaCppEngine(Engine):
         )
         cparams.kv_unified = self.kv_unified
         cparams.no_perf = True
-        ctx = ll.llama_init_from_model(model, cparams)
+        ctx = ll.llama_init_from_model(self._model, cparams)
         if not ctx:
             self._unload()
             raise RuntimeError("llama.cpp could not create a context (out of memory?)")
@@ -248,7 +256,7 @@ class LlamaCppEngine(Engine):
         self._batch_size = int(cparams.n_batch)
         self._batch = ll.llama_batch_init(self._batch_size, 0, 1)
 
-    def _unload(self) -> None:
+    def _free_context(self) -> None:
         ll = self._ll
         if self._batch is not None:
             ll.llama_batch_free(self._batch)
@@ -256,7 +264,11 @@ class LlamaCppEngine(Engine):
         if self._ctx is not None:
             ll.llama_free(self._ctx)
             self._ctx = None
+
+    def _unload(self) -> None:
+        self._free_context()
         if self._model is not None:
+            ll = self._ll
             ll.llama_model_free(self._model)
             self._model = None
 
@@ -283,8 +295,8 @@ class LlamaCppEngine(Engine):
         """Sample every request's ``n`` completions (see the module docstring).
 
         Raises ValueError for prompt ids outside the vocabulary or a prompt + ``max_new_tokens``
-        longer than ``seq_len``, RuntimeError before the first :meth:`load_state` or when
-        llama.cpp fails to decode.
+        longer than the model's context (``max_seq_len``), RuntimeError before the first
+        :meth:`load_state` or when llama.cpp fails to decode.
         """
         if not requests:
             return []
@@ -293,11 +305,16 @@ class LlamaCppEngine(Engine):
         for r in requests:
             if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= self.vocab_size:
                 raise ValueError(f"prompt token id outside [0, {self.vocab_size})")
-            if len(r.prompt_ids) + r.params.max_new_tokens > self.seq_len:
+            if len(r.prompt_ids) + r.params.max_new_tokens > self.max_seq_len:
                 raise ValueError(
                     f"prompt ({len(r.prompt_ids)}) + max_new_tokens ({r.params.max_new_tokens}) "
-                    f"exceeds the engine's seq_len {self.seq_len}"
+                    f"exceeds the model's context of {self.max_seq_len} tokens"
                 )
+        need = max(len(r.prompt_ids) + r.params.max_new_tokens for r in requests)
+        if need > self.seq_len:
+            # Grown in steps of 256 cells, the granularity llama.cpp pads each sequence to.
+            self.seq_len = min(self.max_seq_len, -(-need // 256) * 256)
+            self._make_context()
         start = time.perf_counter()
         rows = [
             _Row(req=i, slot=-1, rng=_rng(r.params, j), pos=0, tokens=[], logprobs=[])
