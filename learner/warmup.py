@@ -5,6 +5,12 @@ reward in a group is 0 and GRPO has no signal. A few seconds of supervised train
 ``task.format_example`` pairs (a real prompt, a completion of the right shape with random content,
 then EOS) fixes that without teaching the task itself: the loss covers completion tokens only.
 
+Keep it short. The labels do not depend on the prompt, so a long warm-up also teaches the model to
+ignore the prompt, and GRPO then needs far longer to learn the task: on addition (operands < 5,
+tiny model) 30 steps of 64 examples reach the format (sampled reward ~0.12, the random-answer rate)
+and GRPO climbs from step ~75; after 150 steps it sat near "always answer the commonest sum" for
+~250 steps.
+
 The result is cached as safetensors in ``cache_dir`` under a hash of everything that determines it
 (model spec, initial weights, task, steps, lr, seed, batch size), so reruns start at once.
 """
@@ -63,7 +69,7 @@ def warmup(
     spec: ModelSpec,
     task: Task,
     *,
-    steps: int = 150,
+    steps: int = 30,
     lr: float = 3e-3,
     seed: int = 0,
     cache_dir: str | os.PathLike[str] | None = None,

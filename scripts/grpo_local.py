@@ -35,7 +35,8 @@ class LocalConfig:
     prompts_per_step: int = 16
     samples_per_prompt: int = 16
     seed: int = 0
-    warmup_steps: int = 150
+    warmup_steps: int = 30  # short on purpose: long random-label warm-up teaches the model to
+    # ignore the prompt (the labels do not depend on it), and GRPO then learns much slower
     warmup_lr: float = 3e-3
     cache_dir: str | None = str(Path.home() / ".cache" / "echo-swarm" / "warmup")
     threads: int | None = None
@@ -130,13 +131,14 @@ def run(cfg: LocalConfig, log: bool = True) -> list[dict[str, float]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=LocalConfig.steps)
     ap.add_argument("--task", default="addition")
     ap.add_argument("--max-operand", type=int, default=5, help="addition only")
     ap.add_argument("--lr", type=float, default=GRPOConfig.lr)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup-steps", type=int, default=LocalConfig.warmup_steps)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-cache", action="store_true", help="do not read or write the warm-up")
     args = ap.parse_args()
@@ -146,6 +148,7 @@ def main() -> None:
         spec=ModelSpec(hidden=args.hidden, layers=args.layers),
         steps=args.steps,
         seed=args.seed,
+        warmup_steps=args.warmup_steps,
         threads=args.threads,
         grpo=GRPOConfig(lr=args.lr),
     )
