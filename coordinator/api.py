@@ -7,6 +7,7 @@ read-only dashboard ``/`` do not. Bad job specs get 400 with one line per bad ke
 from __future__ import annotations
 
 import json
+import time
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -18,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from echo.coordinator.capacity import NodeRate, plan
 from echo.coordinator.learners import tail
 from echo.protocol.jobspec import SpecError, load_job_toml, parse_job
 
@@ -65,6 +67,27 @@ def job_status(coord: Coordinator, job_id: str) -> dict[str, Any] | None:
         "created_at": row["created_at"],
         "updated_at": row["updated_at"],
     }
+
+
+def job_plan(coord: Coordinator, job_id: str) -> dict[str, Any] | None:
+    """The capacity model's terms as measured so far (medians over the published versions)."""
+    row = coord.store.job(job_id)
+    if row is None:
+        return None
+    spec = json.loads(row["spec_json"])
+    versions = coord.store.versions(job_id)
+    steps = [json.loads(v["metrics_json"]).get("step_s") for v in versions]
+    steps = sorted(s for s in steps if s)
+    tta = sorted(v["all_nodes_at"] - v["published_at"] for v in versions if v["all_nodes_at"])
+    tokens_per_rollout = coord.store.mean_tokens_per_rollout(job_id) or 1.0
+    now = time.time()
+    rates = [NodeRate(n["node_id"], n["tokens_per_s"] / tokens_per_rollout)
+             for n in coord.store.nodes()
+             if not n["excluded"] and now - n["last_seen"] < 120 and n["tokens_per_s"] > 0]
+    p = plan(spec["batch_groups"] * spec["group_size"], steps[len(steps) // 2] if steps else 0.0,
+             tta[len(tta) // 2] if tta else 0.0, spec["staleness"], rates)
+    return {**p.to_dict(), "tokens_per_rollout": tokens_per_rollout,
+            "measured_versions": len(versions)}
 
 
 def node_list(coord: Coordinator) -> list[dict[str, Any]]:
@@ -154,6 +177,13 @@ def build_app(coord: Coordinator) -> Starlette:
         return PlainTextResponse(tail(coord.job_dir(job_id) / "learner.log", n) + "\n")
 
     @guard
+    async def capacity(request: Request) -> Response:
+        p = job_plan(coord, request.path_params["job_id"])
+        if p is None:
+            return JSONResponse({"error": "no such job"}, status_code=404)
+        return JSONResponse(p)
+
+    @guard
     async def nodes(request: Request) -> Response:
         return JSONResponse(node_list(coord))
 
@@ -182,7 +212,8 @@ def build_app(coord: Coordinator) -> Starlette:
             Route("/v1/jobs/{job_id}", get_job),
             Route("/v1/jobs/{job_id}/cancel", cancel, methods=["POST"]),
             Route("/v1/jobs/{job_id}/logs", logs),
-            Route("/v1/nodes", nodes),
+            Route("/v1/jobs/{job_id}/plan", capacity),
+        Route("/v1/nodes", nodes),
         ]
     )
 

@@ -127,6 +127,22 @@ def _print_status(st: dict[str, Any]) -> None:
 
 
 @app.command()
+def plan(job_id: str, url: UrlOpt = "http://127.0.0.1:8080", token: TokenOpt = "") -> None:
+    """The capacity model with the terms measured so far: will the learner wait for rollouts?"""
+    p = _call(url, token, "GET", f"/v1/jobs/{job_id}/plan")
+    console.print(f"R = {p['R']} rollouts per update, T_train = {p['T_train_s']:.3f} s, "
+                  f"T_bcast = {p['T_bcast_s']:.3f} s, kappa = {p['kappa']}")
+    need = p["required_rollouts_per_s"]
+    need_s = "unreachable" if need is None else f"{need:.1f} rollouts/s"
+    console.print(f"required: {need_s}   available: "
+                  f"{p['available_rollouts_per_s']:.1f} rollouts/s "
+                  f"({p['tokens_per_rollout']:.1f} tokens per rollout)")
+    verdict = "[green]feasible[/green]" if p["feasible"] else "[red]not feasible[/red]"
+    console.print(f"{verdict}: {p['note']}")
+    console.print(f"active: {len(p['active'])} node(s); standby: {len(p['standby'])}")
+
+
+@app.command()
 def logs(
     job_id: str, url: UrlOpt = "http://127.0.0.1:8080", token: TokenOpt = "", lines: int = 100
 ) -> None:

@@ -639,6 +639,16 @@ class Store:
         )
         return counts
 
+    def mean_tokens_per_rollout(self, job_id: str) -> float | None:
+        row = self._db.execute(
+            "SELECT SUM(tokens), COUNT(*) FROM rollouts WHERE job_id=? AND status != 'rejected'",
+            (job_id,),
+        ).fetchone()
+        if not row[1]:
+            return None
+        spec = json.loads(self.job(job_id)["spec_json"])
+        return row[0] / (row[1] * spec["group_size"])
+
     def trained_rollouts(self, job_id: str) -> list[sqlite3.Row]:
         return self._db.execute(
             "SELECT * FROM rollouts WHERE job_id=? AND status='trained' ORDER BY trained_version",
