@@ -11,6 +11,7 @@ import trio
 import typer
 from rich.console import Console
 
+from echo.p2p.lifecycle import run_until_signalled
 from echo.protocol.jobspec import SpecError
 
 app = typer.Typer(
@@ -112,8 +113,7 @@ def serve(
                 tmp.replace(info_file)
 
     try:
-        trio.run(main)
-    except KeyboardInterrupt:
+        run_until_signalled(main)
         console.print("coordinator stopped")
     finally:
         store.close()

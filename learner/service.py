@@ -14,7 +14,6 @@ learner's weights never disagree.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import socket
 import time
@@ -34,6 +33,7 @@ from echo.models.weights import export_state
 from echo.p2p.chunkstore import ChunkStore, serve_chunks
 from echo.p2p.host import EchoHost, open_host
 from echo.p2p.identity import Identity
+from echo.p2p.lifecycle import run_until_signalled
 from echo.protocol import ids, signing
 from echo.protocol import messages as m
 from echo.protocol.jobspec import JobSpec
@@ -315,5 +315,5 @@ def main() -> None:
     for noisy in ("libp2p", "multiaddr", "async_service"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     learner = Learner(args.job_dir, args.job_id, args.coordinator, args.threads)
-    with contextlib.suppress(KeyboardInterrupt):  # the coordinator stops us with SIGINT
-        trio.run(learner.run)
+    # The coordinator stops us with SIGTERM (job cancelled, or it is shutting down).
+    run_until_signalled(learner.run)

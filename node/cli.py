@@ -10,6 +10,7 @@ import trio
 import typer
 from rich.console import Console
 
+from echo.p2p.lifecycle import run_until_signalled
 from echo.protocol.jobspec import SpecError
 
 app = typer.Typer(
@@ -127,15 +128,14 @@ def join(
         logging.getLogger(noisy).setLevel(logging.ERROR if not verbose else logging.INFO)
     try:
         node = Node(cfg, console, max_groups=max_groups)
-        trio.run(node.run)
+        if run_until_signalled(node.run):
+            console.print("node stopped; leases it held will expire")
     except NodeError as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(1) from None
     except ValueError as exc:  # engine choice, config values
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from None
-    except KeyboardInterrupt:
-        console.print("node stopped")
 
 
 @app.command()

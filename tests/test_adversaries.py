@@ -45,10 +45,11 @@ def adversarial_run(tmp_path_factory) -> Path:
                 task="addition",
                 max_operand=5,
                 lr=1e-3,
+                warmup=30,
             )
         )
         for i in range(HONEST):
-            swarm.start_node(f"honest-{i}", ["--threads", "1"])
+            swarm.start_node(f"honest-{i}", ["--threads", "1", "--engine", "torch"])
         for kind in sorted(EXPECTED):
             swarm.start_node(
                 f"adv-{kind}", ["--max-groups", "30"], module=["tests.adversaries", kind]
