@@ -43,6 +43,12 @@ class GRPOConfig:
     temperature: float = 1.0  # the sampling temperature: log-probs are of logits / temperature
     adv_eps: float = 1e-6
 
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError("temperature must be > 0 (greedy samples carry no policy gradient)")
+        if self.ppo_epochs < 1 or not self.lr > 0 or not self.tis_cap > 0:
+            raise ValueError("need ppo_epochs >= 1, lr > 0 and tis_cap > 0")
+
 
 @dataclass
 class TrainGroup:
@@ -79,7 +85,8 @@ class TrainGroup:
             raise ValueError(f"token id outside [0, {vocab_size})")
         if not all(math.isfinite(r) for r in self.rewards):
             raise ValueError("reward is not finite")
-        if not all(math.isfinite(x) and x <= 0 for lp in self.behaviour_logprobs for x in lp):
+        # A little above 0 is rounding in some engine's log_softmax, not a probability above 1.
+        if not all(math.isfinite(x) and x <= 1e-3 for lp in self.behaviour_logprobs for x in lp):
             raise ValueError("behaviour log-prob is not a finite number <= 0")
 
 
@@ -106,7 +113,9 @@ class GRPOLearner:
     """Owns the policy and its optimizer: :meth:`step` trains on groups, :meth:`score` re-scores."""
 
     def __init__(self, model: torch.nn.Module, cfg: GRPOConfig | None = None) -> None:
-        self.model = model
+        # Eval mode throughout (gradients still flow): dropout would make our log-probs a
+        # different function from the one engines sample with and the coordinator re-scores.
+        self.model = model.eval()
         self.cfg = cfg or GRPOConfig()
         self.device = next(model.parameters()).device
         self.vocab_size = model.config.vocab_size
@@ -156,25 +165,20 @@ class GRPOLearner:
     def score(self, groups: list[TrainGroup]) -> list[list[list[float]]]:
         """Per-token log-probs of each group's completions under the current weights (the same
         definition engines report). Only ``prompt_ids`` and ``completions`` are read."""
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            probe = [
-                TrainGroup(
-                    g.prompt_ids,
-                    g.completions,
-                    [[0.0] * len(c) for c in g.completions],
-                    [0.0] * len(g.completions),
-                    g.version,
-                )
-                for g in groups
-            ]
-            if not probe:
-                return []
-            batch = self._batch(probe)
-            flat = self._logprobs(batch).cpu().tolist()
-        finally:
-            self.model.train(was_training)
+        probe = [
+            TrainGroup(
+                g.prompt_ids,
+                g.completions,
+                [[0.0] * len(c) for c in g.completions],
+                [0.0] * len(g.completions),
+                g.version,
+            )
+            for g in groups
+        ]
+        if not probe:
+            return []
+        batch = self._batch(probe)
+        flat = self._logprobs(batch).cpu().tolist()
         out, at, row = [], 0, 0
         for g in groups:
             per_group = []
@@ -213,7 +217,6 @@ class GRPOLearner:
             metrics["step_s"] = time.perf_counter() - start
             return metrics
 
-        self.model.train()
         old = None
         for epoch in range(cfg.ppo_epochs):
             logp = self._logprobs(batch)

@@ -195,7 +195,8 @@ class TorchEngine(Engine):
             # (the top token always stays), renormalised by sampling from the kept mass.
             sorted_lp, order = logp.sort(dim=-1, descending=True)
             mass_before = sorted_lp.exp().cumsum(-1) - sorted_lp.exp()
-            drop_sorted = mass_before >= row_top_p.unsqueeze(1)
+            # Rows with top_p == 1 drop nothing, even where rounding pushes the mass past 1.
+            drop_sorted = (mass_before >= row_top_p.unsqueeze(1)) & (row_top_p < 1).unsqueeze(1)
             drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
             sample_logp = logp.masked_fill(drop, float("-inf"))
         probs = sample_logp.exp()
