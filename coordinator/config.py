@@ -14,8 +14,15 @@ from echo.protocol.jobspec import SpecError, explain_validation
 
 class VerificationSection(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    lease_timeout_s: float = Field(default=120.0, gt=0, description="time a node has per lease")
+    lease_timeout_s: float = Field(
+        default=30.0, gt=0, description="time a node has per lease before it goes to another"
+    )
     max_open_leases_per_node: int = Field(default=8, ge=1)
+    lease_quota_ramp: int = Field(
+        default=3, ge=0,
+        description="a node gets one more open lease per this many valid groups in a row "
+        "(0: full quota at once)",
+    )
     buffer_groups: int = Field(
         default=0, ge=0, description="accepted groups to keep ahead of the learner (0 = 2 batches)"
     )

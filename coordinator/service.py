@@ -258,7 +258,7 @@ class Coordinator:
                     message=f"update to v{current} first",
                 )
             )
-        n = self._lease_budget(req.job_id, node_id, job, req.max_leases)
+        n = self._lease_budget(req.job_id, node_id, job, req.max_leases, int(node["streak"]))
         if n <= 0:
             return m.encode(
                 m.LeaseReply(
@@ -307,12 +307,22 @@ class Coordinator:
         self.metrics.leases_issued.inc(len(rows))
         return m.encode(m.LeaseReply(leases=sealed, current_version=current, retry_after_s=0.0))
 
-    def _lease_budget(self, job_id: str, node_id: str, job: RunningJob, wanted: int) -> int:
-        """How many new leases keep the buffer near its target without starving other nodes."""
+    def _lease_budget(
+        self, job_id: str, node_id: str, job: RunningJob, wanted: int, streak: int
+    ) -> int:
+        """How many new leases keep the buffer near its target without starving other nodes.
+
+        A node's quota grows with its run of valid results (one more open lease per
+        ``lease_quota_ramp`` valid groups): identities are free, so a fresh one, honest or not,
+        cannot tie up more than one lease of the buffer before it has proven itself.
+        """
         cfg = self.config.verification
         target = cfg.buffer_groups or 2 * job.spec.batch_groups
         in_flight = self.store.open_lease_count(job_id) + self.store.buffered_count(job_id)
-        per_node = cfg.max_open_leases_per_node - self.store.open_lease_count(job_id, node_id)
+        quota = cfg.max_open_leases_per_node
+        if cfg.lease_quota_ramp:
+            quota = min(quota, 1 + streak // cfg.lease_quota_ramp)
+        per_node = quota - self.store.open_lease_count(job_id, node_id)
         return max(0, min(wanted, per_node, target - in_flight))
 
     async def handle_submit(self, peer_id, data: bytes) -> bytes:

@@ -322,6 +322,11 @@ class Store:
         with self._tx() as db:
             db.execute("UPDATE nodes SET excluded=? WHERE node_id=?", (int(excluded), node_id))
             if excluded:
+                # Its open leases go back to the pool at once rather than at their deadline.
+                db.execute(
+                    "UPDATE leases SET status='expired' WHERE node_id=? AND status='open'",
+                    (node_id,),
+                )
                 # An excluded node's accepted-but-untrained work is no longer trusted.
                 db.execute(
                     "UPDATE rollouts SET status='dropped', reason='node_excluded'"

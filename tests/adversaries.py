@@ -23,6 +23,7 @@ from echo.node.engines.base import GenRequest, SamplingParams
 from echo.node.engines.torch_engine import TorchEngine
 from echo.node.worker import Node, NodeError
 from echo.p2p.identity import Identity
+from echo.p2p.lifecycle import run_until_signalled
 from echo.protocol import codec, signing
 from echo.protocol import messages as m
 
@@ -199,11 +200,9 @@ def main() -> int:
     adv = Adversary(cfg, args.kind)
     adv.max_groups = args.max_groups
     try:
-        trio.run(adv.run)
+        run_until_signalled(adv.run)
     except NodeError as exc:  # excluded: the expected end for most adversaries
         print(f"adversary {args.kind} stopped: {exc}", file=sys.stderr)
-    except KeyboardInterrupt:
-        pass
     return 0
 
 

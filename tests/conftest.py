@@ -27,7 +27,7 @@ def make_coordinator(tmp: Path, **verification) -> Coordinator:
         http_port=0,
         api_token="test-token",
         learner={"local": False},
-        verification=verification or {},
+        verification={"lease_quota_ramp": 0, **verification},
     )
     cfg.data_dir.mkdir(parents=True, exist_ok=True)
     return Coordinator(cfg, Store.open(cfg.data_dir / "db.sqlite"), Identity.generate())
