@@ -1,0 +1,305 @@
+#!/usr/bin/env python3
+"""Emulated hosts on one machine: network namespaces on a private bridge, shaped by tc.
+
+Each host is a network namespace ``<prefix>-<name>`` holding one end of a veth pair whose other
+end is attached to the bridge ``<prefix>br`` in the root namespace. Hosts get addresses from a
+private /24 (default ``10.77.0.0/24``, host ``i`` is ``.i+2``); the bridge itself has no address,
+there is no default route in any namespace, no NAT and no forwarding, so traffic can only go from
+one emulated host to another -- never off the machine.
+
+Shaping, per host (tbf; rates in bytes per second):
+
+- upload: tbf on the host's own veth end (egress from the namespace);
+- download: tbf on the bridge-side veth end (egress from the bridge towards the host);
+- latency: netem on the host's end, under the upload tbf, *when the kernel has sch_netem*. If it
+  does not, ``up`` says so on stderr and records ``delay_ms: "unsupported"``; nothing else fails.
+
+Commands (root and iproute2 needed)::
+
+    netem.py up --hosts src:10e6:40e6 n1:2e6:20e6[:DELAY_MS] ...   # name:up_Bps:down_Bps[:ms]
+    netem.py down                                                  # remove everything we made
+    netem.py exec NAME -- CMD ...                                  # run CMD inside host NAME
+    netem.py status                                                # hosts, addresses, qdiscs
+
+Python use (the broadcast benchmark): :func:`available`, :func:`up` (returns :class:`HostInfo`
+list and cleans up after itself if any step fails), :func:`down`, :func:`exec_argv`.
+
+Owns: the namespaces, bridge and veths named with its prefix, and the state file
+``/tmp/echo-netem-<prefix>.json``; ``down`` removes exactly those. Raises :class:`NetemError`
+(with the failing command and its stderr) for anything the kernel or iproute2 refuses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ipaddress
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+DEFAULT_PREFIX = "ech"
+DEFAULT_SUBNET = "10.77.0.0/24"
+# tbf: a bucket of 10 ms at the rate but at least 128 KiB, so that the 64 KiB GSO packets of
+# veth pass whole (a smaller bucket makes tbf cut each into MTU-sized packets, which costs CPU
+# on every hop: the emulation, not the links, becomes the bottleneck); a queue of 100 ms, at
+# least 256 KiB.
+_BURST_S = 0.01
+_QUEUE_S = 0.1
+_MIN_BURST = 128 * 1024
+_MIN_QUEUE = 256 * 1024
+_CMD_TIMEOUT_S = 20.0
+_NAME_MAX = 15  # Linux interface names
+
+
+class NetemError(RuntimeError):
+    """iproute2 / tc refused a step (message holds the command and its stderr)."""
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    name: str
+    up_bps: float
+    down_bps: float
+    delay_ms: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str) -> HostSpec:
+        parts = text.split(":")
+        if len(parts) not in (3, 4) or not parts[0]:
+            raise ValueError(f"host spec {text!r} is not NAME:UP_BPS:DOWN_BPS[:DELAY_MS]")
+        return cls(parts[0], float(parts[1]), float(parts[2]),
+                   float(parts[3]) if len(parts) == 4 else 0.0)
+
+
+@dataclass(frozen=True)
+class HostInfo:
+    name: str
+    netns: str
+    ip: str
+    up_bps: float
+    down_bps: float
+    delay_ms: float | str
+
+
+def _state_path(prefix: str) -> Path:
+    return Path(f"/tmp/echo-netem-{prefix}.json")
+
+
+def _run(argv: Sequence[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
+    try:
+        proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=_CMD_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise NetemError(f"{' '.join(argv)}: {exc}") from exc
+    if check and proc.returncode != 0:
+        raise NetemError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc
+
+
+def _ns(prefix: str, name: str) -> str:
+    return f"{prefix}-{name}"
+
+
+def _ifnames(prefix: str, index: int) -> tuple[str, str]:
+    """(bridge-side veth, host-side veth) names for host ``index``."""
+    outer, inner = f"{prefix}v{index}", f"{prefix}h{index}"
+    if len(outer) > _NAME_MAX or len(inner) > _NAME_MAX:
+        raise ValueError(f"prefix {prefix!r} too long for interface names")
+    return outer, inner
+
+
+def _tbf(rate_bps: float) -> list[str]:
+    burst = max(_MIN_BURST, int(rate_bps * _BURST_S))
+    limit = max(_MIN_QUEUE, int(rate_bps * _QUEUE_S))
+    return ["tbf", "rate", f"{int(rate_bps * 8)}bit", "burst", str(burst), "limit", str(limit)]
+
+
+def available(prefix: str = "echk") -> tuple[bool, str]:
+    """Can we build namespaces and shape them here? (ok, reason). Leaves nothing behind."""
+    if os.geteuid() != 0:
+        return False, "not root"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return False, "iproute2 (ip, tc) not installed"
+    probe = [HostSpec("a", 1e6, 1e6), HostSpec("b", 1e6, 1e6)]
+    try:
+        up(probe, prefix=prefix, subnet="10.76.255.0/29", quiet=True)
+    except (NetemError, OSError) as exc:
+        return False, str(exc)
+    finally:
+        down(prefix, quiet=True)
+    return True, "ok"
+
+
+def netem_supported() -> bool:
+    """Whether the kernel offers the netem qdisc (delay emulation)."""
+    cfg = Path("/proc/config.gz")
+    if cfg.exists():
+        import gzip
+
+        with gzip.open(cfg, "rt") as f:
+            text = f.read()
+        if "CONFIG_NET_SCH_NETEM=y" in text or "CONFIG_NET_SCH_NETEM=m" in text:
+            return True
+        if "# CONFIG_NET_SCH_NETEM is not set" in text:
+            return False
+    return Path("/sys/module/sch_netem").exists()
+
+
+def up(
+    hosts: Sequence[HostSpec],
+    *,
+    prefix: str = DEFAULT_PREFIX,
+    subnet: str = DEFAULT_SUBNET,
+    quiet: bool = False,
+    sysctls: Sequence[str] = (),
+) -> list[HostInfo]:
+    """Build the hosts (after removing any previous set with this prefix). On any failure
+    everything built so far is removed and :class:`NetemError` raised. ``sysctls``
+    (``key=value``) are set inside every namespace (e.g. ``net.ipv4.tcp_notsent_lowat=131072``)."""
+    net = ipaddress.ip_network(subnet)
+    if not net.is_private:
+        raise ValueError(f"{subnet} is not a private range")
+    if len(hosts) > net.num_addresses - 3:
+        raise ValueError(f"{len(hosts)} hosts do not fit in {subnet}")
+    names = [h.name for h in hosts]
+    if len(set(names)) != len(names):
+        raise ValueError("host names must be unique")
+    down(prefix, quiet=True)
+    bridge = f"{prefix}br"
+    delay_ok = netem_supported()
+    infos: list[HostInfo] = []
+    try:
+        _run(["ip", "link", "add", bridge, "type", "bridge"])
+        _sysctl_quiet(f"/proc/sys/net/ipv6/conf/{bridge}/disable_ipv6", "1")
+        _run(["ip", "link", "set", bridge, "up"])
+        for i, h in enumerate(hosts):
+            ns = _ns(prefix, h.name)
+            outer, inner = _ifnames(prefix, i)
+            ip = str(net.network_address + i + 2)
+            _run(["ip", "netns", "add", ns])
+            _run(["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1"],
+                 check=False)
+            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            for kv in sysctls:
+                _run(["ip", "netns", "exec", ns, "sysctl", "-qw", kv])
+            _run(["ip", "link", "add", outer, "type", "veth", "peer", "name", inner])
+            _run(["ip", "link", "set", inner, "netns", ns])
+            _run(["ip", "link", "set", outer, "master", bridge])
+            _run(["ip", "link", "set", outer, "up"])
+            _run(["ip", "-n", ns, "addr", "add", f"{ip}/{net.prefixlen}", "dev", inner])
+            _run(["ip", "-n", ns, "link", "set", inner, "up"])
+            # Upload: shaped where it leaves the host.
+            delay: float | str = h.delay_ms
+            if h.delay_ms > 0 and delay_ok:
+                _run(["tc", "-n", ns, "qdisc", "add", "dev", inner, "root", "handle", "1:",
+                      "netem", "delay", f"{h.delay_ms}ms"])
+                _run(["tc", "-n", ns, "qdisc", "add", "dev", inner, "parent", "1:1", "handle",
+                      "10:", *_tbf(h.up_bps)])
+            else:
+                if h.delay_ms > 0:
+                    delay = "unsupported"
+                    if not quiet:
+                        print(f"netem: this kernel has no sch_netem; {h.name} gets no added "
+                              f"delay ({h.delay_ms} ms asked), bandwidth shaping only",
+                              file=sys.stderr)
+                _run(["tc", "-n", ns, "qdisc", "add", "dev", inner, "root", *_tbf(h.up_bps)])
+            # Download: shaped where the bridge hands packets to the host.
+            _run(["tc", "qdisc", "add", "dev", outer, "root", *_tbf(h.down_bps)])
+            infos.append(HostInfo(h.name, ns, ip, h.up_bps, h.down_bps, delay))
+        _state_path(prefix).write_text(json.dumps([asdict(i) for i in infos], indent=1))
+    except BaseException:
+        down(prefix, quiet=True)
+        raise
+    if not quiet:
+        for info in infos:
+            print(f"netem: {info.name:>8} {info.ip:<12} up {info.up_bps / 1e6:.2f} MB/s  "
+                  f"down {info.down_bps / 1e6:.2f} MB/s  delay {info.delay_ms}", file=sys.stderr)
+    return infos
+
+
+def _sysctl_quiet(path: str, value: str) -> None:
+    with contextlib.suppress(OSError):
+        Path(path).write_text(value)
+
+
+def down(prefix: str = DEFAULT_PREFIX, *, quiet: bool = False) -> None:
+    """Remove every namespace, veth and bridge this prefix made (idempotent)."""
+    listing = _run(["ip", "netns", "list"], check=False).stdout
+    for line in listing.splitlines():
+        ns = line.split()[0] if line.strip() else ""
+        if ns.startswith(f"{prefix}-"):
+            _run(["ip", "netns", "del", ns], check=False)
+    links = _run(["ip", "-o", "link", "show"], check=False).stdout
+    for line in links.splitlines():
+        parts = line.split(":")
+        if len(parts) < 2:
+            continue
+        name = parts[1].strip().split("@")[0]
+        if name == f"{prefix}br" or (name.startswith(f"{prefix}v") and name[len(prefix) + 1:]
+                                     .isdigit()):
+            _run(["ip", "link", "del", name], check=False)
+    _state_path(prefix).unlink(missing_ok=True)
+    if not quiet:
+        print(f"netem: removed hosts with prefix {prefix!r}", file=sys.stderr)
+
+
+def load(prefix: str = DEFAULT_PREFIX) -> list[HostInfo]:
+    path = _state_path(prefix)
+    if not path.exists():
+        return []
+    return [HostInfo(**d) for d in json.loads(path.read_text())]
+
+
+def exec_argv(name: str, argv: Sequence[str], prefix: str = DEFAULT_PREFIX) -> list[str]:
+    """The command line that runs ``argv`` inside host ``name``."""
+    return ["ip", "netns", "exec", _ns(prefix, name), *argv]
+
+
+def status(prefix: str = DEFAULT_PREFIX) -> str:
+    lines = []
+    for info in load(prefix):
+        lines.append(f"{info.name} ({info.netns}) {info.ip} up {info.up_bps / 1e6:.2f} MB/s "
+                     f"down {info.down_bps / 1e6:.2f} MB/s delay {info.delay_ms}")
+        q = _run(["tc", "-n", info.netns, "-s", "qdisc", "show"], check=False).stdout
+        lines += ["    " + ln for ln in q.strip().splitlines()]
+    return "\n".join(lines) or f"no hosts with prefix {prefix!r}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--prefix", default=DEFAULT_PREFIX)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p_up = sub.add_parser("up", help="create hosts")
+    p_up.add_argument("--hosts", nargs="+", required=True, help="NAME:UP_BPS:DOWN_BPS[:DELAY_MS]")
+    p_up.add_argument("--subnet", default=DEFAULT_SUBNET)
+    sub.add_parser("down", help="remove hosts")
+    sub.add_parser("status", help="show hosts and qdisc counters")
+    p_exec = sub.add_parser("exec", help="run a command inside a host")
+    p_exec.add_argument("name")
+    p_exec.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    try:
+        if args.cmd == "up":
+            up([HostSpec.parse(h) for h in args.hosts], prefix=args.prefix, subnet=args.subnet)
+        elif args.cmd == "down":
+            down(args.prefix)
+        elif args.cmd == "status":
+            print(status(args.prefix))
+        elif args.cmd == "exec":
+            cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
+            if not cmd:
+                parser.error("exec needs a command after --")
+            os.execvp("ip", exec_argv(args.name, cmd, args.prefix))
+    except (NetemError, ValueError) as exc:
+        print(f"netem: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
