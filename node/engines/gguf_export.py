@@ -259,8 +259,15 @@ def byte_vocab() -> GGUFVocab:
     types = [TOKEN_CONTROL] * NUM_SPECIAL + [TOKEN_NORMAL] * 256
     # llama.cpp refuses a gpt2 vocabulary without merges; this one never fires (specials are
     # never produced by the byte-level pre-tokenizer).
-    return GGUFVocab("gpt2", tokens, types, [f"{tokens[0]} {tokens[1]}"],
-                     bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID)
+    return GGUFVocab(
+        "gpt2",
+        tokens,
+        types,
+        [f"{tokens[0]} {tokens[1]}"],
+        bos_id=BOS_ID,
+        eos_id=EOS_ID,
+        pad_id=PAD_ID,
+    )
 
 
 def hf_vocab(tokenizer: Any, vocab_size: int, eos_id: int | None = None) -> GGUFVocab:
@@ -294,8 +301,11 @@ def hf_vocab(tokenizer: Any, vocab_size: int, eos_id: int | None = None) -> GGUF
     eos = eos_id if eos_id is not None else tokenizer.eos_token_id
     if eos is not None and not 0 <= eos < vocab_size:
         raise ValueError(f"EOS id {eos} is outside the embedding of {vocab_size} rows")
-    common = {"bos_id": _in_range(tokenizer.bos_token_id, vocab_size), "eos_id": eos,
-              "pad_id": _in_range(tokenizer.pad_token_id, vocab_size)}
+    common = {
+        "bos_id": _in_range(tokenizer.bos_token_id, vocab_size),
+        "eos_id": eos,
+        "pad_id": _in_range(tokenizer.pad_token_id, vocab_size),
+    }
     if spm:
         return GGUFVocab("llama", tokens, types, scores=[0.0] * vocab_size, **common)
     merges: list[str] = []
@@ -319,9 +329,15 @@ def vocab_for(spec: ModelSpec) -> GGUFVocab:
         if spec.vocab > len(vocab.tokens):
             n = len(vocab.tokens)
             pad = [f"[PAD{i}]" for i in range(n, spec.vocab)]
-            return GGUFVocab(vocab.model, vocab.tokens + pad,
-                             vocab.types + [TOKEN_UNUSED] * len(pad), vocab.merges,
-                             bos_id=vocab.bos_id, eos_id=vocab.eos_id, pad_id=vocab.pad_id)
+            return GGUFVocab(
+                vocab.model,
+                vocab.tokens + pad,
+                vocab.types + [TOKEN_UNUSED] * len(pad),
+                vocab.merges,
+                bos_id=vocab.bos_id,
+                eos_id=vocab.eos_id,
+                pad_id=vocab.pad_id,
+            )
         return vocab
     from echo.models.spec import eos_token_id, load_tokenizer
 
@@ -419,8 +435,19 @@ def read_tensor_infos(path: str | os.PathLike[str]) -> dict[str, TensorInfo]:
 class _Reader:
     """Little-endian GGUF metadata reader over a file object (values it skips are discarded)."""
 
-    _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-                10: "<Q", 11: "<q", 12: "<d"}
+    _SCALARS = {
+        0: "<B",
+        1: "<b",
+        2: "<H",
+        3: "<h",
+        4: "<I",
+        5: "<i",
+        6: "<f",
+        7: "<?",
+        10: "<Q",
+        11: "<q",
+        12: "<d",
+    }
 
     def __init__(self, f: Any) -> None:
         self.f = f
@@ -487,8 +514,14 @@ class GGUFFile:
     """A GGUF written by :func:`write_gguf`: the path, the model layout, each state tensor's
     :class:`Entry`, and the dtype each tensor was published in (what digests are computed in)."""
 
-    def __init__(self, path: Path, layout: LlamaLayout, entries: dict[str, Entry],
-                 published: dict[str, str], override: str | None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        layout: LlamaLayout,
+        entries: dict[str, Entry],
+        published: dict[str, str],
+        override: str | None,
+    ) -> None:
         self.path = path
         self.layout = layout
         self.entries = entries
@@ -501,8 +534,7 @@ class GGUFFile:
         if set(state) != set(self.entries):
             return False
         return all(
-            storage_dtype(dtype_name(t.dtype), t.dim(), self.override)
-            == self.entries[n].file_dtype
+            storage_dtype(dtype_name(t.dtype), t.dim(), self.override) == self.entries[n].file_dtype
             for n, t in state.items()
         )
 
@@ -522,13 +554,15 @@ class GGUFFile:
                 e = self.entries[name]
                 new = file_bits(state[name], e.slot, e.file_dtype)
                 view = mm[e.offset : e.offset + e.nbytes].view(_UINT[e.file_dtype])
-                idx = np.flatnonzero(view != new)
-                if idx.size:
-                    view[idx] = new[idx]
-                    if not np.array_equal(view[idx], new[idx]):
+                diff = view != new
+                n = int(np.count_nonzero(diff))
+                if n:
+                    # Masked copy: pages without a changed element are never written.
+                    np.copyto(view, new, where=diff)
+                    if not np.array_equal(view, new):
                         raise OSError(f"writing {name!r} into {self.path} did not stick")
-                    stats.changed += int(idx.size)
-                    stats.bytes_written += int(idx.size) * view.itemsize
+                    stats.changed += n
+                    stats.bytes_written += n * view.itemsize
                     stats.tensors += 1
             # No msync: llama.cpp maps the same page cache, so the bytes are visible to it now.
         finally:
@@ -553,8 +587,10 @@ class GGUFFile:
                 want = self.published[name]
                 if want != e.file_dtype:
                     cast = t.to(_TORCH_DTYPE[want])
-                    if torch.equal(cast.to(t.dtype).view(_TORCH_INT[e.file_dtype]),
-                                   t.view(_TORCH_INT[e.file_dtype])):
+                    if torch.equal(
+                        cast.to(t.dtype).view(_TORCH_INT[e.file_dtype]),
+                        t.view(_TORCH_INT[e.file_dtype]),
+                    ):
                         t = cast
                 out[name] = t
         finally:
@@ -623,8 +659,11 @@ def write_gguf(
         w.add_token_scores(vocab.scores)
     if vocab.model == "gpt2":
         w.add_token_merges(vocab.merges)
-    for setter, tid in ((w.add_bos_token_id, vocab.bos_id), (w.add_eos_token_id, vocab.eos_id),
-                        (w.add_pad_token_id, vocab.pad_id)):
+    for setter, tid in (
+        (w.add_bos_token_id, vocab.bos_id),
+        (w.add_eos_token_id, vocab.eos_id),
+        (w.add_pad_token_id, vocab.pad_id),
+    ):
         if tid is not None:
             setter(int(tid))
     # Engines pass token ids that already hold BOS; llama.cpp must never add one.
@@ -662,8 +701,11 @@ def write_gguf(
     for hf_name, slot in slots.items():
         info = infos.get(slot.gguf_name)
         fd = file_dtypes[hf_name]
-        if (info is None or info.dims != tuple(reversed(slot.shape))
-                or info.ggml_type != _GGML_BY_DTYPE[fd]):
+        if (
+            info is None
+            or info.dims != tuple(reversed(slot.shape))
+            or info.ggml_type != _GGML_BY_DTYPE[fd]
+        ):
             raise ValueError(f"{path}: tensor {slot.gguf_name!r} was not written as expected")
         entries[hf_name] = Entry(slot, fd, info.offset, int(np.prod(slot.shape)))
     if len(infos) != len(entries):

@@ -56,6 +56,7 @@ class LoadStats:
     """What the last :meth:`LlamaCppEngine.load_state` did and how long it took."""
 
     full_write: bool = False
+    live: bool = False
     changed: int = 0
     bytes_written: int = 0
     write_seconds: float = 0.0
@@ -92,7 +93,8 @@ class LlamaCppEngine(Engine):
     ``max_seqs``: samples decoded together. ``kv_dtype`` (float32 or float16) and ``flash_attn``:
     the defaults (F32 cache, no flash attention) keep log-probs within ~1e-5 of transformers;
     float16 + flash attention is faster and within ~1e-2. ``kv_unified``: one KV buffer shared by
-    all sequences instead of one stream each.
+    all sequences instead of one stream each. ``live_patch``: apply same-layout versions without
+    reloading, where the shared mapping can be verified (see :meth:`load_state`).
     ``gpu_layers`` > 0 offloads layers, after which :meth:`state_digest` covers the file, not the
     GPU copy. Generation starts only after the first :meth:`load_state`. Not thread-safe.
     """
@@ -113,6 +115,7 @@ class LlamaCppEngine(Engine):
         kv_unified: bool = False,
         gpu_layers: int = 0,
         vocab: GGUFVocab | None = None,
+        live_patch: bool = False,
         verbose: bool = False,
     ) -> None:
         try:
@@ -146,6 +149,8 @@ class LlamaCppEngine(Engine):
         self.flash_attn = flash_attn
         self.kv_unified = kv_unified
         self.gpu_layers = gpu_layers
+        self.live_patch = live_patch
+        self._live = False
         self._own_workdir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="echo-llamacpp-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -166,6 +171,8 @@ class LlamaCppEngine(Engine):
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         """Make ``state`` the engine's weights: patch the GGUF in place when the layout is
         unchanged (only changed elements are written), otherwise write it anew; then reload.
+        With ``live_patch`` and a verified shared mapping (see :meth:`_mapped_live`) an in-place
+        patch skips the reload: the loaded model computes on the patched pages directly.
 
         Raises ValueError for a state that does not match the model (nothing changes then),
         RuntimeError when llama.cpp cannot load the result (the engine then holds no model
@@ -174,15 +181,28 @@ class LlamaCppEngine(Engine):
         check_state(self.layout, state)
         stats = LoadStats()
         t0 = time.perf_counter()
-        self._unload()  # llama.cpp maps the file: never change it under a loaded model
+        held = self._file
+        if held is not None and self._live and self._model is not None and held.fits(state):
+            try:
+                up = held.update(state)
+            except BaseException:
+                self._unload()  # the mapped weights may be half updated: never generate on them
+                self._file = None
+                raise
+            stats.changed, stats.bytes_written, stats.live = up.changed, up.bytes_written, True
+            stats.write_seconds = time.perf_counter() - t0
+            self.last_load = stats
+            return
+        self._unload()  # never change the file under a model that is not known to follow it
         try:
             if self._file is not None and self._file.fits(state):
                 up = self._file.update(state)
                 stats.changed, stats.bytes_written = up.changed, up.bytes_written
             else:
                 self._file = None
-                self._file = write_gguf(self.layout, state, self.gguf_path, vocab=self.vocab,
-                                        dtype=self.dtype)
+                self._file = write_gguf(
+                    self.layout, state, self.gguf_path, vocab=self.vocab, dtype=self.dtype
+                )
                 stats.full_write = True
                 stats.bytes_written = self.gguf_path.stat().st_size
         except BaseException:
@@ -193,6 +213,23 @@ class LlamaCppEngine(Engine):
         self._load()
         stats.write_seconds, stats.load_seconds = t1 - t0, time.perf_counter() - t1
         self.last_load = stats
+
+    def _mapped_live(self) -> bool:
+        """Whether writes into the GGUF are the weights the loaded model computes on: llama.cpp
+        maps it MAP_SHARED (checked in ``/proc/self/maps``, so Linux only), on the CPU with no
+        repacked copies. The KV cache of old weights is dropped by every generate call anyway."""
+        if not self.live_patch or self.gpu_layers or self._model is None:
+            return False
+        try:
+            maps = Path("/proc/self/maps").read_text()
+        except OSError:
+            return False
+        target = str(self.gguf_path.resolve())
+        for line in maps.splitlines():
+            parts = line.split(None, 5)
+            if len(parts) == 6 and parts[5] == target and parts[1].endswith("s"):
+                return True
+        return False
 
     def state_digest(self) -> str:
         """Digest of the weights read back from the GGUF llama.cpp has mapped (unpermuted, in the
@@ -218,6 +255,7 @@ class LlamaCppEngine(Engine):
         if not model:
             raise RuntimeError(f"llama.cpp could not load {self.gguf_path}")
         self._model = model
+        self._live = self._mapped_live()
         expected = sum(e.count for e in self._file.entries.values()) if self._file else 0
         n_params = int(ll.llama_model_n_params(model))
         if n_params != expected:
@@ -243,7 +281,8 @@ class LlamaCppEngine(Engine):
         # Off unless asked: llama.cpp's CPU flash attention rounds Q to F16, which moved
         # log-probs by ~3e-3 on the tiny model, against ~2e-6 with it off and an F32 KV cache.
         cparams.flash_attn_type = (
-            ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if self.flash_attn
+            ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            if self.flash_attn
             else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
         )
         cparams.kv_unified = self.kv_unified
@@ -267,6 +306,7 @@ class LlamaCppEngine(Engine):
 
     def _unload(self) -> None:
         self._free_context()
+        self._live = False
         if self._model is not None:
             ll = self._ll
             ll.llama_model_free(self._model)
@@ -326,8 +366,11 @@ class LlamaCppEngine(Engine):
         result: list[list[Completion]] = [[] for _ in requests]
         for row in rows:
             result[row.req].append(
-                Completion(token_ids=row.tokens, logprobs=row.logprobs,
-                           finish_reason="stop" if row.finish == "stop" else "length")
+                Completion(
+                    token_ids=row.tokens,
+                    logprobs=row.logprobs,
+                    finish_reason="stop" if row.finish == "stop" else "length",
+                )
             )
         seconds = time.perf_counter() - start
         n_tokens = sum(len(r.tokens) for r in rows)
