@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -49,6 +49,33 @@ from echo.node.engines.gguf_export import (
 
 # ggml_type ids for the KV cache.
 _KV_TYPES = {"float32": 0, "float16": 1}
+# llama.cpp pads the KV cells of each sequence to a multiple of this.
+_KV_PAD = 256
+# ggml_log_level of the bundled llama.cpp (NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5).
+# llama-cpp-python 0.3.36's own log callback still maps the older numbering, which shows
+# warnings as errors and hides errors, so the engine installs its own filter.
+_LOG_ERROR, _LOG_CONT = 4, 5
+_log = {"verbose": False, "last": 0}
+_log_callback: Any = None
+
+
+def _route_llama_log(ll: Any, verbose: bool) -> None:
+    """Send llama.cpp's log to stderr: everything when ``verbose``, else errors only. The
+    setting is process-wide (llama.cpp has one log callback); the last engine built decides."""
+    global _log_callback
+    _log["verbose"] = verbose
+    if _log_callback is not None:
+        return
+
+    @ll.llama_log_callback
+    def callback(level: int, text: bytes, _user: Any) -> None:
+        if level != _LOG_CONT:
+            _log["last"] = level
+        if _log["verbose"] or _log["last"] == _LOG_ERROR:
+            sys.stderr.write(text.decode("utf-8", errors="replace"))
+
+    _log_callback = callback  # llama.cpp keeps only the pointer: the object must stay alive
+    ll.llama_log_set(callback, ctypes.c_void_p(0))
 
 
 @dataclass
@@ -88,8 +115,10 @@ class LlamaCppEngine(Engine):
     matrices (default: as published, which keeps the digest exact; a lossy cast makes the digest
     differ, truthfully; BF16 matrices also make llama.cpp round activations to BF16, so
     ``dtype="float32"`` buys log-prob parity with the learner for twice the memory).
-    ``seq_len``: KV cells per sequence to start with (llama.cpp rounds it up to 256); a request
-    that needs more grows it (a new context), up to the model's context length.
+    ``seq_len``: KV cells per sequence to start with (rounded up to a multiple of 256, as
+    llama.cpp does); a request that needs more grows it (a new context), up to the model's
+    context length (or ``seq_len`` if larger). ``verbose``: llama.cpp's full log on stderr
+    (default: its errors only).
     ``max_seqs``: samples decoded together. ``kv_dtype`` (float32 or float16) and ``flash_attn``:
     the defaults (F32 cache, no flash attention) keep log-probs within ~1e-5 of transformers;
     float16 + flash attention is faster and within ~1e-2. ``kv_unified``: one KV buffer shared by
@@ -100,6 +129,7 @@ class LlamaCppEngine(Engine):
     """
 
     name = "llamacpp"
+    _backend_ready = False  # llama_backend_init runs once per process
 
     def __init__(
         self,
@@ -132,9 +162,7 @@ class LlamaCppEngine(Engine):
         if not 1 <= max_seqs <= max_parallel:
             raise ValueError(f"max_seqs must be in [1, {max_parallel}], not {max_seqs}")
         self._ll = llama_cpp
-        # llama-cpp-python routes llama.cpp's log through this logger (its callback is installed
-        # when the package is imported); keep it to errors unless asked.
-        logging.getLogger("llama-cpp-python").setLevel(logging.DEBUG if verbose else logging.ERROR)
+        _route_llama_log(llama_cpp, verbose)
         self.spec = spec
         self.layout = layout_of(spec)
         self.vocab = vocab if vocab is not None else vocab_for(spec)
@@ -142,8 +170,8 @@ class LlamaCppEngine(Engine):
         self.eos_id = eos_token_id(spec)
         self.dtype = dtype
         self.threads = threads or os.cpu_count() or 1
-        self.seq_len = seq_len or min(self.layout.context_length, 256)
-        self.max_seq_len = max(self.layout.context_length, self.seq_len)
+        self.max_seq_len = max(self.layout.context_length, seq_len or 0)
+        self.seq_len = _pad(seq_len or min(self.max_seq_len, _KV_PAD))
         self.max_seqs = max_seqs
         self.kv_dtype = kv_dtype
         self.flash_attn = flash_attn
@@ -162,7 +190,7 @@ class LlamaCppEngine(Engine):
         self._batch_size = 0
         self.last_stats: dict[str, float] = {"tokens": 0, "seconds": 0.0, "tokens_per_s": 0.0}
         self.last_load = LoadStats()
-        if not getattr(LlamaCppEngine, "_backend_ready", False):
+        if not LlamaCppEngine._backend_ready:
             llama_cpp.llama_backend_init()
             LlamaCppEngine._backend_ready = True
 
@@ -240,7 +268,7 @@ class LlamaCppEngine(Engine):
 
     def held_state(self) -> dict[str, torch.Tensor]:
         """The state as read back from the GGUF (what :meth:`state_digest` hashes)."""
-        if self._file is None:
+        if self._file is None or self._model is None:
             raise RuntimeError("the llamacpp engine holds no weights yet: call load_state first")
         return self._file.read_state()
 
@@ -352,8 +380,7 @@ class LlamaCppEngine(Engine):
                 )
         need = max(len(r.prompt_ids) + r.params.max_new_tokens for r in requests)
         if need > self.seq_len:
-            # Grown in steps of 256 cells, the granularity llama.cpp pads each sequence to.
-            self.seq_len = min(self.max_seq_len, -(-need // 256) * 256)
+            self.seq_len = _pad(need)
             self._make_context()
         start = time.perf_counter()
         rows = [
@@ -465,6 +492,11 @@ class LlamaCppEngine(Engine):
                 r.finish = "stop"
             elif len(r.tokens) >= p.max_new_tokens:
                 r.finish = "length"
+
+
+def _pad(cells: int) -> int:
+    """``cells`` rounded up to the granularity llama.cpp gives each sequence."""
+    return -(-cells // _KV_PAD) * _KV_PAD
 
 
 def _rng(params: SamplingParams, sample: int) -> np.random.Generator | None:
