@@ -20,13 +20,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from _common import emit, parse_args, say  # noqa: E402
+from _common import emit, median, parse_args, say  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey  # noqa: E402
 
 from echo.coordinator.store import LeaseRow  # noqa: E402
 from echo.coordinator.verify import JobContext, check_submission  # noqa: E402
 from echo.learner.grpo import GRPOConfig, GRPOLearner, TrainGroup  # noqa: E402
-from echo.learner.rescore import Rescorer  # noqa: E402
+from echo.learner.rescore import IMPROBABLE_P, Rescorer  # noqa: E402
 from echo.models.spec import ModelSpec, build_model, decode_completion, encode_prompt  # noqa: E402
 from echo.models.tokenizer import EOS_ID, VOCAB_SIZE  # noqa: E402
 from echo.models.weights import export_state  # noqa: E402
@@ -118,51 +118,52 @@ def bench_steps_1_4(n: int) -> dict[str, float]:
 
 
 def bench_rescore(batch_groups: int, reps: int) -> dict[str, float]:
+    """Learner step time with and without the fused re-scoring gate (groups sampled from the
+    current weights), and the separate prefill that groups from older versions need."""
     torch.set_num_threads(1)
     spec = ModelSpec()
     task = make_task("addition", {"max_operand": 5})
     learner = GRPOLearner(build_model(spec, seed=0), GRPOConfig())
     engine = TorchEngine(spec, threads=1)
-    engine.load_state(export_state(learner.model))
     rescorer = Rescorer(spec, keep=3, temperature=1.0)
-    rescorer.remember(0, export_state(learner.model))
-    step_s, rescore_s = [], []
-    for r in range(reps):
-        reqs = [
-            GenRequest(
-                encode_prompt(spec, task.prompt(r * 100 + i)),
-                GROUP,
-                SamplingParams(max_new_tokens=MAX_NEW, seed=r * 100 + i),
-            )
-            for i in range(batch_groups)
-        ]
+    plain_s, fused_s, prefill_s = [], [], []
+    for r in range(2 * reps):
+        state = export_state(learner.model)
+        engine.load_state(state)
+        rescorer.remember(learner.version, state)
+        reqs = [GenRequest(encode_prompt(spec, task.prompt(r * 100 + i)), GROUP,
+                           SamplingParams(max_new_tokens=MAX_NEW, seed=r * 100 + i))
+                for i in range(batch_groups)]
         groups = []
         for i, comps in enumerate(engine.generate(reqs)):
-            groups.append(
-                TrainGroup(
-                    reqs[i].prompt_ids,
-                    [c.token_ids for c in comps],
-                    [c.logprobs for c in comps],
-                    [
-                        task.reward(r * 100 + i, decode_completion(spec, c.token_ids[:-1]))
-                        for c in comps
-                    ],
-                    version=0,
-                )
-            )
-        finish = [["stop" if c[-1] == EOS_ID else "length" for c in g.completions] for g in groups]
+            groups.append(TrainGroup(
+                reqs[i].prompt_ids, [c.token_ids for c in comps], [c.logprobs for c in comps],
+                [task.reward(r * 100 + i, decode_completion(spec, c.token_ids[:-1]))
+                 for c in comps], version=learner.version))
+        finish = [["stop" if c[-1] == EOS_ID else "length" for c in g.completions]
+                  for g in groups]
         t0 = time.perf_counter()
         verdicts = rescorer.check(groups, finish)
-        rescore_s.append(time.perf_counter() - t0)
+        prefill_s.append(time.perf_counter() - t0)
         assert all(v.ok for v in verdicts), [v for v in verdicts if not v.ok]
+        fused = r % 2 == 1
+        gated: list = []
+
+        def gate(stats, groups=groups, finish=finish, gated=gated) -> list[bool]:
+            out = [rescorer.judge(g, f, "torch", *st).ok
+                   for g, f, st in zip(groups, finish, stats, strict=True)]
+            gated.extend(out)
+            return out
+
         t0 = time.perf_counter()
-        learner.step(groups)
-        step_s.append(time.perf_counter() - t0)
-        learner.version = 0  # keep rescoring against version 0's weights
-        rescorer._loaded = -1
-        rescorer.remember(0, export_state(learner.model))
-    step, resc = sorted(step_s)[len(step_s) // 2], sorted(rescore_s)[len(rescore_s) // 2]
-    return {"learner_step_s": step, "rescore_s": resc, "rescore_fraction": resc / step}
+        learner.step(groups, gate=gate if fused else None, gate_p=IMPROBABLE_P)
+        (fused_s if fused else plain_s).append(time.perf_counter() - t0)
+        assert not fused or (len(gated) == len(groups) and all(gated))
+    step = median(plain_s)
+    return {"learner_step_s": step, "learner_step_fused_s": median(fused_s),
+            "rescore_fraction": max(0.0, median(fused_s) - step) / step,
+            "rescore_prefill_s": median(prefill_s),
+            "rescore_fraction_stale": median(prefill_s) / step}
 
 
 def main() -> None:
@@ -178,10 +179,11 @@ def main() -> None:
     reps = 5 if args.quick else 20
     say(f"re-scoring vs learner step, batch of 8 groups x {GROUP}, {reps} reps ...")
     r = bench_rescore(8, reps)
-    say(
-        f"  learner step {r['learner_step_s'] * 1e3:.1f} ms, re-scoring "
-        f"{r['rescore_s'] * 1e3:.1f} ms = {r['rescore_fraction']:.1%} of the learner's time"
-    )
+    say(f"  learner step {r['learner_step_s'] * 1e3:.1f} ms; with the fused re-scoring gate "
+        f"{r['learner_step_fused_s'] * 1e3:.1f} ms = {r['rescore_fraction']:.1%} extra "
+        f"(groups from the current weights)")
+    say(f"  groups from older versions need a prefill: {r['rescore_prefill_s'] * 1e3:.1f} ms = "
+        f"{r['rescore_fraction_stale']:.1%} of the step")
     emit({**v, **r, "quick": args.quick})
 
 

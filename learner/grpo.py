@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,11 @@ class GRPOConfig:
             raise ValueError("temperature must be > 0 (greedy samples carry no policy gradient)")
         if self.ppo_epochs < 1 or not self.lr > 0 or not self.tis_cap > 0:
             raise ValueError("need ppo_epochs >= 1, lr > 0 and tis_cap > 0")
+
+
+# Re-scoring hook of :meth:`GRPOLearner.step`: per group, per completion token, (log-prob,
+# entropy, mass below the improbable threshold) -> whether each group may be trained on.
+Gate = Callable[[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]], list[bool]]
 
 
 @dataclass
@@ -151,15 +157,26 @@ class GRPOLearner:
             target[i, prompt_lens[i] - 1 : prompt_lens[i] - 1 + lengths[i]] = True
         return _Batch(ids.to(self.device), mask.to(self.device), target.to(self.device), lengths)
 
-    def _logprobs(self, batch: _Batch) -> torch.Tensor:
-        """Log-probs of every completion token, flattened in row-major order (rows, then tokens)."""
+    def _logprobs(
+        self, batch: _Batch, stats_p: float | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Log-probs of every completion token, flattened in row-major order (rows, then tokens).
+
+        With ``stats_p``, also the policy's entropy at each token and its total mass on tokens
+        below probability ``stats_p`` (no grad): what re-scoring needs, from the same forward.
+        """
         # Right padding: causal attention keeps real tokens from seeing the pads after them, and
         # positions count from 0 in every row, as in the engine's left-padded batches.
         logits = self.model(input_ids=batch.ids, attention_mask=batch.mask).logits
         logits = logits[:, :-1][batch.target].float()  # (completion tokens, vocab)
         tokens = batch.ids[:, 1:][batch.target]
         logp = torch.log_softmax(logits / self.cfg.temperature, dim=-1)
-        return logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        if stats_p is None:
+            return chosen
+        with torch.no_grad():
+            p = logp.exp()
+            return chosen, -(p * logp).sum(-1), (p * (p < stats_p)).sum(-1)
 
     @torch.no_grad()
     def score(self, groups: list[TrainGroup]) -> list[list[list[float]]]:
@@ -191,8 +208,16 @@ class GRPOLearner:
 
     # -- the update ---------------------------------------------------------------------------
 
-    def step(self, groups: list[TrainGroup]) -> dict[str, float]:
-        """One update on ``groups`` (``ppo_epochs`` optimizer steps); returns metrics."""
+    def step(
+        self, groups: list[TrainGroup], gate: Gate | None = None, gate_p: float = 0.01
+    ) -> dict[str, float]:
+        """One update on ``groups`` (``ppo_epochs`` optimizer steps); returns metrics.
+
+        ``gate``, if given, sees per group the (log-prob, entropy, improbable-mass) of each
+        completion token from this step's own first forward (``gate_p`` sets "improbable") and
+        returns which groups may be trained on; the others get zero weight. Re-scoring groups
+        sampled from the current weights thus costs no extra forward pass.
+        """
         cfg = self.cfg
         start = time.perf_counter()
         batch = self._batch(groups)
@@ -219,14 +244,31 @@ class GRPOLearner:
 
         old = None
         for epoch in range(cfg.ppo_epochs):
-            logp = self._logprobs(batch)
+            if old is None and gate is not None:
+                logp, ent, improbable = self._logprobs(batch, stats_p=gate_p)
+            else:
+                logp = self._logprobs(batch)
             if old is None:
                 # The policy at the start of the step: the PPO anchor, and the numerator of the
                 # truncated importance weight against the node's behaviour policy.
                 old = logp.detach()
                 is_w = torch.exp(old - behaviour).clamp(max=cfg.tis_cap)
                 metrics["mismatch"] = float((old - behaviour).abs().mean())
-                metrics["is_w"] = float(is_w.mean())
+                if gate is not None:
+                    sizes = [sum(len(c) for c in g.completions) for g in groups]
+                    keep = gate(list(zip(old.split(sizes), ent.split(sizes),
+                                         improbable.split(sizes), strict=True)))
+                    mask = torch.repeat_interleave(
+                        torch.tensor(keep, dtype=torch.float32), torch.tensor(sizes)).to(dev)
+                    is_w = is_w * mask
+                    n_tokens = int(mask.sum())
+                    metrics["gated_groups"] = float(len(keep) - sum(keep))
+                    if n_tokens == 0:  # every group failed re-scoring: no update at all
+                        metrics.update(loss=0.0, is_w=0.0, clip_frac=0.0, grad_norm=0.0)
+                        self.version += 1
+                        metrics["step_s"] = time.perf_counter() - start
+                        return metrics
+                metrics["is_w"] = float(is_w.sum() / n_tokens)
             ratio = torch.exp(logp - old)
             clipped = ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps)
             surrogate = torch.minimum(ratio * adv, clipped * adv)

@@ -131,11 +131,11 @@ class Rescorer:
             stats = self._token_stats([groups[i] for i in members])
             for gi, st in zip(members, stats, strict=True):
                 engine = engines[gi] if engines else "torch"
-                out[gi] = self._judge(groups[gi], finish[gi], engine, *st)
+                out[gi] = self.judge(groups[gi], finish[gi], engine, *st)
         self.last_seconds = time.perf_counter() - t0
         return [v for v in out if v is not None]
 
-    def _judge(
+    def judge(
         self,
         g: TrainGroup,
         finish: list[str],

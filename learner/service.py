@@ -26,7 +26,7 @@ import trio
 from echo.learner import checkpoint
 from echo.learner.grpo import GRPOConfig, GRPOLearner, TrainGroup
 from echo.learner.publish import Publisher
-from echo.learner.rescore import Rescorer
+from echo.learner.rescore import IMPROBABLE_P, Rescorer, Verdict
 from echo.learner.warmup import warmup
 from echo.models.spec import ModelSpec, build_model
 from echo.models.weights import export_state
@@ -262,7 +262,7 @@ class Learner:
 
     def _step(self, batch: list[m.TrainingGroup]) -> tuple[bytes, dict[str, float]]:
         vocab = self.learner.vocab_size
-        train_groups, ids_ok, verdicts = [], [], []
+        ids_ok, verdicts = [], []
         decoded = []
         for g in batch:
             prompt = m.unpack_tokens(g.prompt_tokens, vocab_size=vocab, max_len=1 << 16).tolist()
@@ -274,28 +274,45 @@ class Learner:
                 np.frombuffer(c.logprobs, dtype="<f4").astype(float).tolist() for c in g.completions
             ]
             decoded.append(TrainGroup(prompt, comps, lps, list(g.rewards), g.version))
-        results = self.rescorer.check(
-            decoded,
-            [[c.finish_reason for c in g.completions] for g in batch],
-            [g.engine for g in batch],
-        )
-        for g, tg, res in zip(batch, decoded, results, strict=True):
-            verdicts.append(
-                m.RescoreVerdict(
-                    rollout_id=g.rollout_id, ok=res.ok, reason=res.reason, stats=res.stats
-                )
-            )
-            if res.ok:
-                train_groups.append(tg)
-                ids_ok.append(g.rollout_id)
-        if train_groups:
-            metrics = self.learner.step(train_groups)
+        finish = [[c.finish_reason for c in g.completions] for g in batch]
+        # Groups sampled from older versions are re-scored by a prefill under those weights;
+        # groups from the current weights are judged inside the step, from its own forward.
+        # (Only when the published weights are the master weights: a bf16 policy differs from
+        # the fp32 master the step runs on.)
+        current = self.learner.version if self.spec.publish_dtype == "float32" else -1
+        older = [i for i, g in enumerate(decoded) if g.version != current]
+        results: dict[int, Verdict] = dict(zip(older, self.rescorer.check(
+            [decoded[i] for i in older], [finish[i] for i in older],
+            [batch[i].engine for i in older]), strict=True))
+        rescore_s = self.rescorer.last_seconds
+        order = [i for i in range(len(batch)) if i not in results or results[i].ok]
+
+        def gate(stats) -> list[bool]:
+            nonlocal rescore_s
+            t0 = time.perf_counter()
+            keep = []
+            for i, st in zip(order, stats, strict=True):
+                if i not in results:
+                    results[i] = self.rescorer.judge(decoded[i], finish[i], batch[i].engine, *st)
+                keep.append(results[i].ok)
+            rescore_s += time.perf_counter() - t0
+            return keep
+
+        if order:
+            metrics = self.learner.step([decoded[i] for i in order], gate=gate,
+                                        gate_p=IMPROBABLE_P)
         else:
             metrics = {"reward": 0.0, "step_s": 0.0}
             self.learner.version += 1
         self.version = self.learner.version
+        for i, g in enumerate(batch):
+            res = results.get(i) or Verdict(False, "unscorable")
+            verdicts.append(m.RescoreVerdict(rollout_id=g.rollout_id, ok=res.ok,
+                                             reason=res.reason, stats=res.stats))
+            if res.ok:
+                ids_ok.append(g.rollout_id)
         metrics["rejected"] = float(sum(1 for v in verdicts if not v.ok))
-        metrics["rescore_s"] = self.rescorer.last_seconds
+        metrics["rescore_s"] = rescore_s
         return self._publish(ids_ok, verdicts, metrics), metrics
 
 
