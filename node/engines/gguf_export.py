@@ -52,6 +52,9 @@ _FILE_TYPE = {"float32": 0, "float16": 1, "bfloat16": 32}
 # gguf token types (gguf.TokenType)
 TOKEN_NORMAL, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 3, 4, 5, 6
 
+# Elements compared and written per step by GGUFFile.update (bounds its temporary memory).
+UPDATE_CHUNK = 1 << 22
+
 GGUF_MAGIC = b"GGUF"
 GGUF_DEFAULT_ALIGNMENT = 32
 # Limits on what read_tensor_infos accepts: it parses files we wrote, but never trusts a length.
@@ -347,41 +350,69 @@ def vocab_for(spec: ModelSpec) -> GGUFVocab:
 # ------------------------------------------------------------------------------ tensors <-> bits
 
 
-def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """The official converter's Q/K row permutation (rotate-half halves -> adjacent pairs)."""
-    return (
-        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
+def _bits_of(t: torch.Tensor) -> np.ndarray:
+    """The raw bits of ``t`` as a flat unsigned-int array (no copy for a contiguous CPU tensor)."""
+    name = dtype_name(t.dtype)
+    t = t.detach().to("cpu").contiguous().reshape(-1)
+    return t.view(_TORCH_INT[name]).numpy().view(_UINT[name])
 
 
-def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Inverse of :func:`_permute`."""
-    return (
-        w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
+def convert_bits(bits: np.ndarray, src: str, dst: str) -> np.ndarray:
+    """``bits`` of dtype ``src`` as bits of dtype ``dst`` (the value cast, round to nearest even).
+
+    Widening to float32 is done on the bits (exact, and faster than a float cast); narrowing goes
+    through torch's cast. Returns ``bits`` itself when ``src == dst``.
+    """
+    if src == dst:
+        return bits
+    if src == "bfloat16" and dst == "float32":
+        return bits.astype(np.uint32) << 16  # a bf16 is the top half of its float32
+    if src == "float16" and dst == "float32":
+        return bits.view(np.float16).astype(np.float32).view(np.uint32)
+    if not bits.flags.writeable:  # torch.from_numpy wants writable memory (a read-only map)
+        bits = bits.copy()
+    size = np.dtype(_UINT[src]).itemsize
+    t = torch.from_numpy(bits.view(np.dtype(f"int{size * 8}"))).view(_TORCH_DTYPE[src])
+    return t.to(_TORCH_DTYPE[dst]).view(_TORCH_INT[dst]).numpy().view(_UINT[dst])
+
+
+def _exact_narrowing(bits: np.ndarray, src: str, dst: str) -> np.ndarray | None:
+    """``bits`` (dtype ``src``) as ``dst`` bits if every value survives the cast exactly, else
+    None (how read-back detects stored values that are not representable as published)."""
+    if src == "float32" and dst == "bfloat16":
+        if np.any(bits & np.uint32(0xFFFF)):
+            return None
+        return (bits >> 16).astype(np.uint16)
+    out = convert_bits(bits, src, dst)
+    return out if np.array_equal(convert_bits(out, dst, src), bits) else None
+
+
+def _permute_bits(bits: np.ndarray, slot: TensorSlot, inverse: bool = False) -> np.ndarray:
+    """Apply (or with ``inverse`` undo) the Q/K row permutation of ``slot`` to flat row-major
+    ``bits``: the official converter's permute(), rotate-half halves -> adjacent pairs."""
+    if slot.permute_heads is None:
+        return bits
+    n = slot.permute_heads
+    rows, rest = slot.shape[0], slot.shape[1:]
+    split = (n, rows // n // 2, 2) if inverse else (n, 2, rows // n // 2)
+    return np.ascontiguousarray(bits.reshape(*split, *rest).swapaxes(1, 2)).reshape(-1)
 
 
 def file_bits(t: torch.Tensor, slot: TensorSlot, file_dtype: str) -> np.ndarray:
-    """The flat bit pattern (unsigned ints) ``t`` has in the file: permuted, cast, row-major."""
-    t = t.detach().to("cpu")
-    if slot.permute_heads is not None:
-        t = _permute(t, slot.permute_heads)
-    t = t.to(_TORCH_DTYPE[file_dtype]).contiguous().reshape(-1)
-    return t.view(_TORCH_INT[file_dtype]).numpy().view(_UINT[file_dtype])
+    """The flat bit pattern (unsigned ints) ``t`` has in the file: permuted, cast, row-major.
+
+    May share memory with ``t`` (same dtype, not permuted): treat it as read-only."""
+    bits = _permute_bits(_bits_of(t), slot)
+    return convert_bits(bits, dtype_name(t.dtype), file_dtype)
 
 
-def tensor_from_bits(bits: np.ndarray, slot: TensorSlot, file_dtype: str) -> torch.Tensor:
-    """Inverse of :func:`file_bits` (without the cast): the tensor in ``file_dtype``, unpermuted."""
-    size = np.dtype(_UINT[file_dtype]).itemsize
-    signed = np.ascontiguousarray(bits).view(np.dtype(f"int{size * 8}")).copy()
-    t = torch.from_numpy(signed).view(_TORCH_DTYPE[file_dtype]).reshape(slot.shape)
-    if slot.permute_heads is not None:
-        t = _unpermute(t, slot.permute_heads).contiguous()
-    return t
+def tensor_from_bits(bits: np.ndarray, slot: TensorSlot, dtype: str) -> torch.Tensor:
+    """Inverse of :func:`file_bits` without the cast: flat file ``bits`` of ``dtype`` as a new
+    tensor of that dtype with the state's shape, unpermuted."""
+    flat = _permute_bits(np.asarray(bits), slot, inverse=True)
+    size = np.dtype(_UINT[dtype]).itemsize
+    signed = np.array(flat, copy=True).view(np.dtype(f"int{size * 8}"))
+    return torch.from_numpy(signed).view(_TORCH_DTYPE[dtype]).reshape(slot.shape)
 
 
 # ---------------------------------------------------------------------------------- the file
@@ -541,9 +572,10 @@ class GGUFFile:
     def update(self, state: Mapping[str, torch.Tensor]) -> UpdateStats:
         """Write into the file only the elements of ``state`` whose bits differ from the file's.
 
-        ``state`` must satisfy :meth:`fits` (ValueError otherwise). Each changed tensor is
-        checked after the write (its elements read back equal to what was meant), so a short or
-        failed write raises OSError instead of leaving a silently wrong model.
+        ``state`` must satisfy :meth:`fits` (ValueError otherwise). Tensors are compared in
+        chunks of ``UPDATE_CHUNK`` elements, so the temporary memory stays small however large
+        the embedding. Nothing is re-read here to confirm the write: :meth:`read_state` (the
+        engine's digest) reads the file back and catches a wrong one.
         """
         if not self.fits(state):
             raise ValueError("state does not fit this GGUF file's layout; rewrite it instead")
@@ -552,17 +584,23 @@ class GGUFFile:
         try:
             for name in sorted(state):
                 e = self.entries[name]
-                new = file_bits(state[name], e.slot, e.file_dtype)
+                src_dtype = dtype_name(state[name].dtype)
+                src = _permute_bits(_bits_of(state[name]), e.slot)
                 view = mm[e.offset : e.offset + e.nbytes].view(_UINT[e.file_dtype])
-                diff = view != new
-                n = int(np.count_nonzero(diff))
-                if n:
-                    # Masked copy: pages without a changed element are never written.
-                    np.copyto(view, new, where=diff)
-                    if not np.array_equal(view, new):
-                        raise OSError(f"writing {name!r} into {self.path} did not stick")
-                    stats.changed += n
-                    stats.bytes_written += n * view.itemsize
+                changed = 0
+                for lo in range(0, e.count, UPDATE_CHUNK):
+                    hi = min(lo + UPDATE_CHUNK, e.count)
+                    new = convert_bits(src[lo:hi], src_dtype, e.file_dtype)
+                    dst = view[lo:hi]
+                    diff = dst != new
+                    n = int(np.count_nonzero(diff))
+                    if n:
+                        # Masked copy: pages without a changed element are never written.
+                        np.copyto(dst, new, where=diff)
+                        changed += n
+                if changed:
+                    stats.changed += changed
+                    stats.bytes_written += changed * view.itemsize
                     stats.tensors += 1
             # No msync: llama.cpp maps the same page cache, so the bytes are visible to it now.
         finally:
@@ -583,16 +621,13 @@ class GGUFFile:
             for name in sorted(self.entries):
                 e = self.entries[name]
                 bits = mm[e.offset : e.offset + e.nbytes].view(_UINT[e.file_dtype])
-                t = tensor_from_bits(bits, e.slot, e.file_dtype)
                 want = self.published[name]
                 if want != e.file_dtype:
-                    cast = t.to(_TORCH_DTYPE[want])
-                    if torch.equal(
-                        cast.to(t.dtype).view(_TORCH_INT[e.file_dtype]),
-                        t.view(_TORCH_INT[e.file_dtype]),
-                    ):
-                        t = cast
-                out[name] = t
+                    narrow = _exact_narrowing(np.asarray(bits), e.file_dtype, want)
+                    if narrow is not None:
+                        out[name] = tensor_from_bits(narrow, e.slot, want)
+                        continue
+                out[name] = tensor_from_bits(bits, e.slot, e.file_dtype)
         finally:
             del mm
         return out
