@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey  
 from echo.coordinator.store import LeaseRow  # noqa: E402
 from echo.coordinator.verify import JobContext, check_submission  # noqa: E402
 from echo.learner.grpo import GRPOConfig, GRPOLearner, TrainGroup  # noqa: E402
-from echo.learner.rescore import IMPROBABLE_P, Rescorer  # noqa: E402
+from echo.learner.rescore import Rescorer, token_stats  # noqa: E402
 from echo.models.spec import ModelSpec, build_model, decode_completion, encode_prompt  # noqa: E402
 from echo.models.tokenizer import EOS_ID, VOCAB_SIZE  # noqa: E402
 from echo.models.weights import export_state  # noqa: E402
@@ -156,7 +156,7 @@ def bench_rescore(batch_groups: int, reps: int) -> dict[str, float]:
             return out
 
         t0 = time.perf_counter()
-        learner.step(groups, gate=gate if fused else None, gate_p=IMPROBABLE_P)
+        learner.step(groups, gate=gate if fused else None, gate_stats=token_stats)
         (fused_s if fused else plain_s).append(time.perf_counter() - t0)
         assert not fused or (len(gated) == len(groups) and all(gated))
     step = median(plain_s)

@@ -51,9 +51,11 @@ class GRPOConfig:
             raise ValueError("need ppo_epochs >= 1, lr > 0 and tis_cap > 0")
 
 
-# Re-scoring hook of :meth:`GRPOLearner.step`: per group, per completion token, (log-prob,
-# entropy, mass below the improbable threshold) -> whether each group may be trained on.
-Gate = Callable[[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]], list[bool]]
+# Re-scoring hooks of :meth:`GRPOLearner.step`. TokenStats maps the (tokens, vocab) log-softmax
+# rows to per-token figures; Gate gets, per group, (log-probs, *figures) and says which groups
+# may be trained on.
+TokenStats = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+Gate = Callable[[list[tuple[torch.Tensor, ...]]], list[bool]]
 
 
 @dataclass
@@ -158,12 +160,12 @@ class GRPOLearner:
         return _Batch(ids.to(self.device), mask.to(self.device), target.to(self.device), lengths)
 
     def _logprobs(
-        self, batch: _Batch, stats_p: float | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, batch: _Batch, stats: TokenStats | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """Log-probs of every completion token, flattened in row-major order (rows, then tokens).
 
-        With ``stats_p``, also the policy's entropy at each token and its total mass on tokens
-        below probability ``stats_p`` (no grad): what re-scoring needs, from the same forward.
+        With ``stats``, also ``stats(log_softmax rows)`` computed without grad: per-token figures
+        of the whole distribution that re-scoring needs, from this same forward.
         """
         # Right padding: causal attention keeps real tokens from seeing the pads after them, and
         # positions count from 0 in every row, as in the engine's left-padded batches.
@@ -172,11 +174,10 @@ class GRPOLearner:
         tokens = batch.ids[:, 1:][batch.target]
         logp = torch.log_softmax(logits / self.cfg.temperature, dim=-1)
         chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        if stats_p is None:
+        if stats is None:
             return chosen
         with torch.no_grad():
-            p = logp.exp()
-            return chosen, -(p * logp).sum(-1), (p * (p < stats_p)).sum(-1)
+            return chosen, stats(logp.detach())
 
     @torch.no_grad()
     def score(self, groups: list[TrainGroup]) -> list[list[list[float]]]:
@@ -209,14 +210,17 @@ class GRPOLearner:
     # -- the update ---------------------------------------------------------------------------
 
     def step(
-        self, groups: list[TrainGroup], gate: Gate | None = None, gate_p: float = 0.01
+        self,
+        groups: list[TrainGroup],
+        gate: Gate | None = None,
+        gate_stats: TokenStats | None = None,
     ) -> dict[str, float]:
         """One update on ``groups`` (``ppo_epochs`` optimizer steps); returns metrics.
 
-        ``gate``, if given, sees per group the (log-prob, entropy, improbable-mass) of each
-        completion token from this step's own first forward (``gate_p`` sets "improbable") and
-        returns which groups may be trained on; the others get zero weight. Re-scoring groups
-        sampled from the current weights thus costs no extra forward pass.
+        ``gate``, if given, sees per group the log-prob of each completion token and the
+        per-token ``gate_stats`` of the distribution, both from this step's own first forward,
+        and returns which groups may be trained on; the others get zero weight. Re-scoring
+        groups sampled from the current weights thus costs no extra forward pass.
         """
         cfg = self.cfg
         start = time.perf_counter()
@@ -245,7 +249,7 @@ class GRPOLearner:
         old = None
         for epoch in range(cfg.ppo_epochs):
             if old is None and gate is not None:
-                logp, ent, improbable = self._logprobs(batch, stats_p=gate_p)
+                logp, extra = self._logprobs(batch, stats=gate_stats or (lambda lp: ()))
             else:
                 logp = self._logprobs(batch)
             if old is None:
@@ -256,8 +260,8 @@ class GRPOLearner:
                 metrics["mismatch"] = float((old - behaviour).abs().mean())
                 if gate is not None:
                     sizes = [sum(len(c) for c in g.completions) for g in groups]
-                    keep = gate(list(zip(old.split(sizes), ent.split(sizes),
-                                         improbable.split(sizes), strict=True)))
+                    parts = [old.split(sizes), *(t.split(sizes) for t in extra)]
+                    keep = gate(list(zip(*parts, strict=True)))
                     mask = torch.repeat_interleave(
                         torch.tensor(keep, dtype=torch.float32), torch.tensor(sizes)).to(dev)
                     is_w = is_w * mask

@@ -7,13 +7,15 @@ aggregate over many tokens because engines differ on single tokens even with equ
 - **mismatch**: mean |log-prob reported by the node - log-prob recomputed here|. Fabricated
   log-probs fail it. The threshold is per engine (:data:`MISMATCH_THRESHOLDS`), measured from
   honest runs.
-- **sampling shape**: K = the number of chosen tokens the policy gives probability below
-  :data:`IMPROBABLE_P`. For the policy's own samples, token t lands there with probability
-  q_t = the policy's total mass on such tokens, exactly computable, so K has mean sum(q_t) and
-  variance sum(q_t (1 - q_t)); random tokens or another model's land there almost always. A
-  count of bounded 0/1 events has light tails at any entropy, unlike a z-score of log-probs
-  (one rare honest token under a peaked policy would dominate it) or a fixed median-probability
-  cut (which fails on high-entropy policies).
+- **sampling shape** (two tests, both must fail): K = the number of chosen tokens the policy
+  gives probability below :data:`IMPROBABLE_P`. For the policy's own samples, token t lands
+  there with probability q_t = the policy's total mass on such tokens, exactly computable, so
+  K has mean sum(q_t) and variance sum(q_t (1 - q_t)); random tokens or another model's land
+  there almost always. A
+  count of bounded 0/1 events has light tails at any entropy, but little power on a flat
+  policy. The second test is a z-score of log p(x_t) + H_t (mean 0 for the policy's own
+  samples) with each term clipped at -:data:`SHAPE_CLIP` so one rare honest token under a peaked
+  policy cannot dominate it. A fixed median-probability cut (grail's) fails on flat policies.
 - **termination**: a completion that claims to stop must end on an EOS the policy would emit
   with non-negligible probability.
 
@@ -33,21 +35,39 @@ from echo.learner.grpo import TrainGroup
 from echo.models.spec import ModelSpec, build_model
 from echo.models.weights import load_state
 
-# Mean |reported - recomputed| log-prob allowed per engine (nats/token). Honest torch fp32 runs
-# measure ~1e-6; llama.cpp f32 ~2e-4; vLLM differs more on GPUs (bf16 kernels). Generous 50-100x
-# margins keep honest false rejections near zero, while fabricated log-probs miss by >0.1.
-MISMATCH_THRESHOLDS = {"torch": 0.02, "llamacpp": 0.05, "vllm": 0.1}
+# Mean |reported - recomputed| log-prob allowed per engine (nats/token). Honest torch float32
+# on a CPU measures ~2e-7 against our prefill (here, 40 groups); llama.cpp f32 ~2e-4; GPUs differ
+# more (TF32 / bf16 kernels). The margins are 50-500x; a swapped prompt or fabricated log-probs
+# miss by far more once the policy depends on its prompt at all.
+MISMATCH_THRESHOLDS = {"torch": 1e-4, "torch-cuda": 0.05, "torch-mps": 0.05, "llamacpp": 0.01,
+                       "vllm": 0.1}
 DEFAULT_MISMATCH = 0.1
 # A chosen token below this probability is "improbable" for the sampling-shape count.
 IMPROBABLE_P = 0.01
-# K may exceed its honest mean by this many standard deviations plus a constant before a group
-# fails: the constant covers Poisson tails when the mean is near 0 (P(K >= 4 | mean 0.05) ~ 1e-7).
-SHAPE_SIGMAS = 5.0
-SHAPE_SLACK = 3.0
+# K may exceed its honest mean by this many standard deviations plus a constant before the count
+# test fails: the constant covers Poisson tails when the mean is near 0.
+SHAPE_SIGMAS = 3.0
+SHAPE_SLACK = 2.0
+# The second test: z of the chosen tokens' log p + H (mean 0 for the policy's own samples), each
+# token's term clipped below at -SHAPE_CLIP nats so one rare honest token cannot dominate, over
+# the exact second moment of the clipped term. A group fails the sampling-shape check only when
+# both tests fail: each alone is weak somewhere (the count on flat policies, z on peaked ones).
+SHAPE_CLIP = 4.0
+SHAPE_MIN_Z = -4.0
 # An EOS the policy gives less than this probability is not a place it would have stopped.
 MIN_EOS_PROB = 1e-3
 # More than this fraction of a group's "stop" completions ending improbably fails the group.
 MAX_IMPROBABLE_STOPS = 0.25
+
+
+def token_stats(logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From (tokens, vocab) log-softmax rows: entropy H, the mass on improbable tokens (q_t of
+    the count test) and E[clip(log p + H, -SHAPE_CLIP)^2] (the clipped z test's scale)."""
+    p = logp.exp()
+    ent = -(p * logp).sum(-1)
+    q = (p * (p < IMPROBABLE_P)).sum(-1)
+    x = (logp + ent.unsqueeze(-1)).clamp(min=-SHAPE_CLIP)
+    return ent, q, (p * x * x).sum(-1)
 
 
 @dataclass
@@ -84,9 +104,8 @@ class Rescorer:
 
     @torch.no_grad()
     def _token_stats(self, groups: list[TrainGroup]) -> list[tuple[torch.Tensor, ...]]:
-        """Per group, per completion token: log p(chosen), entropy H, and the policy's mass on
-        improbable tokens (q_t of the sampling-shape count). One batched prefill for all groups
-        (they share a version), as the learner's own forward does."""
+        """Per group, per completion token: log p(chosen) and :func:`token_stats`. One batched
+        prefill for all groups (they share a version), as the learner's own forward does."""
         rows, spans = [], []
         for g in groups:
             for c in g.completions:
@@ -102,12 +121,10 @@ class Rescorer:
             target[i, plen - 1 : plen - 1 + n] = True
         logits = self.model(input_ids=ids, attention_mask=mask).logits[:, :-1][target].float()
         logp = torch.log_softmax(logits / self.temperature, dim=-1)
-        p = logp.exp()
         chosen = logp.gather(1, ids[:, 1:][target].unsqueeze(1)).squeeze(1)
-        ent = -(p * logp).sum(-1)
-        q = (p * (p < IMPROBABLE_P)).sum(-1)
         sizes = [sum(len(c) for c in g.completions) for g in groups]
-        return list(zip(chosen.split(sizes), ent.split(sizes), q.split(sizes), strict=True))
+        parts = [chosen.split(sizes), *(t.split(sizes) for t in token_stats(logp))]
+        return list(zip(*parts, strict=True))
 
     def check(
         self, groups: list[TrainGroup], finish: list[list[str]], engines: list[str] | None = None
@@ -143,7 +160,9 @@ class Rescorer:
         lp: torch.Tensor,
         ent: torch.Tensor,
         q: torch.Tensor,
+        m2: torch.Tensor,
     ) -> Verdict:
+        """The verdict on one group from its per-token statistics (see the module docstring)."""
         behaviour = torch.tensor([x for c in g.behaviour_logprobs for x in c], dtype=torch.float32)
         n = int(lp.numel())
         mismatch = float((lp - behaviour).abs().mean()) if n else 0.0
@@ -151,6 +170,8 @@ class Rescorer:
         q = q.clamp(0.0, 1.0)  # float rounding can push a sum of probabilities past 1
         k_mean, k_var = float(q.sum()), float((q * (1 - q)).sum())
         k_limit = k_mean + SHAPE_SIGMAS * math.sqrt(k_var) + SHAPE_SLACK
+        clipped = (lp + ent).clamp(min=-SHAPE_CLIP)
+        z = float(clipped.sum() / math.sqrt(float(m2.sum()) + 1e-9)) if n else 0.0
         median_p = float(lp.exp().median()) if n else 1.0
         excess_entropy = float(-(lp + ent).mean()) if n else 0.0
         improbable, stops, at = 0, 0, 0
@@ -164,6 +185,7 @@ class Rescorer:
             "mismatch": mismatch,
             "improbable": k,
             "improbable_limit": k_limit,
+            "z": z,
             "median_p": median_p,
             "excess_nll": excess_entropy,
             "tokens": float(n),
@@ -171,7 +193,7 @@ class Rescorer:
         }
         if mismatch > self.thresholds.get(engine, DEFAULT_MISMATCH):
             return Verdict(False, "rescore_mismatch", stats)
-        if k > k_limit:
+        if k > k_limit and z < SHAPE_MIN_Z:
             return Verdict(False, "sampling_shape", stats)
         if stops and improbable / stops > MAX_IMPROBABLE_STOPS:
             return Verdict(False, "termination_improbable", stats)

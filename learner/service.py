@@ -26,7 +26,7 @@ import trio
 from echo.learner import checkpoint
 from echo.learner.grpo import GRPOConfig, GRPOLearner, TrainGroup
 from echo.learner.publish import Publisher
-from echo.learner.rescore import IMPROBABLE_P, Rescorer, Verdict
+from echo.learner.rescore import Rescorer, Verdict, token_stats
 from echo.learner.warmup import warmup
 from echo.models.spec import ModelSpec, build_model
 from echo.models.weights import export_state
@@ -300,7 +300,7 @@ class Learner:
 
         if order:
             metrics = self.learner.step([decoded[i] for i in order], gate=gate,
-                                        gate_p=IMPROBABLE_P)
+                                        gate_stats=token_stats)
         else:
             metrics = {"reward": 0.0, "step_s": 0.0}
             self.learner.version += 1

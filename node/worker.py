@@ -80,6 +80,7 @@ class Node:
         self.coord = None
         self.coord_key = b""
         self.announced = -1
+        self.report_engine = self.engine_name
 
     def say(self, text: str) -> None:
         self.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {text}")
@@ -145,6 +146,12 @@ class Node:
         cfg = self.cfg
         spec = ModelSpec.from_dict(job.model)
         device = cfg.device if cfg.device != "auto" else ("cuda" if self.probe.cuda else "cpu")
+        # Re-scoring thresholds are per engine and device: GPU kernels differ more from the
+        # learner's CPU float32 than a CPU does.
+        self.report_engine = (
+            f"torch-{device}" if self.engine_name == "torch" and device != "cpu"
+            else self.engine_name
+        )
         try:
             self.engine = await trio.to_thread.run_sync(
                 lambda: make_engine(
@@ -331,7 +338,7 @@ class Node:
                 lease_id=lease.lease_id,
                 job_id=lease.job_id,
                 version=version,
-                engine=self.engine_name,
+                engine=self.report_engine,
                 state_digest=digest,
                 completions=[
                     m.CompletionRecord(

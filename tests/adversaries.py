@@ -45,6 +45,10 @@ EXPECTED = {
 }
 
 
+# The stale adversary claims a version this far behind: outside any window the tests use.
+STALE_BY = 10
+
+
 class Adversary(Node):
     kind = ""
 
@@ -67,8 +71,12 @@ class Adversary(Node):
 
     async def _work(self, leases, spec, tokenizer, task, sync) -> None:
         for lease in leases:
-            # Replayers first need one honest accepted submission to replay.
-            cheat = not (self.kind.startswith("replay") and self.first_accepted is None)
+            # Replayers first need one honest accepted submission to replay; a stale claim needs
+            # versions old enough to fall outside the window.
+            cheat = not (
+                (self.kind.startswith("replay") and self.first_accepted is None)
+                or (self.kind == "stale_version" and sync.version <= STALE_BY)
+            )
             payload = await trio.to_thread.run_sync(self._cheat, lease, spec, tokenizer, task, sync)
             with open(self.cfg.data_dir / "adversary.jsonl", "a") as log:
                 log.write(json.dumps({"lease_id": lease.lease_id, "cheat": cheat}) + "\n")
@@ -159,9 +167,9 @@ class Adversary(Node):
             return self.encode_submission(
                 self._submission(lease, comps, sync, claimed_rewards=[1.0] * lease.group_size)
             )
-        elif k == "stale_version":
+        elif k == "stale_version" and sync.version > STALE_BY:
             return self.encode_submission(
-                self._submission(lease, comps, sync, version=max(0, sync.version - 50))
+                self._submission(lease, comps, sync, version=sync.version - STALE_BY)
             )
         elif k == "half_group":
             comps = comps[: max(1, len(comps) // 2)]
@@ -178,7 +186,10 @@ class Adversary(Node):
                 signing.seal(self.foreign.private_key, "submission", sub.to_obj())
             )
         elif k == "swapped_prompt":
-            _, other = self._honest(lease, spec, tokenizer, task, prompt_id=lease.prompt_id + 7)
+            other_id = lease.prompt_id + 1
+            while task.prompt(other_id) == task.prompt(lease.prompt_id):
+                other_id += 1  # the same text is no swap at all
+            _, other = self._honest(lease, spec, tokenizer, task, prompt_id=other_id)
             comps = [self._record(c.token_ids, c.logprobs, c.finish_reason) for c in other]
         return self.encode_submission(self._submission(lease, comps, sync))
 

@@ -24,7 +24,7 @@ from local_swarm import JOB_TOML, Swarm  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 HONEST = 3
-STEPS = 80
+STEPS = 150
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def adversarial_run(tmp_path_factory) -> Path:
                 name="adv",
                 steps=STEPS,
                 group_size=16,
-                batch_groups=8,
+                batch_groups=16,
                 staleness=3,
                 anchor_every=10,
                 dtype="float32",
@@ -54,7 +54,7 @@ def adversarial_run(tmp_path_factory) -> Path:
             swarm.start_node(
                 f"adv-{kind}", ["--max-groups", "30"], module=["tests.adversaries", kind]
             )
-        deadline = time.time() + 200
+        deadline = time.time() + 330
         st: dict = {}
         while time.time() < deadline:
             st, _ = swarm.status(job_id)
@@ -84,7 +84,8 @@ def _node_id(out: Path, name: str) -> str:
 def test_adversary_is_rejected_and_never_trained(adversarial_run: Path, kind: str) -> None:
     out, db = adversarial_run, _db(adversarial_run)
     node = _node_id(out, f"adv-{kind}")
-    log = [json.loads(x) for x in (out / f"adv-{kind}" / "adversary.jsonl").read_text().split()]
+    lines = (out / f"adv-{kind}" / "adversary.jsonl").read_text().splitlines()
+    log = [json.loads(x) for x in lines]
     cheats = [e["lease_id"] for e in log if e["cheat"]]
     assert cheats, "the adversary never got to cheat"
     expected = EXPECTED[kind]
@@ -95,7 +96,9 @@ def test_adversary_is_rejected_and_never_trained(adversarial_run: Path, kind: st
     rollouts = {
         r["rollout_id"]: r for r in db.execute("SELECT * FROM rollouts WHERE node_id=?", (node,))
     }
-    if kind in ("malformed", "oversized"):  # no lease can be read from the bytes
+    if kind in ("malformed", "oversized", "replay", "replay_new_version"):
+        # Garbage names no lease, and a replay names the old lease it copies: count this
+        # node's rejections with the expected reason instead of following lease ids.
         n_expected = sum(1 for r in rejections if r["reason"] == expected)
         assert n_expected >= 0.99 * len(cheats), (n_expected, len(cheats))
     else:

@@ -8,7 +8,7 @@ import random
 import torch
 
 from echo.learner.grpo import GRPOConfig, GRPOLearner, TrainGroup
-from echo.learner.rescore import IMPROBABLE_P, Rescorer
+from echo.learner.rescore import Rescorer, token_stats
 from echo.learner.warmup import warmup
 from echo.models.spec import ModelSpec, build_model, encode_prompt
 from echo.models.tokenizer import EOS_ID
@@ -89,9 +89,9 @@ def test_fused_gate_excludes_failed_groups_from_the_update() -> None:
         seen.extend(v.reason for v in verdicts)
         return [v.ok for v in verdicts]
 
-    m = learner.step(forged, gate=gate, gate_p=IMPROBABLE_P)
+    m = learner.step(forged, gate=gate, gate_stats=token_stats)
     assert seen == ["rescore_mismatch"] * 4 and m["gated_groups"] == 4
     assert state_digest(export_state(model)) == before  # nothing trained
     # The same gate lets honest groups through and the weights move.
-    m = learner.step(groups, gate=lambda stats: [True] * len(stats), gate_p=IMPROBABLE_P)
+    m = learner.step(groups, gate=lambda stats: [True] * len(stats), gate_stats=token_stats)
     assert m["gated_groups"] == 0 and state_digest(export_state(model)) != before
