@@ -31,7 +31,7 @@ class LocalConfig:
     task: str = "addition"
     task_params: dict = field(default_factory=lambda: {"max_operand": 5})
     spec: ModelSpec = field(default_factory=lambda: ModelSpec(hidden=64, layers=2))
-    steps: int = 300
+    steps: int = 400
     prompts_per_step: int = 16
     samples_per_prompt: int = 16
     seed: int = 0
