@@ -131,8 +131,18 @@ def check_termination(results, reqs: list[GenRequest]) -> tuple[int, int]:
     return stops, lengths
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The tiny model gains nothing from a second torch thread, and on a busy 2-core machine
+    its spinning barriers made these tests several times slower; restored afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
-def peaked() -> torch.nn.Module:
+def peaked(one_torch_thread) -> torch.nn.Module:
     return peaked_model()
 
 
