@@ -1,0 +1,40 @@
+"""The example configuration files validate, and bad keys are named in the error."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+
+import pytest
+
+from echo.coordinator.config import load_config
+from echo.node.config import load_node_config
+from echo.protocol.jobspec import SpecError, load_job_toml
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def test_examples_validate() -> None:
+    cfg = load_config(EXAMPLES / "coordinator.toml")
+    assert cfg.verification.lease_quota_ramp == 3 and cfg.learner.torch_threads == 2
+    job = load_job_toml((EXAMPLES / "job.toml").read_text())
+    assert job.steps == 200 and job.task.params == {"max_operand": 5}
+    node = load_node_config(EXAMPLES / "node.toml", {})
+    assert node.schedule == "22:00-07:00"
+    assert node.working_now(dt.datetime(2026, 1, 1, 23, 30))
+    assert not node.working_now(dt.datetime(2026, 1, 1, 12, 0))
+
+
+def test_bad_keys_are_named(tmp_path) -> None:
+    with pytest.raises(SpecError, match=r"grpo\.lrr: unknown key"):
+        load_job_toml("[job]\nname='x'\n[job.grpo]\nlrr=1\n")
+    with pytest.raises(SpecError, match=r"staleness: Input should be greater than or equal"):
+        load_job_toml("[job]\nname='x'\nstaleness=0\n")
+    bad = tmp_path / "c.toml"
+    bad.write_text("[verification]\nlease_timeout=3\n")
+    with pytest.raises(SpecError, match=r"verification\.lease_timeout: unknown key"):
+        load_config(bad)
+    with pytest.raises(SpecError, match="schedule"):
+        load_node_config(None, {"schedule": "nightly"})
+    with pytest.raises(SpecError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
