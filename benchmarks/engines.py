@@ -57,7 +57,7 @@ def available_engines() -> list[str]:
     return names
 
 
-def build_engine(name: str, spec: ModelSpec, threads: int) -> Engine | None:
+def build_engine(name: str, spec: ModelSpec, threads: int | None) -> Engine | None:
     """The engine ``name`` (``llamacpp_live``: llama.cpp with ``live_patch``), or None with a
     line saying why when this build cannot make it."""
     try:
@@ -70,6 +70,11 @@ def build_engine(name: str, spec: ModelSpec, threads: int) -> Engine | None:
     except (ValueError, RuntimeError, ImportError) as exc:  # e.g. vllm not wired in this build
         say(f"  {name}: not available ({exc})")
         return None
+
+
+def out_threads(engine: Engine) -> int:
+    """Threads the engine computes with: llama.cpp's own count, else torch's (process-wide)."""
+    return getattr(engine, "threads", None) or torch.get_num_threads()
 
 
 def close(engine: Engine) -> None:
@@ -172,7 +177,7 @@ class NodePath:
         return tokens, gen_s, out
 
 
-def bench_node_path(names: list[str], quick: bool, threads: int) -> dict[str, Any]:
+def bench_node_path(names: list[str], quick: bool, threads: int | None) -> dict[str, Any]:
     spec = ModelSpec()
     state = export_state(build_model(spec))
     n_leases, group, max_new = (4, 16, 32) if quick else (8, 16, 48)
@@ -181,7 +186,7 @@ def bench_node_path(names: list[str], quick: bool, threads: int) -> dict[str, An
     direct_reqs = path.requests(path.open_leases())
     say(
         f"(a) node path vs direct: tiny model, {n_leases} leases x {group} samples x "
-        f"<= {max_new} tokens, {rounds} rounds each, {threads} threads"
+        f"<= {max_new} tokens, {rounds} rounds each, threads: {threads or 'engine default'}"
     )
     out: dict[str, Any] = {}
     for name in names:
@@ -210,7 +215,8 @@ def bench_node_path(names: list[str], quick: bool, threads: int) -> dict[str, An
             engine_tps, node_tps, direct_tps = max(engine_rate), max(node_rate), max(direct_rate)
             say(
                 f"  {name:9s} engine {engine_tps:8,.0f} tok/s  node path {node_tps:8,.0f} tok/s  "
-                f"overhead {overhead:.2%}  direct calls {direct_tps:8,.0f} tok/s"
+                f"overhead {overhead:.2%}  direct calls {direct_tps:8,.0f} tok/s  "
+                f"({out_threads(engine)} threads)"
             )
             out[name] = {
                 "engine_tokens_per_s": engine_tps,
@@ -218,6 +224,7 @@ def bench_node_path(names: list[str], quick: bool, threads: int) -> dict[str, An
                 "direct_tokens_per_s": direct_tps,
                 "overhead": overhead,
                 "overhead_vs_direct_calls": 1.0 - node_tps / direct_tps,
+                "threads": out_threads(engine),
             }
         finally:
             close(engine)
@@ -227,7 +234,7 @@ def bench_node_path(names: list[str], quick: bool, threads: int) -> dict[str, An
 # ---------------------------------------------------------------------------------- (b) versions
 
 
-def bench_apply(names: list[str], quick: bool, threads: int) -> list[dict[str, Any]]:
+def bench_apply(names: list[str], quick: bool, threads: int | None) -> list[dict[str, Any]]:
     sizes = [
         ModelSpec(),
         ModelSpec(hidden=256, layers=4, heads=4),
@@ -316,11 +323,10 @@ def main() -> None:
         setup=lambda p: p.add_argument(
             "--threads",
             type=int,
-            default=os.cpu_count() or 1,
-            help="threads for every engine (default: all cores)",
+            default=None,
+            help="threads for every engine (default: each engine's own choice)",
         ),
     )
-    torch.set_num_threads(args.threads)
     names = available_engines()
     say(f"engines present: {', '.join(names)}")
     node = bench_node_path(names, args.quick, args.threads)
@@ -331,6 +337,7 @@ def main() -> None:
         result[f"node_tokens_per_s_{n}"] = r["node_tokens_per_s"]
         result[f"direct_tokens_per_s_{n}"] = r["direct_tokens_per_s"]
         result[f"overhead_vs_direct_calls_{n}"] = r["overhead_vs_direct_calls"]
+        result[f"threads_{n}"] = r["threads"]
     result["apply"] = apply_rows
     result["threads"] = args.threads
     result["quick"] = bool(args.quick)

@@ -576,8 +576,9 @@ def test_factory_knows_llamacpp() -> None:
         with pytest.raises(RuntimeError, match="llama-cpp-python"):
             make_engine("llamacpp", SPEC)
         return
-    eng = make_engine("llamacpp", SPEC, threads=1)
+    eng = make_engine("llamacpp", SPEC)
     try:
         assert eng.name == "llamacpp"
+        assert eng.threads == 1  # small models default to one llama.cpp thread
     finally:
         eng.close()
