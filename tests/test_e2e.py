@@ -35,14 +35,16 @@ def swarm_run(tmp_path_factory) -> Path:
             "--nodes",
             "3",
             "--steps",
-            "120",
+            "150",
             "--timeout",
-            "170",
+            "220",
+            "--kill-learner-at",
+            "40",
         ],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=300,
     )
     if proc.returncode != 0:
         logs = "\n".join(
