@@ -130,6 +130,7 @@ def summarize(st: dict, nodes: list[dict], wall: float) -> dict:
         "rollouts_trained": st["rollouts"].get("trained", 0),
         "nodes": len(nodes),
         "node_ids": [n["node_id"] for n in nodes],
+        "engines": sorted(n["engine"] for n in nodes),
         "time_to_all_s": [{"version": v["version"], "s": v["time_to_all_s"]} for v in versions],
         "time_to_all_s_median": sorted(tta)[len(tta) // 2] if tta else None,
         "source_bytes_per_version": [
@@ -232,8 +233,9 @@ def main() -> int:
     ap.add_argument("--max-operand", type=int, default=5)
     ap.add_argument("--group-size", type=int, default=16)
     ap.add_argument("--batch-groups", type=int, default=16)
-    ap.add_argument("--engines", default="torch",
-                    help="engines of the nodes, assigned in turn: e.g. torch,llamacpp")
+    ap.add_argument("--engines", default="mixed",
+                    help="engines of the nodes, assigned in turn (e.g. torch,llamacpp); 'mixed' "
+                    "= torch and llama.cpp (when installed) side by side")
     ap.add_argument("--leases-at-once", type=int, default=4,
                     help="groups each node generates in one batch")
     ap.add_argument("--staleness", type=int, default=2)
@@ -273,7 +275,13 @@ def main() -> int:
             )
         )
         engines = args.engines.split(",")
-        console.print(f"submitted job {job_id}; starting {args.nodes} nodes ({args.engines})")
+        if args.engines == "mixed":
+            import importlib.util
+
+            has_llama = importlib.util.find_spec("llama_cpp") is not None
+            engines = ["torch", "llamacpp"] if has_llama else ["torch"]
+        console.print(f"submitted job {job_id}; starting {args.nodes} nodes "
+                      f"({', '.join(engines[i % len(engines)] for i in range(args.nodes))})")
         for i in range(args.nodes):
             swarm.start_node(
                 f"node-{i}",
