@@ -95,51 +95,54 @@ class WeightSync:
             raise WeightError("manifest sizes are inconsistent")
         return man
 
-    async def sync_to(self, target: int) -> bool:
-        """Bring the state to version ``target`` (or newer). Returns True if anything changed."""
+    async def latest_version(self) -> int:
+        """The newest version the coordinator has a manifest for."""
+        return (await self.manifest(-1))[0].version
+
+    async def sync_to(self, target: int, *, rebase: bool = False) -> bool:
+        """Bring the state to version ``target``; True if it changed.
+
+        Patches chain from the version held; a node too far behind, or asked to ``rebase``
+        (after a patch it could not get), starts again from the newest anchor at or before
+        ``target``. The state is built aside and installed only when it reaches ``target``, so
+        the held version never goes backwards and a failure changes nothing.
+        """
         if target <= self.version:
             return False
+        t0 = time.perf_counter()
         latest, _ = await self.manifest(target)
-        if self.version < 0 or self.version < latest.anchor_version:
-            plan = list(range(latest.anchor_version, target + 1))
+        if rebase or self.version < 0 or self.version < latest.anchor_version:
+            plan, state, held = range(latest.anchor_version, target + 1), None, -1
         else:
-            plan = list(range(self.version + 1, target + 1))
+            plan, state, held = range(self.version + 1, target + 1), self.state, self.version
+        received = 0
         for v in plan:
             man = latest if v == target else (await self.manifest(v))[0]
-            await self._apply(man)
+            if man.kind == "patch" and man.base_version != held:
+                raise WeightError(f"patch v{man.version} is against v{man.base_version}, "
+                                  f"not v{held}")
+            payload = await self._fetch_payload(man)
+            state = await trio.to_thread.run_sync(self._decode, man, payload, state)
+            held, received = man.version, received + len(payload)
+        self.state, self.version, self.digest = state, latest.version, latest.state_digest
+        elapsed = time.perf_counter() - t0
+        self.download_bps = received / max(elapsed, 1e-6)
+        self.store.prune(keep={latest.version, latest.anchor_version})
+        log.info("holding v%d (%d version(s), %.1f kB in %.2f s)", latest.version, len(plan),
+                 received / 1e3, elapsed)
         return True
 
-    async def _apply(self, man: m.Manifest) -> None:
-        if man.version <= self.version:
-            raise WeightError(f"refusing v{man.version}: we hold v{self.version} (no going back)")
-        if man.kind == "patch" and man.base_version != self.version:
-            raise WeightError(
-                f"patch v{man.version} is against v{man.base_version}, we hold v{self.version}"
-            )
-        t0 = time.perf_counter()
-        payload = await self._fetch_payload(man)
-        state = await trio.to_thread.run_sync(self._decode, man, payload)
-        self.state = state
-        self.version = man.version
-        self.digest = man.state_digest
-        elapsed = time.perf_counter() - t0
-        self.download_bps = len(payload) / max(elapsed, 1e-6)
-        self.store.prune(keep={man.version, man.anchor_version})
-        log.info(
-            "holding v%d (%s, %.1f kB in %.2f s)",
-            man.version,
-            man.kind,
-            len(payload) / 1e3,
-            elapsed,
-        )
-
-    def _decode(self, man: m.Manifest, payload: bytes) -> dict[str, torch.Tensor]:
+    def _decode(
+        self, man: m.Manifest, payload: bytes, base: dict[str, torch.Tensor] | None
+    ) -> dict[str, torch.Tensor]:
+        """The state of ``man.version``: the anchor itself, or ``base`` patched; hash-checked."""
         if man.kind == "anchor":
             state = state_from_bytes(payload)
         else:
-            assert self.state is not None
-            bits = apply_patch(to_bits(self.state), payload, max_output_bytes=MAX_STATE_BYTES)
-            state = from_bits(bits, self.state)
+            if base is None:
+                raise WeightError(f"patch v{man.version} needs a base state")
+            bits = apply_patch(to_bits(base), payload, max_output_bytes=MAX_STATE_BYTES)
+            state = from_bits(bits, base)
         if state_digests(state) != dict(man.tensor_digests):
             raise WeightError(f"v{man.version}: tensor hashes differ from the signed manifest")
         if state_digest(state) != man.state_digest:

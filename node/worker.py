@@ -13,6 +13,7 @@ peers meanwhile; every network wait has a timeout.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -187,10 +188,10 @@ class Node:
         node that cannot sync for :data:`SYNC_GIVE_UP_S` stops with a clear message.
         """
         started = time.monotonic()
-        delay = 0.5
+        delay, rebase = 0.5, False
         while True:
             try:
-                changed = await sync.sync_to(target)
+                changed = await sync.sync_to(target, rebase=rebase)
                 break
             except (WeightError, RpcError, ProtocolError) as exc:
                 if time.monotonic() - started > SYNC_GIVE_UP_S:
@@ -199,6 +200,11 @@ class Node:
                 await trio.sleep(delay)
                 delay = min(delay * 2, 10.0)
                 await self._refresh_sources(sync)
+                # Aim at the newest version from its anchor: a patch we could not get may be
+                # gone for good (the learner keeps only the versions since its last anchor).
+                rebase = True
+                with contextlib.suppress(WeightError, RpcError, ProtocolError):
+                    target = max(target, await sync.latest_version())
         if changed:
             assert self.engine is not None and sync.state is not None
             await trio.to_thread.run_sync(self.engine.load_state, sync.state)
