@@ -117,19 +117,29 @@ def test_warmup_caches(tmp_path: Path) -> None:
 
 
 def test_short_run_learns(tmp_path: Path) -> None:
-    """The local loop (engine samples, learner steps, weights copied back) raises the reward."""
+    """The local loop (engine samples, learner steps, weights copied back) raises the reward.
+
+    Seed 0 goes from about 0.15 (first 20 steps) to 0.6 (last 20). The seed matters: some seeds sit
+    longer near "always answer the commonest sum" (over seeds 0-5 the rise at step 160 was
+    0.11-0.68), so the seed is fixed; the run is bit-reproducible for 1 and 2 threads.
+    """
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     from grpo_local import LocalConfig, run
 
     cfg = LocalConfig(
         task="addition",
-        task_params={"max_operand": 5},
+        task_params={"max_operand": 4},
         steps=160,
         seed=0,
         cache_dir=str(tmp_path),
         eval_every=0,
+        threads=1,  # tiny matrices gain little from a second thread, and lose a lot when shared
     )
-    history = run(cfg, log=False)
+    threads = torch.get_num_threads()
+    try:
+        history = run(cfg, log=False)
+    finally:
+        torch.set_num_threads(threads)
     first = sum(h["reward"] for h in history[:20]) / 20
     last = sum(h["reward"] for h in history[-20:]) / 20
     assert max(h["mismatch"] for h in history) < 1e-4  # engine and learner agree
