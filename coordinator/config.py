@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import secrets
-import tomllib
 from pathlib import Path
 
 import platformdirs
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from echo.protocol.jobspec import SpecError, explain_validation
+from echo.protocol.jobspec import explain_validation, read_toml
 
 
 class VerificationSection(BaseModel):
@@ -68,14 +67,7 @@ class CoordinatorConfig(BaseModel):
 
 def load_config(path: Path | None) -> CoordinatorConfig:
     """Load ``path`` (TOML) or defaults; raises SpecError naming each bad key."""
-    data: dict = {}
-    if path is not None:
-        try:
-            data = tomllib.loads(path.read_text())
-        except FileNotFoundError:
-            raise SpecError(f"config file {path} does not exist") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise SpecError(f"{path} is not valid TOML: {exc}") from None
+    data = read_toml(path)
     try:
         return CoordinatorConfig.model_validate(data)
     except ValidationError as exc:

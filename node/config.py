@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import datetime as dt
-import tomllib
 from pathlib import Path
 
 import platformdirs
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from echo.protocol.jobspec import SpecError, explain_validation
+from echo.protocol.jobspec import explain_validation, read_toml
 
 
 class NodeConfig(BaseModel):
@@ -58,14 +57,7 @@ def parse_schedule(text: str) -> tuple[dt.time, dt.time]:
 
 
 def load_node_config(path: Path | None, overrides: dict) -> NodeConfig:
-    data: dict = {}
-    if path is not None:
-        try:
-            data = tomllib.loads(path.read_text())
-        except FileNotFoundError:
-            raise SpecError(f"config file {path} does not exist") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise SpecError(f"{path} is not valid TOML: {exc}") from None
+    data = read_toml(path)
     data.update({k: v for k, v in overrides.items() if v is not None})
     try:
         return NodeConfig.model_validate(data)

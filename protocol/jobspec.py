@@ -7,6 +7,7 @@ valid job. Unknown keys are refused by name: a typo must not silently fall back 
 from __future__ import annotations
 
 import tomllib
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -93,6 +94,18 @@ def explain_validation(exc: ValidationError, what: str) -> SpecError:
         msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
         lines.append(f"{what}: {where}: {msg}")
     return SpecError("\n".join(lines))
+
+
+def read_toml(path: Path | None) -> dict[str, Any]:
+    """The table in TOML file ``path`` ({} for None); SpecError if missing or malformed."""
+    if path is None:
+        return {}
+    try:
+        return tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise SpecError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(f"{path} is not valid TOML: {exc}") from None
 
 
 def parse_job(data: dict[str, Any]) -> JobSpec:
