@@ -28,7 +28,9 @@ class VerificationSection(BaseModel):
     exclude_after_failures: int = Field(
         default=5, ge=1, description="verification failures before a node is excluded"
     )
-    submissions_per_minute: int = Field(default=600, ge=1, description="per-node rate limit")
+    submissions_per_minute: int = Field(
+        default=6000, ge=1, description="per-node rate limit (a fast node sends ~10 groups/s)"
+    )
 
 
 class LearnerSection(BaseModel):

@@ -7,15 +7,15 @@ aggregate over many tokens because engines differ on single tokens even with equ
 - **mismatch**: mean |log-prob reported by the node - log-prob recomputed here|. Fabricated
   log-probs fail it. The threshold is per engine (:data:`MISMATCH_THRESHOLDS`), measured from
   honest runs.
-- **sampling shape** (two tests, both must fail): K = the number of chosen tokens the policy
-  gives probability below :data:`IMPROBABLE_P`. For the policy's own samples, token t lands
-  there with probability q_t = the policy's total mass on such tokens, exactly computable, so
-  K has mean sum(q_t) and variance sum(q_t (1 - q_t)); random tokens or another model's land
-  there almost always. A
-  count of bounded 0/1 events has light tails at any entropy, but little power on a flat
-  policy. The second test is a z-score of log p(x_t) + H_t (mean 0 for the policy's own
-  samples) with each term clipped at -:data:`SHAPE_CLIP` so one rare honest token under a peaked
-  policy cannot dominate it. A fixed median-probability cut (grail's) fails on flat policies.
+- **sampling shape** (two tests; failing either fails the group): K = the number of chosen
+  tokens the policy gives probability below :data:`IMPROBABLE_P`. For the policy's own
+  samples, token t lands there with probability q_t = the policy's total mass on such tokens,
+  exactly computable, so K has mean sum(q_t) and variance sum(q_t (1 - q_t)); random tokens
+  or another model's land there almost always. A count of bounded 0/1 events has light tails
+  at any entropy, but little power on a flat policy. The second test is a z-score of
+  log p(x_t) + H_t (mean 0 for the policy's own samples) with each term clipped at
+  -:data:`SHAPE_CLIP` so one rare honest token under a peaked policy cannot dominate it. A
+  fixed median-probability cut (grail's) fails on flat policies.
 - **termination**: a completion that claims to stop must end on an EOS the policy would emit
   with non-negligible probability.
 
@@ -46,14 +46,18 @@ DEFAULT_MISMATCH = 0.1
 IMPROBABLE_P = 0.01
 # K may exceed its honest mean by this many standard deviations plus a constant before the count
 # test fails: the constant covers Poisson tails when the mean is near 0.
-SHAPE_SIGMAS = 3.0
+SHAPE_SIGMAS = 4.0
 SHAPE_SLACK = 2.0
 # The second test: z of the chosen tokens' log p + H (mean 0 for the policy's own samples), each
 # token's term clipped below at -SHAPE_CLIP nats so one rare honest token cannot dominate, over
-# the exact second moment of the clipped term. A group fails the sampling-shape check only when
-# both tests fail: each alone is weak somewhere (the count on flat policies, z on peaked ones).
+# the exact second moment of the clipped term. Each test alone misses something (the count:
+# EOS-only completions just above IMPROBABLE_P; z: several rare honest tokens at once), so
+# failing either fails the group.
+# Measured on 600 honest groups each at three warm-up levels: 0 false rejections; random-token
+# groups under a warmed-up policy: 200/200 caught (under an untrained, near-uniform policy
+# random tokens are genuinely indistinguishable from its samples).
 SHAPE_CLIP = 4.0
-SHAPE_MIN_Z = -4.0
+SHAPE_MIN_Z = -5.0
 # An EOS the policy gives less than this probability is not a place it would have stopped.
 MIN_EOS_PROB = 1e-3
 # More than this fraction of a group's "stop" completions ending improbably fails the group.
@@ -193,7 +197,7 @@ class Rescorer:
         }
         if mismatch > self.thresholds.get(engine, DEFAULT_MISMATCH):
             return Verdict(False, "rescore_mismatch", stats)
-        if k > k_limit and z < SHAPE_MIN_Z:
+        if k > k_limit or z < SHAPE_MIN_Z:
             return Verdict(False, "sampling_shape", stats)
         if stops and improbable / stops > MAX_IMPROBABLE_STOPS:
             return Verdict(False, "termination_improbable", stats)

@@ -310,6 +310,14 @@ def main() -> int:
                     )
                     break
                 time.sleep(1.0)
+        if st.get("status") == "done":
+            # Nodes see "job is done" on their next lease request, sync to the final version
+            # and leave by themselves; give them a moment so their held weights are final.
+            node_procs = swarm.procs[1:]
+            deadline = time.time() + 20
+            while time.time() < deadline and any(p.poll() is None for p in node_procs):
+                time.sleep(0.5)
+            st, nodes = swarm.status(job_id)
         summary = summarize(st, nodes, time.time() - t0)
         summary["learner_killed_at"] = killed
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
