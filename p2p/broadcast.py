@@ -20,8 +20,9 @@ A :class:`Relay` runs on every node and on the publisher, bound to an :class:`Ec
 - **completion**: when every chunk is present, ``Transfer.done`` is set; the node keeps pushing
   to its children and serving pulls (``PROTO_CHUNK``) from the store.
 
-Ownership: the relay owns its push handler and, unless ``serve_pulls=False``, the
-``PROTO_CHUNK`` handler on the host; the streams it opens (closed when done, reset on error); the
+Ownership: the relay owns its push and have handlers on the host (removed when it stops) and,
+unless ``serve_pulls=False``, registers ``serve_chunks`` for its store (left in place: a node's
+worker may serve the same store); the streams it opens (closed when done, reset on error); the
 inbound push streams (reset when it no longer wants them); and every task it starts, all inside
 the nursery of :meth:`Relay.run` / :func:`open_relay` (cancelled on exit). It does not own the
 host or the store. Only ``Relay.prune_store`` deletes chunks, and only through
@@ -73,6 +74,11 @@ _STREAM_CLOSE_TIMEOUT = 1.0
 _HAVE_REFRESH_S = 1.0
 _HAVE_PARALLEL = 8
 _HAVE_TIMEOUT_S = 5.0
+# Worker threads hashing and writing chunks (the disk is one device; two overlap hash and I/O).
+_STORE_THREADS = 2
+# The watchdog counts a tick this much later than planned as a pause of our own process (CPU
+# starvation, a stalled disk): parents are not blamed for it.
+_PAUSE_SLACK_S = 1.0
 # Concurrent pulls from one peer, and how often an idle pull worker looks again.
 _PULLS_PER_PEER = 2
 _PULL_IDLE_S = 0.2
@@ -198,6 +204,7 @@ class Transfer:
         self.child_state: dict[tuple[int, str], str] = {}
         self.bitmap = bytearray((self.n + 7) // 8)
         self.pulling: set[int] = set()
+        self.storing: set[int] = set()
         self.retry_at: dict[int, float] = {}
         self.want: set[int] = set()
         self.wanted_since: dict[int, float] = {}
@@ -336,6 +343,7 @@ class Relay:
         self._bucket: _TokenBucket | None = None
         self._cache: OrderedDict[bytes, bytes] = OrderedDict()
         self._cache_bytes = 0
+        self._store_limiter = trio.CapacityLimiter(_STORE_THREADS)
 
     # ------------------------------------------------------------------------- lifecycle
 
@@ -488,14 +496,26 @@ class Relay:
         log.info("%s v%d complete: %d chunks, %.2f s, pulled %d", t.job_id, t.version, t.n,
                  t.done_at - t.created, t.stats.chunks_pulled)
 
-    def _accept(self, t: Transfer, index: int, data: bytes, via: str) -> bool:
-        """Store a chunk whose hash was checked; forward it. False if already held."""
-        if t.have[index] or t.dropped.is_set():
+    async def _accept(self, t: Transfer, index: int, data: bytes, via: str) -> bool:
+        """Check a chunk's hash, store it, forward it. False if already held (or being stored).
+
+        Hashing and the disk write run in a worker thread (at most ``_STORE_THREADS`` at once):
+        under writeback pressure a write can block for seconds, and the event loop must keep
+        reading streams meanwhile. ``store.put`` hashes first and raises ChunkHashMismatch
+        before anything touches the disk.
+        """
+        if t.have[index] or index in t.storing or t.dropped.is_set():
             t.stats.duplicate_chunks += 1
             return False
         ref = t.manifest.chunks[index]
-        # put() hashes the data and raises ChunkHashMismatch before anything touches the disk.
-        self.store.put(t.version, data, ref.sha256)
+        t.storing.add(index)
+        try:
+            await trio.to_thread.run_sync(self.store.put, t.version, data, ref.sha256,
+                                          limiter=self._store_limiter)
+        finally:
+            t.storing.discard(index)
+        if t.have[index] or t.dropped.is_set():
+            return False
         if via == "push":
             t.stats.pushed_in_bytes += len(data)
         else:
@@ -625,7 +645,7 @@ class Relay:
             with trio.fail_after(transfer_timeout(ref.size, silence)):
                 data = await self._read_body(stream, ref.size, feed)
             try:
-                self._accept(t, hdr.index, data, via="push")
+                await self._accept(t, hdr.index, data, via="push")
             except ChunkHashMismatch:
                 t.stats.bad_chunks += 1
                 feed.state = "bad"
@@ -744,9 +764,13 @@ class Relay:
                 log.info("%s v%d: child %s lags its siblings; it will pull", t.job_id, t.version,
                          child.peer_id[-8:])
         except (trio.TooSlowError, RpcError, BaseLibp2pError, OSError, ValueError) as exc:
-            t.child_state[key] = "failed"
-            log.info("%s v%d: pushing stripe %d to %s stopped: %r", t.job_id, t.version, stripe,
-                     child.peer_id[-8:], exc)
+            if t.child_state[key] == "pushing" and t.cursors[key] >= t.stripe_size(stripe):
+                # Everything went out; the child, complete, reset the stream before our "end".
+                t.child_state[key] = "done"
+            else:
+                t.child_state[key] = "failed"
+                log.info("%s v%d: pushing stripe %d to %s stopped: %r", t.job_id, t.version,
+                         stripe, child.peer_id[-8:], exc)
         finally:
             if stream is not None:
                 if ok:
@@ -760,8 +784,18 @@ class Relay:
         """Decide which missing chunks must be pulled; report silent parents."""
         cfg = self.config
         tick = min(0.5, cfg.stall_timeout_s / 4)
+        last = time.monotonic()
         while not t.complete:
             now = time.monotonic()
+            pause = now - last - tick
+            last = now
+            if pause > _PAUSE_SLACK_S:
+                # We were not running (starved of CPU, blocked on disk): the silence we would
+                # measure is ours, not our parents'. Credit them with the pause.
+                for f in t.feeds:
+                    f.last_byte += pause
+                    f.last_beat += pause
+                    f.last_chunk += pause
             fed: set[int] = set()
             for f in t.feeds:
                 if f.state != "open":
@@ -905,7 +939,7 @@ class Relay:
             log.debug("pull of chunk %d from %s failed: %r", index, peer[-8:], exc)
             return False
         try:
-            self._accept(t, index, data, via="pull")
+            await self._accept(t, index, data, via="pull")
         except ChunkHashMismatch:  # fetch_chunk checked it; only a store fault gets here
             log.exception("chunk %d failed its hash after fetch_chunk accepted it", index)
             return False

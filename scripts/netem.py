@@ -7,12 +7,21 @@ private /24 (default ``10.77.0.0/24``, host ``i`` is ``.i+2``); the bridge itsel
 there is no default route in any namespace, no NAT and no forwarding, so traffic can only go from
 one emulated host to another -- never off the machine.
 
-Shaping, per host (tbf; rates in bytes per second):
+Shaping, per host and direction (rates in bytes per second), on the veth end where packets
+leave: the host's own end for upload, the bridge-side end for download.
 
-- upload: tbf on the host's own veth end (egress from the namespace);
-- download: tbf on the bridge-side veth end (egress from the bridge towards the host);
-- latency: netem on the host's end, under the upload tbf, *when the kernel has sch_netem*. If it
-  does not, ``up`` says so on stderr and records ``delay_ms: "unsupported"``; nothing else fails.
+- ``htb`` (default): one HTB class at the link rate with two children: TCP packets under 128
+  bytes (ACKs, window updates) in a priority class, everything else in a bulk class whose FIFO
+  holds about 100 ms (at least 256 KiB). Like a home router with upstream ACK priority: without
+  it a saturated upload delays the ACKs of everything the host downloads by the whole queue,
+  and TCP recovers from a loss at a crawl (bufferbloat), which is not what we mean to measure.
+- ``tbf``: a plain token bucket (10 ms bucket, at least 128 KiB; 100 ms queue, at least
+  256 KiB) -- simpler, and bufferbloat included.
+- Both: the veths' GSO packets are capped at 16 KiB so a queue of 100 ms still holds several of
+  them at the slowest rates.
+- Latency: netem as the leaf of the (upload) classes, *when the kernel has sch_netem*. If it
+  does not, ``up`` says so on stderr and records ``delay_ms: "unsupported"``; nothing else
+  fails.
 
 Commands (root and iproute2 needed)::
 
@@ -45,14 +54,20 @@ from pathlib import Path
 
 DEFAULT_PREFIX = "ech"
 DEFAULT_SUBNET = "10.77.0.0/24"
-# tbf: a bucket of 10 ms at the rate but at least 128 KiB, so that the 64 KiB GSO packets of
-# veth pass whole (a smaller bucket makes tbf cut each into MTU-sized packets, which costs CPU
-# on every hop: the emulation, not the links, becomes the bottleneck); a queue of 100 ms, at
-# least 256 KiB.
+# tbf: a bucket of 10 ms at the rate but at least 128 KiB, so GSO packets pass whole (a smaller
+# bucket makes tbf cut each into MTU-sized packets, which costs CPU on every hop); a queue of
+# 100 ms, at least 256 KiB.
 _BURST_S = 0.01
 _QUEUE_S = 0.1
 _MIN_BURST = 128 * 1024
 _MIN_QUEUE = 256 * 1024
+# htb: the bulk FIFO holds 100 ms at the rate, at least 256 KiB (a smaller queue shared by a
+# dozen TCP flows drops so much that retransmission timeouts stall flows for seconds).
+_HTB_MIN_QUEUE = 256 * 1024
+_GSO_MAX = 16 * 1024
+# u32 match: IPv4 protocol TCP and total length < 128 bytes (pure ACKs, small control frames).
+_SMALL_TCP = ["match", "ip", "protocol", "6", "0xff", "match", "u16", "0x0000", "0xff80", "at", "2"]
+SHAPERS = ("htb", "tbf")
 _CMD_TIMEOUT_S = 20.0
 _NAME_MAX = 15  # Linux interface names
 
@@ -85,6 +100,8 @@ class HostInfo:
     up_bps: float
     down_bps: float
     delay_ms: float | str
+    dev: str = ""  # the host's veth end (inside its namespace)
+    bridge_dev: str = ""  # the bridge-side end
 
 
 def _state_path(prefix: str) -> Path:
@@ -117,6 +134,40 @@ def _tbf(rate_bps: float) -> list[str]:
     burst = max(_MIN_BURST, int(rate_bps * _BURST_S))
     limit = max(_MIN_QUEUE, int(rate_bps * _QUEUE_S))
     return ["tbf", "rate", f"{int(rate_bps * 8)}bit", "burst", str(burst), "limit", str(limit)]
+
+
+def _shape(tc: list[str], dev: str, rate_bps: float, shaper: str, delay_ms: float) -> None:
+    """Shape egress of ``dev`` (``tc`` is the tc prefix, with ``-n NS`` for a namespace)."""
+    rate = f"{int(rate_bps * 8)}bit"
+    if shaper == "tbf":
+        if delay_ms > 0:
+            _run([*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay",
+                  f"{delay_ms}ms"])
+            _run([*tc, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
+                  *_tbf(rate_bps)])
+        else:
+            _run([*tc, "qdisc", "add", "dev", dev, "root", *_tbf(rate_bps)])
+        return
+    queue = max(_HTB_MIN_QUEUE, int(rate_bps * _QUEUE_S))
+    small, bulk = f"{max(8, int(rate_bps * 0.1 * 8))}bit", f"{int(rate_bps * 0.9 * 8)}bit"
+    _run([*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "20"])
+    _run([*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
+          "rate", rate, "ceil", rate])
+    _run([*tc, "class", "add", "dev", dev, "parent", "1:1", "classid", "1:10", "htb",
+          "rate", small, "ceil", rate, "prio", "0"])
+    _run([*tc, "class", "add", "dev", dev, "parent", "1:1", "classid", "1:20", "htb",
+          "rate", bulk, "ceil", rate, "prio", "1"])
+    if delay_ms > 0:
+        for leaf, limit in (("10:", "1000"), ("20:", str(max(64, queue // 1500)))):
+            _run([*tc, "qdisc", "add", "dev", dev, "parent", f"1:{leaf[:-1]}", "handle", leaf,
+                  "netem", "delay", f"{delay_ms}ms", "limit", limit])
+    else:
+        _run([*tc, "qdisc", "add", "dev", dev, "parent", "1:10", "handle", "10:", "pfifo",
+              "limit", "1000"])
+        _run([*tc, "qdisc", "add", "dev", dev, "parent", "1:20", "handle", "20:", "bfifo",
+              "limit", str(queue)])
+    _run([*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
+          "u32", *_SMALL_TCP, "flowid", "1:10"])
 
 
 def available(prefix: str = "echk") -> tuple[bool, str]:
@@ -157,6 +208,7 @@ def up(
     subnet: str = DEFAULT_SUBNET,
     quiet: bool = False,
     sysctls: Sequence[str] = (),
+    shaper: str = "htb",
 ) -> list[HostInfo]:
     """Build the hosts (after removing any previous set with this prefix). On any failure
     everything built so far is removed and :class:`NetemError` raised. ``sysctls``
@@ -166,6 +218,8 @@ def up(
         raise ValueError(f"{subnet} is not a private range")
     if len(hosts) > net.num_addresses - 3:
         raise ValueError(f"{len(hosts)} hosts do not fit in {subnet}")
+    if shaper not in SHAPERS:
+        raise ValueError(f"shaper must be one of {SHAPERS}")
     names = [h.name for h in hosts]
     if len(set(names)) != len(names):
         raise ValueError("host names must be unique")
@@ -193,24 +247,20 @@ def up(
             _run(["ip", "link", "set", outer, "up"])
             _run(["ip", "-n", ns, "addr", "add", f"{ip}/{net.prefixlen}", "dev", inner])
             _run(["ip", "-n", ns, "link", "set", inner, "up"])
-            # Upload: shaped where it leaves the host.
+            for ipn, dev in ((["ip", "-n", ns], inner), (["ip"], outer)):
+                _run([*ipn, "link", "set", "dev", dev, "gso_max_size", str(_GSO_MAX)],
+                     check=False)
             delay: float | str = h.delay_ms
-            if h.delay_ms > 0 and delay_ok:
-                _run(["tc", "-n", ns, "qdisc", "add", "dev", inner, "root", "handle", "1:",
-                      "netem", "delay", f"{h.delay_ms}ms"])
-                _run(["tc", "-n", ns, "qdisc", "add", "dev", inner, "parent", "1:1", "handle",
-                      "10:", *_tbf(h.up_bps)])
-            else:
-                if h.delay_ms > 0:
-                    delay = "unsupported"
-                    if not quiet:
-                        print(f"netem: this kernel has no sch_netem; {h.name} gets no added "
-                              f"delay ({h.delay_ms} ms asked), bandwidth shaping only",
-                              file=sys.stderr)
-                _run(["tc", "-n", ns, "qdisc", "add", "dev", inner, "root", *_tbf(h.up_bps)])
-            # Download: shaped where the bridge hands packets to the host.
-            _run(["tc", "qdisc", "add", "dev", outer, "root", *_tbf(h.down_bps)])
-            infos.append(HostInfo(h.name, ns, ip, h.up_bps, h.down_bps, delay))
+            if h.delay_ms > 0 and not delay_ok:
+                delay = "unsupported"
+                if not quiet:
+                    print(f"netem: this kernel has no sch_netem; {h.name} gets no added delay "
+                          f"({h.delay_ms} ms asked), bandwidth shaping only", file=sys.stderr)
+            applied = h.delay_ms if delay_ok else 0.0
+            # Upload where it leaves the host, download where the bridge hands it over.
+            _shape(["tc", "-n", ns], inner, h.up_bps, shaper, applied)
+            _shape(["tc"], outer, h.down_bps, shaper, 0.0)
+            infos.append(HostInfo(h.name, ns, ip, h.up_bps, h.down_bps, delay, inner, outer))
         _state_path(prefix).write_text(json.dumps([asdict(i) for i in infos], indent=1))
     except BaseException:
         down(prefix, quiet=True)
@@ -265,8 +315,10 @@ def status(prefix: str = DEFAULT_PREFIX) -> str:
     for info in load(prefix):
         lines.append(f"{info.name} ({info.netns}) {info.ip} up {info.up_bps / 1e6:.2f} MB/s "
                      f"down {info.down_bps / 1e6:.2f} MB/s delay {info.delay_ms}")
-        q = _run(["tc", "-n", info.netns, "-s", "qdisc", "show"], check=False).stdout
-        lines += ["    " + ln for ln in q.strip().splitlines()]
+        for label, tc, dev in (("up", ["tc", "-n", info.netns], info.dev),
+                               ("down", ["tc"], info.bridge_dev)):
+            out = _run([*tc, "-s", "qdisc", "show", "dev", dev], check=False).stdout.strip()
+            lines += [f"  {label}: " + ln.strip() for ln in out.splitlines() if ln.strip()]
     return "\n".join(lines) or f"no hosts with prefix {prefix!r}"
 
 
@@ -277,6 +329,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_up = sub.add_parser("up", help="create hosts")
     p_up.add_argument("--hosts", nargs="+", required=True, help="NAME:UP_BPS:DOWN_BPS[:DELAY_MS]")
     p_up.add_argument("--subnet", default=DEFAULT_SUBNET)
+    p_up.add_argument("--shaper", choices=SHAPERS, default="htb")
+    p_up.add_argument("--sysctl", nargs="*", default=[], help="key=value set in every host")
     sub.add_parser("down", help="remove hosts")
     sub.add_parser("status", help="show hosts and qdisc counters")
     p_exec = sub.add_parser("exec", help="run a command inside a host")
@@ -285,7 +339,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.cmd == "up":
-            up([HostSpec.parse(h) for h in args.hosts], prefix=args.prefix, subnet=args.subnet)
+            up([HostSpec.parse(h) for h in args.hosts], prefix=args.prefix, subnet=args.subnet,
+               shaper=args.shaper, sysctls=args.sysctl)
         elif args.cmd == "down":
             down(args.prefix)
         elif args.cmd == "status":
@@ -298,6 +353,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (NetemError, ValueError) as exc:
         print(f"netem: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # e.g. `status | head`
+        return 0
     return 0
 
 
