@@ -37,8 +37,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey 
 
 from echo.models.spec import ModelSpec, build_model, encode_prompt  # noqa: E402
 from echo.models.weights import export_state, to_bits  # noqa: E402
-from echo.node.engines.base import Engine, GenRequest, SamplingParams  # noqa: E402
+from echo.node.engines.base import Engine, GenRequest  # noqa: E402
 from echo.node.engines.factory import make_engine  # noqa: E402
+from echo.node.worker import lease_request  # noqa: E402
 from echo.protocol import codec, signing  # noqa: E402
 from echo.protocol import messages as m  # noqa: E402
 from echo.protocol.patch import apply_patch, encode_patch  # noqa: E402
@@ -120,16 +121,7 @@ class NodePath:
 
     def requests(self, leases: list[m.Lease]) -> list[GenRequest]:
         return [
-            GenRequest(
-                prompt_ids=encode_prompt(self.spec, self.task.prompt(lease.prompt_id)),
-                n=lease.group_size,
-                params=SamplingParams(
-                    max_new_tokens=lease.sampling.max_new_tokens,
-                    temperature=lease.sampling.temperature,
-                    top_p=lease.sampling.top_p,
-                    seed=lease.sampling.seed,
-                ),
-            )
+            lease_request(lease, encode_prompt(self.spec, self.task.prompt(lease.prompt_id)))
             for lease in leases
         ]
 

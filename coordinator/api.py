@@ -154,34 +154,37 @@ def build_app(coord: Coordinator) -> Starlette:
             ]
         )
 
-    @guard
-    async def get_job(request: Request) -> Response:
-        st = job_status(coord, request.path_params["job_id"])
-        if st is None:
-            return JSONResponse({"error": "no such job"}, status_code=404)
-        return JSONResponse(st)
+    def job_route(fn):
+        """A guarded route about one job: 404 for an unknown id, else ``fn(job_id, request)``."""
 
-    @guard
-    async def cancel(request: Request) -> Response:
-        job_id = request.path_params["job_id"]
-        if coord.store.job(job_id) is None:
-            return JSONResponse({"error": "no such job"}, status_code=404)
+        @guard
+        async def wrapper(request: Request) -> Response:
+            job_id = request.path_params["job_id"]
+            if coord.store.job(job_id) is None:
+                return JSONResponse({"error": "no such job"}, status_code=404)
+            return await fn(job_id, request)
+
+        return wrapper
+
+    @job_route
+    async def get_job(job_id: str, request: Request) -> Response:
+        return JSONResponse(job_status(coord, job_id))
+
+    @job_route
+    async def cancel(job_id: str, request: Request) -> Response:
         return JSONResponse({"cancelled": coord.cancel_job(job_id)})
 
-    @guard
-    async def logs(request: Request) -> Response:
-        job_id = request.path_params["job_id"]
-        if coord.store.job(job_id) is None:
-            return JSONResponse({"error": "no such job"}, status_code=404)
-        n = min(int(request.query_params.get("lines", "100")), 5000)
+    @job_route
+    async def logs(job_id: str, request: Request) -> Response:
+        try:
+            n = max(1, min(int(request.query_params.get("lines", "100")), 5000))
+        except ValueError:
+            return JSONResponse({"error": "lines must be an integer"}, status_code=400)
         return PlainTextResponse(tail(coord.job_dir(job_id) / "learner.log", n) + "\n")
 
-    @guard
-    async def capacity(request: Request) -> Response:
-        p = job_plan(coord, request.path_params["job_id"])
-        if p is None:
-            return JSONResponse({"error": "no such job"}, status_code=404)
-        return JSONResponse(p)
+    @job_route
+    async def capacity(job_id: str, request: Request) -> Response:
+        return JSONResponse(job_plan(coord, job_id))
 
     @guard
     async def nodes(request: Request) -> Response:

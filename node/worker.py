@@ -47,6 +47,20 @@ SYNC_GIVE_UP_S = 300.0
 SOFTWARE = "echo-swarm/0.1.0"
 
 
+def lease_request(lease: m.Lease, prompt_ids: list[int]) -> GenRequest:
+    """What an engine is asked to generate for ``lease``: its whole group, its sampling."""
+    return GenRequest(
+        prompt_ids=prompt_ids,
+        n=lease.group_size,
+        params=SamplingParams(
+            max_new_tokens=lease.sampling.max_new_tokens,
+            temperature=lease.sampling.temperature,
+            top_p=lease.sampling.top_p,
+            seed=lease.sampling.seed,
+        ),
+    )
+
+
 class NodeError(RuntimeError):
     """A failure the volunteer can act on; the CLI prints it without a traceback."""
 
@@ -320,16 +334,7 @@ class Node:
         assert self.engine is not None
         version, digest = sync.version, sync.digest
         reqs = [
-            GenRequest(
-                prompt_ids=encode_prompt(spec, task.prompt(lease.prompt_id), tokenizer),
-                n=lease.group_size,
-                params=SamplingParams(
-                    max_new_tokens=lease.sampling.max_new_tokens,
-                    temperature=lease.sampling.temperature,
-                    top_p=lease.sampling.top_p,
-                    seed=lease.sampling.seed,
-                ),
-            )
+            lease_request(lease, encode_prompt(spec, task.prompt(lease.prompt_id), tokenizer))
             for lease in leases
         ]
         t0 = time.perf_counter()

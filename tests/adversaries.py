@@ -21,7 +21,7 @@ from echo.models.tokenizer import EOS_ID, VOCAB_SIZE
 from echo.node.config import NodeConfig
 from echo.node.engines.base import GenRequest, SamplingParams
 from echo.node.engines.torch_engine import TorchEngine
-from echo.node.worker import Node, NodeError
+from echo.node.worker import Node, NodeError, lease_request
 from echo.p2p.identity import Identity
 from echo.p2p.lifecycle import run_until_signalled
 from echo.protocol import codec, signing
@@ -88,17 +88,7 @@ class Adversary(Node):
         prompt = encode_prompt(
             spec, task.prompt(lease.prompt_id if prompt_id is None else prompt_id), tokenizer
         )
-        req = GenRequest(
-            prompt,
-            lease.group_size,
-            SamplingParams(
-                max_new_tokens=lease.sampling.max_new_tokens,
-                temperature=lease.sampling.temperature,
-                top_p=lease.sampling.top_p,
-                seed=lease.sampling.seed,
-            ),
-        )
-        return prompt, self.engine.generate([req])[0]
+        return prompt, self.engine.generate([lease_request(lease, prompt)])[0]
 
     def _submission(self, lease, comps, sync, **over) -> m.Submission:
         fields = dict(
