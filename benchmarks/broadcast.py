@@ -1,27 +1,36 @@
 """Benchmark weight dissemination: time until every node holds a version, star vs chain vs tree.
 
 Every host is a real process -- one EchoHost (TCP + Noise + yamux) and one Relay
-(``echo.p2p.broadcast``) -- in its own network namespace from ``scripts/netem.py``, with its
-upload and download shaped by tbf, so the emulated links, not the two CPU cores, are the
-bottleneck. For each node count N and payload size M it publishes a fresh version at the source
-and pushes it along three plans from ``echo.p2p.tree``:
+(``echo.p2p.broadcast``) -- in its own network namespace from ``scripts/netem.py``, its upload
+and download shaped by tc (htb with ACK priority by default, ``--shaper tbf`` for a plain token
+bucket). For each node count N and payload size M the source publishes a fresh signed version
+(128 KiB chunks) and pushes it along three plans from ``echo.p2p.tree``:
 
 - ``star``: the source sends to every node itself (time grows linearly with N);
 - ``chain``: source -> fastest -> ... -> slowest;
 - ``tree``: ``best_plan`` (striped trees sized by upload bandwidth).
 
+Links (``--scale`` 0.2 of a base of source 10 MB/s, node uplinks 1-10 MB/s, downlinks 25 MB/s):
+source 2 MB/s, nodes 0.2-2 MB/s, downlinks 5 MB/s. py-libp2p costs tens of ms of CPU per MB
+moved here (Noise + yamux + trio, both ends), so faster links would make the two CPU cores, not
+the links, the bottleneck. Payloads above 16 MB run the tree only (a star of 64 MB to 16 nodes
+at 2 MB/s takes ~9 minutes), and above 100 MB only at the largest N.
+
 Each run prints time, the lower bound ``max(M/B_s, M/min D_i, N*M/(B_s+sum B_i))`` and the ratio,
-the planner's analytic estimate, chunks pulled (fallback), and the CPU utilisation of the whole
-machine during the run (100% = both cores busy), then checks every node's bytes against the
-source's. The nominal link rates are used for the bound; TCP/IP, Noise and yamux overheads take
-about 4-5% of a shaped link, so ~1.05 is the practical floor.
+the planner's analytic estimate, chunks pulled (the stall/lie fallback), and CPU: the agents'
+share of the machine, the machine's utilisation (includes other jobs), and the agents' run-queue
+wait per CPU-second (near 0 on an idle machine; well above 1 means they waited for a core longer
+than they ran, and the timings measure that contention as much as the links). Every node's bytes
+are checked against the source's. The bound uses nominal link rates; TCP/IP, Noise and yamux
+headers take ~4-5% of a shaped link, so ~1.05 is the practical floor.
 
 Without root or network namespaces it falls back to in-process shaping (every relay's push
 upload throttled by a token bucket, no download shaping, loopback) and says so in every line and
-in the JSON. The kernel here has no sch_netem, so no latency is emulated (bandwidth only).
+in the JSON. This kernel has no sch_netem, so no latency is emulated (bandwidth only).
 
 Run: ``python benchmarks/broadcast.py [--quick]`` (as root). The last line printed is one JSON
-object with ``tree_vs_bound``, ``star_vs_bound`` and ``chain_vs_bound`` at the largest N.
+object with ``tree_vs_bound``, ``star_vs_bound`` and ``chain_vs_bound`` at the largest N (the
+largest payload all three ran), ``tree_vs_bound_largest_payload``, and every run under ``runs``.
 Internally the script also serves as the per-host agent (``--agent``; do not call directly).
 """
 
@@ -350,7 +359,9 @@ class Bench:
         if self.shaping == "netns":
             infos = {i.name: i for i in netem.up(specs, prefix=self.args.prefix, quiet=True,
                                                  sysctls=self.args.sysctl,
-                                                 shaper=self.args.shaper)}
+                                                 shaper=self.args.shaper,
+                                                 queue_s=self.args.queue_ms / 1000,
+                                                 gso_max=self.args.gso_kb * 1024)}
         for spec in specs:
             self.ups[spec.name], self.downs[spec.name] = spec.up_bps, spec.down_bps
             argv = [sys.executable, str(Path(__file__).resolve()), "--agent",
@@ -398,8 +409,12 @@ class Bench:
                               [self.ups[x] for x in names])
         estimate = plan.estimate_s(size, chunk)
         timeout = max(60.0, 4 * max(bound, estimate) + 30)
-        cfg: dict[str, Any] = {"stall_timeout_s": 10.0,
+        # A generous stall timeout: on a shared machine a starved (not dead) process can go
+        # quiet for many seconds. Star and chain never cut a lagging child, and their nodes may
+        # only fall back on the source, so they stay what they claim to be.
+        cfg: dict[str, Any] = {"stall_timeout_s": 30.0,
                                "max_lag_chunks": 64 if kind == "tree" else 0}
+        max_sources = 32 if kind == "tree" else 0
         if self.shaping == "inproc":
             cfg_by = {x: {**cfg, "upload_limit_bps": self.ups[x]} for x in [SOURCE, *names]}
         else:
@@ -418,7 +433,7 @@ class Bench:
         for a in [src, *nodes]:
             await a.expect("connected", COMMAND_TIMEOUT_S)
         for a in nodes:
-            route = route_for(plan, a.peer_id, addrs, JOB, v)
+            route = route_for(plan, a.peer_id, addrs, JOB, v, max_sources=max_sources)
             await a.send(cmd="route", route=b.encode(route).hex(), envelope=pub["envelope"],
                          timeout=timeout)
         for a in nodes:
@@ -582,7 +597,9 @@ def _setup(parser: argparse.ArgumentParser) -> None:
                              "machine shared with busy jobs, the agents otherwise wait for a "
                              "core far longer than they run (see runq-wait/cpu)")
     parser.add_argument("--shaper", choices=netem.SHAPERS, default="htb",
-                        help="htb: rate + ACK priority + ~100 ms queue; tbf: plain token bucket")
+                        help="htb: rate + ACK priority + bulk FIFO; tbf: plain token bucket")
+    parser.add_argument("--queue-ms", type=float, default=100.0, help="htb bulk queue length")
+    parser.add_argument("--gso-kb", type=int, default=16, help="veth GSO packet cap")
 
 
 def main() -> None:

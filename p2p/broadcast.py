@@ -6,32 +6,39 @@ A :class:`Relay` runs on every node and on the publisher, bound to an :class:`Ec
 - **push in** (``/echo/push/1.0.0``, see :mod:`echo.protocol.broadcast`): a parent opens one
   stream per stripe and sends chunks, each behind a small header (job, version, index). Every
   chunk is checked against the learner-signed manifest (exact size, then SHA-256) *before* it is
-  stored; the manifest itself is verified against the job's pinned learner key.
+  stored; the manifest itself is verified against the job's pinned learner key. Hashing and the
+  disk write run in a worker thread so a slow disk never stops the event loop. The child
+  acknowledges every chunk on the same stream.
 - **push out**: every chunk that arrives (pushed, pulled, or already in the store) is forwarded at
   once to this node's children in that chunk's stripe. Each child has its own task with its own
-  cursor into the arrival order, so a slow child never holds up its siblings; a child that falls
-  more than ``max_lag_chunks`` behind its fastest sibling is told ``end(lagging)`` and dropped,
-  which frees the parent's uplink for the others and makes the child pull the rest.
+  cursor into the arrival order and at most ``push_window_bytes`` unacknowledged (the bounded
+  per-child queue), so a slow child never holds up its siblings; a child more than
+  ``max_lag_chunks`` acknowledged chunks behind its fastest sibling is told ``end(lagging)`` and
+  dropped -- its share of the parent's uplink goes to the others -- and pulls the rest.
 - **pull fallback**: if a stripe has no healthy feed -- its parent never connected, went silent
-  for ``stall_timeout_s``, ended early, or sent a chunk that failed its hash -- the missing chunks
-  of that stripe are fetched with :func:`~echo.p2p.chunkstore.fetch_chunk` from the route's
-  sources (rotating), the parents, then the origin. Liars are excluded for good and reported as
-  ``bad_chunk``; silent parents are reported as ``stalled`` through ``on_bad_peer``.
+  for ``stall_timeout_s`` (keep-alives from a parent waiting on its own upstream double that),
+  ended early, or sent a chunk that failed its hash -- the missing chunks of that stripe are
+  fetched with :func:`~echo.p2p.chunkstore.fetch_chunk` from peers whose have-maps
+  (``/echo/have/1.0.0``) show them, least busy first, and from the route's origin (the publisher)
+  when nobody else has shown a chunk for ``origin_grace_s``. Liars are excluded for good and
+  reported as ``bad_chunk``; silent or vanished parents are reported as ``stalled``, through
+  ``on_bad_peer``. A pause of our own process (CPU starvation, a blocked disk) is not blamed on
+  the parents.
 - **completion**: when every chunk is present, ``Transfer.done`` is set; the node keeps pushing
-  to its children and serving pulls (``PROTO_CHUNK``) from the store.
+  to its children and serving pulls (``PROTO_CHUNK``) and have-maps from the store.
 
 Ownership: the relay owns its push and have handlers on the host (removed when it stops) and,
 unless ``serve_pulls=False``, registers ``serve_chunks`` for its store (left in place: a node's
-worker may serve the same store); the streams it opens (closed when done, reset on error); the
-inbound push streams (reset when it no longer wants them); and every task it starts, all inside
-the nursery of :meth:`Relay.run` / :func:`open_relay` (cancelled on exit). It does not own the
-host or the store. Only ``Relay.prune_store`` deletes chunks, and only through
-``ChunkStore.prune``.
+worker may serve the same store); the streams it opens (half-closed after ``end``, then closed;
+reset on error); the inbound push streams (closed after ``end``, reset when it no longer wants
+them); and every task it starts, all inside the nursery of :meth:`Relay.run` /
+:func:`open_relay` (cancelled on exit). It does not own the host or the store; it never deletes
+chunks itself (:meth:`Relay.prune_store` asks ``ChunkStore.prune``, keeping versions in flight).
 
 Errors: :meth:`Relay.start` raises :class:`ManifestError` (a ``ProtocolError``) for a manifest that
 is not signed by the job's learner key or breaks limits; :meth:`Relay.wait` raises
 :class:`BroadcastTimeout`. Peer misbehaviour never raises into the caller: it is logged, reported
-and routed around.
+and routed around. A failing store (:class:`StoreError`) is logged; the chunk is fetched again.
 """
 
 from __future__ import annotations
@@ -40,8 +47,8 @@ import logging
 import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass, field
 
 import trio
 from libp2p.abc import INetStream
@@ -74,6 +81,12 @@ _STREAM_CLOSE_TIMEOUT = 1.0
 _HAVE_REFRESH_S = 1.0
 _HAVE_PARALLEL = 8
 _HAVE_TIMEOUT_S = 5.0
+# An acknowledgement the parent does not take within this is dropped (the next one supersedes).
+_ACK_TIMEOUT_S = 5.0
+# What ends one child's push stream (logged; the child pulls what it misses).
+_PUSH_ERRORS = (trio.TooSlowError, RpcError, BaseLibp2pError, OSError, ValueError)
+# After "end", how long a parent waits for the child to acknowledge and close its side.
+_CLOSE_TIMEOUT_S = 10.0
 # Worker threads hashing and writing chunks (the disk is one device; two overlap hash and I/O).
 _STORE_THREADS = 2
 # The watchdog counts a tick this much later than planned as a pause of our own process (CPU
@@ -92,6 +105,10 @@ class ManifestError(ProtocolError):
     code = "manifest"
 
 
+class StoreError(RuntimeError):
+    """Our own chunk store failed (disk full, permissions): not the peer's fault."""
+
+
 class BroadcastTimeout(TimeoutError):
     """:meth:`Relay.wait` ran out of time before the version was complete."""
 
@@ -105,8 +122,12 @@ class RelayConfig:
     stall_timeout_s: float = 10.0
     # A parent with nothing new to push sends a keep-alive this often.
     idle_interval_s: float = 2.0
-    # A child this many chunks behind its fastest sibling is dropped and pulls (0: never drop).
+    # A child this many chunks behind its fastest sibling (by acknowledged chunks) is dropped and
+    # pulls (0: never drop).
     max_lag_chunks: int = 64
+    # Unacknowledged bytes per child: the bounded queue that keeps a slow child from buffering
+    # (in our memory, the kernel's or its own) more than this. At least one chunk is in flight.
+    push_window_bytes: int = 2 * 1024 * 1024
     # Concurrent chunk pulls per transfer, and the timeout of one.
     pull_parallel: int = 4
     pull_timeout_s: float = 30.0
@@ -161,6 +182,24 @@ class _Feed:
     last_beat: float
     last_chunk: float
     state: str = "open"  # open | ended | lagging | bad | stalled | gone | complete
+
+
+@dataclass
+class _Acks:
+    """What a child acknowledged on one push stream (chunks received, in order sent)."""
+
+    count: int = 0
+    sent_bytes: list[int] = field(default_factory=lambda: [0])  # cumulative, per chunk sent
+    changed: trio.Event = field(default_factory=trio.Event)
+    ended: trio.Event = field(default_factory=trio.Event)  # the child closed its side
+
+    @property
+    def sent(self) -> int:
+        return len(self.sent_bytes) - 1
+
+    @property
+    def unacked(self) -> int:
+        return self.sent_bytes[-1] - self.sent_bytes[self.count]
 
 
 class _TokenBucket:
@@ -512,6 +551,8 @@ class Relay:
         try:
             await trio.to_thread.run_sync(self.store.put, t.version, data, ref.sha256,
                                           limiter=self._store_limiter)
+        except OSError as exc:
+            raise StoreError(f"cannot store chunk {index} of v{t.version}: {exc}") from exc
         finally:
             t.storing.discard(index)
         if t.have[index] or t.dropped.is_set():
@@ -606,13 +647,20 @@ class Relay:
                 if feed is not None:
                     feed.state = "bad"
                 self._report(t, peer, "protocol", detail=f"{exc.code}: {exc}")
+        except StoreError as exc:
+            log.error("%s", exc)
+            if feed is not None:
+                feed.state = "gone"
         except (BaseLibp2pError, OSError) as exc:
             if t is not None:
                 self._lost(t, feed, peer, f"push stream failed: {type(exc).__name__}")
         finally:
             if feed is not None and feed.state == "open":
                 feed.state = "gone"
-            await _reset_quietly(stream)
+            if feed is not None and feed.state in ("ended", "lagging"):
+                await _close_quietly(stream)  # the parent said end: a clean close both ways
+            else:
+                await _reset_quietly(stream)
 
     def _lost(self, t: Transfer, feed: _Feed | None, peer: str, detail: str) -> None:
         """A parent's push stream broke (the parent died or gave up): pull around it."""
@@ -626,6 +674,7 @@ class Relay:
         """Read chunks until ``end``; verify, store and forward each one."""
         # Safety net only: the watchdog cancels feed.scope long before this on a silent parent.
         silence = 3 * self.config.stall_timeout_s + self.config.idle_interval_s
+        received = 0
         while True:
             with trio.fail_after(silence):
                 hdr = b.decode(b.PushHeader, await read_frame(stream, b.MAX_HEADER_BYTES))
@@ -652,6 +701,17 @@ class Relay:
                 self._report(t, feed.peer, "bad_chunk", hdr.index, "pushed chunk failed its hash")
                 return
             feed.last_chunk = feed.last_byte = time.monotonic()
+            received += 1
+            await self._ack(stream, received)
+
+    @staticmethod
+    async def _ack(stream: INetStream, received: int) -> None:
+        """Tell the parent how many chunks arrived on this stream (best effort: a parent that
+        is gone or has closed its side just does not hear it)."""
+        with trio.move_on_after(_ACK_TIMEOUT_S):
+            with suppress(BaseLibp2pError, OSError):
+                await stream.write(encode_frame(b.encode(b.PushAck(received=received)),
+                                                b.MAX_HEADER_BYTES))
 
     @staticmethod
     async def _read_body(stream: INetStream, size: int, feed: _Feed) -> bytes:
@@ -727,45 +787,36 @@ class Relay:
                                 stripes=t.stripes, manifest=t.envelope)
             await self._write(stream, encode_frame(b.encode(hello), b.MAX_HELLO_BYTES))
             t.child_state[key] = "pushing"
-            total, sent, pos = t.stripe_size(stripe), 0, 0
-            reason = "done"
-            while sent < total and reason == "done":
-                changed = t._changed
-                while pos < len(t.order) and reason == "done":
-                    i = t.order[pos]
-                    pos += 1
-                    if i % t.stripes != stripe:
-                        continue
-                    ref = t.manifest.chunks[i]
-                    data = self._chunk(ref.sha256)
-                    if data is None:  # pruned under us: the child pulls it elsewhere
-                        reason = "shutdown"
-                        break
-                    hdr = b.PushHeader(op="chunk", job_id=t.job_id, version=t.version, index=i)
-                    await self._write(stream, encode_frame(b.encode(hdr), b.MAX_HEADER_BYTES)
-                                      + encode_frame(data, MAX_CHUNK_BYTES))
-                    sent += 1
-                    t.cursors[key] = sent
-                    t.stats.pushed_out_bytes += len(data)
-                    if sent < total and self._lagging(t, stripe, key):
-                        reason = "lagging"
-                if sent >= total or reason != "done":
-                    break
-                with trio.move_on_after(cfg.idle_interval_s) as idle:
-                    await changed.wait()
-                if idle.cancelled_caught:
-                    hdr = b.PushHeader(op="idle", job_id=t.job_id, version=t.version)
-                    await self._write(stream, encode_frame(b.encode(hdr), b.MAX_HEADER_BYTES))
-            end = b.PushHeader(op="end", job_id=t.job_id, version=t.version, reason=reason)
-            await self._write(stream, encode_frame(b.encode(end), b.MAX_HEADER_BYTES))
+            acks = _Acks()
+            error: BaseException | None = None
+            reason = "shutdown"
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._read_acks, stream, t, key, acks)
+                try:
+                    reason = await self._push_stripe(t, stripe, key, stream, acks)
+                    end = b.PushHeader(op="end", job_id=t.job_id, version=t.version,
+                                       reason=reason)
+                    await self._write(stream, encode_frame(b.encode(end), b.MAX_HEADER_BYTES))
+                    # Half-close and let the child acknowledge what is in flight and close its
+                    # side: closing both ways now would make its late acks draw a reset, and a
+                    # reset discards what it has not read yet.
+                    with trio.move_on_after(_CLOSE_TIMEOUT_S):
+                        await stream.close_write()
+                        await acks.ended.wait()
+                except _PUSH_ERRORS as exc:  # re-raised below, outside the nursery's group
+                    error = exc
+                finally:
+                    nursery.cancel_scope.cancel()
+            if error is not None:
+                raise error
             t.child_state[key] = reason
             ok = True
             if reason == "lagging":
                 log.info("%s v%d: child %s lags its siblings; it will pull", t.job_id, t.version,
                          child.peer_id[-8:])
-        except (trio.TooSlowError, RpcError, BaseLibp2pError, OSError, ValueError) as exc:
+        except _PUSH_ERRORS as exc:
             if t.child_state[key] == "pushing" and t.cursors[key] >= t.stripe_size(stripe):
-                # Everything went out; the child, complete, reset the stream before our "end".
+                # Everything arrived; the child, complete, reset the stream before our "end".
                 t.child_state[key] = "done"
             else:
                 t.child_state[key] = "failed"
@@ -777,6 +828,86 @@ class Relay:
                     await _close_quietly(stream)
                 else:
                     await _reset_quietly(stream)
+
+    async def _push_stripe(
+        self, t: Transfer, stripe: int, key: tuple[int, str], stream: INetStream, acks: _Acks
+    ) -> str:
+        """The push loop: chunks in arrival order, at most ``push_window_bytes`` unacknowledged.
+        Returns the end reason (``done``, ``lagging``, ``shutdown``).
+
+        :raises trio.TooSlowError: the child acknowledged nothing for ``stall_timeout_s``.
+        """
+        cfg = self.config
+        total, pos = t.stripe_size(stripe), 0
+        while acks.sent < total:
+            changed = t._changed
+            while pos < len(t.order):
+                i = t.order[pos]
+                pos += 1
+                if i % t.stripes != stripe:
+                    continue
+                ref = t.manifest.chunks[i]
+                if not await self._window_open(t, stripe, key, acks, ref.size):
+                    return "lagging"
+                data = self._chunk(ref.sha256)
+                if data is None:  # pruned under us: the child pulls it elsewhere
+                    return "shutdown"
+                hdr = b.PushHeader(op="chunk", job_id=t.job_id, version=t.version, index=i)
+                await self._write(stream, encode_frame(b.encode(hdr), b.MAX_HEADER_BYTES)
+                                  + encode_frame(data, MAX_CHUNK_BYTES))
+                acks.sent_bytes.append(acks.sent_bytes[-1] + len(data))
+                t.stats.pushed_out_bytes += len(data)
+                if acks.sent < total and self._lagging(t, stripe, key):
+                    return "lagging"
+            if acks.sent >= total:
+                break
+            with trio.move_on_after(cfg.idle_interval_s) as idle:
+                await changed.wait()
+            if idle.cancelled_caught:
+                hdr = b.PushHeader(op="idle", job_id=t.job_id, version=t.version)
+                await self._write(stream, encode_frame(b.encode(hdr), b.MAX_HEADER_BYTES))
+        return "done"
+
+    async def _window_open(
+        self, t: Transfer, stripe: int, key: tuple[int, str], acks: _Acks, size: int
+    ) -> bool:
+        """Wait until ``size`` more bytes fit the child's window; False if it lags meanwhile."""
+        cfg = self.config
+        last_ack = time.monotonic()
+        while acks.unacked + size > cfg.push_window_bytes and acks.unacked > 0:
+            if self._lagging(t, stripe, key):
+                return False
+            changed, before = acks.changed, acks.count
+            with trio.move_on_after(min(1.0, cfg.idle_interval_s)):
+                await changed.wait()
+            if acks.count > before:
+                last_ack = time.monotonic()
+            elif time.monotonic() - last_ack > cfg.stall_timeout_s:
+                raise trio.TooSlowError
+        return True
+
+    @staticmethod
+    async def _read_acks(stream: INetStream, t: Transfer, key: tuple[int, str],
+                         acks: _Acks) -> None:
+        """Read the child's acknowledgements until the stream ends (errors end it quietly)."""
+        try:
+            while True:
+                ack = b.decode(b.PushAck, await read_frame(stream, b.MAX_HEADER_BYTES))
+                if ack.received > acks.sent:
+                    log.info("push ack for %d chunks, only %d sent", ack.received, acks.sent)
+                    return
+                if ack.received > acks.count:
+                    acks.count = ack.received
+                    t.cursors[key] = ack.received
+                    acks.changed.set()
+                    acks.changed = trio.Event()
+        except (ProtocolError, BaseLibp2pError, OSError):
+            return
+        except Exception:  # never let the reader take the sender down with it
+            log.debug("reading push acks failed", exc_info=True)
+            return
+        finally:
+            acks.ended.set()
 
     # ------------------------------------------------------------------------- stalls and pulls
 
@@ -869,7 +1000,7 @@ class Relay:
                 raw = await self.host.request(peer, b.PROTO_HAVE, req, timeout=_HAVE_TIMEOUT_S,
                                               max_response=b.MAX_HAVE_REPLY_BYTES)
                 reply = b.decode(b.HaveReply, raw)
-            except (RpcError, ProtocolError, OSError) as exc:
+            except (RpcError, ProtocolError, OSError, ValueError) as exc:
                 self._unreachable[peer] = time.monotonic() + _UNREACHABLE_S
                 log.debug("have-map of %s: %r", peer[-8:], exc)
                 return
@@ -934,7 +1065,7 @@ class Relay:
         except RemoteError:
             t.peer_have.pop(peer, None)  # its map was stale (or a lie): ask again later
             return False
-        except (RpcError, ProtocolError, OSError) as exc:
+        except (RpcError, ProtocolError, OSError, ValueError) as exc:
             self._unreachable[peer] = time.monotonic() + _UNREACHABLE_S
             log.debug("pull of chunk %d from %s failed: %r", index, peer[-8:], exc)
             return False
@@ -942,6 +1073,9 @@ class Relay:
             await self._accept(t, index, data, via="pull")
         except ChunkHashMismatch:  # fetch_chunk checked it; only a store fault gets here
             log.exception("chunk %d failed its hash after fetch_chunk accepted it", index)
+            return False
+        except StoreError as exc:
+            log.error("%s", exc)
             return False
         return True
 
@@ -972,6 +1106,7 @@ __all__ = [
     "ManifestError",
     "Relay",
     "RelayConfig",
+    "StoreError",
     "Transfer",
     "TransferStats",
     "open_relay",

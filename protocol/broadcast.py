@@ -12,8 +12,10 @@ Push stream, parent -> child (one stream per version and stripe; frames per
    ``lagging`` -- the parent stopped pushing to a slow child, which pulls the rest -- or
    ``shutdown``).
 
-The child never answers on the stream; it resets it when it no longer wants data (complete, bad
-chunk, stall). Nothing here does I/O: it only defines and validates records.
+The child answers on the same stream with one :class:`PushAck` frame per chunk it received (the
+running count): the parent keeps a bounded number of unacknowledged bytes per child and measures
+which child lags by them. The child resets the stream when it no longer wants data (complete,
+bad chunk, stall). Nothing here does I/O: it only defines and validates records.
 
 ``/echo/have/1.0.0`` is a one-frame request/response (:class:`HaveRequest` -> :class:`HaveReply`,
 a bitmap of the chunks a peer holds), used to pick whom to pull a missing chunk from.
@@ -91,6 +93,12 @@ class HaveReply(Record):
     complete: bool = False
 
 
+class PushAck(Record):
+    """Child -> parent on a push stream: chunks received on this stream so far."""
+
+    received: int = Field(ge=0, le=MAX_CHUNKS)
+
+
 class PeerAddr(Record):
     peer_id: ShortStr
     addrs: list[ShortStr] = Field(default_factory=list, max_length=MAX_ADDRS)
@@ -150,6 +158,7 @@ __all__ = [
     "HaveRequest",
     "PeerAddr",
     "PlanEdge",
+    "PushAck",
     "PushHeader",
     "PushHello",
     "Route",

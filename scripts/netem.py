@@ -136,7 +136,8 @@ def _tbf(rate_bps: float) -> list[str]:
     return ["tbf", "rate", f"{int(rate_bps * 8)}bit", "burst", str(burst), "limit", str(limit)]
 
 
-def _shape(tc: list[str], dev: str, rate_bps: float, shaper: str, delay_ms: float) -> None:
+def _shape(tc: list[str], dev: str, rate_bps: float, shaper: str, delay_ms: float,
+           queue_s: float = _QUEUE_S) -> None:
     """Shape egress of ``dev`` (``tc`` is the tc prefix, with ``-n NS`` for a namespace)."""
     rate = f"{int(rate_bps * 8)}bit"
     if shaper == "tbf":
@@ -148,7 +149,7 @@ def _shape(tc: list[str], dev: str, rate_bps: float, shaper: str, delay_ms: floa
         else:
             _run([*tc, "qdisc", "add", "dev", dev, "root", *_tbf(rate_bps)])
         return
-    queue = max(_HTB_MIN_QUEUE, int(rate_bps * _QUEUE_S))
+    queue = max(_HTB_MIN_QUEUE, int(rate_bps * queue_s))
     small, bulk = f"{max(8, int(rate_bps * 0.1 * 8))}bit", f"{int(rate_bps * 0.9 * 8)}bit"
     _run([*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "20"])
     _run([*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
@@ -209,6 +210,8 @@ def up(
     quiet: bool = False,
     sysctls: Sequence[str] = (),
     shaper: str = "htb",
+    queue_s: float = _QUEUE_S,
+    gso_max: int = _GSO_MAX,
 ) -> list[HostInfo]:
     """Build the hosts (after removing any previous set with this prefix). On any failure
     everything built so far is removed and :class:`NetemError` raised. ``sysctls``
@@ -248,7 +251,7 @@ def up(
             _run(["ip", "-n", ns, "addr", "add", f"{ip}/{net.prefixlen}", "dev", inner])
             _run(["ip", "-n", ns, "link", "set", inner, "up"])
             for ipn, dev in ((["ip", "-n", ns], inner), (["ip"], outer)):
-                _run([*ipn, "link", "set", "dev", dev, "gso_max_size", str(_GSO_MAX)],
+                _run([*ipn, "link", "set", "dev", dev, "gso_max_size", str(gso_max)],
                      check=False)
             delay: float | str = h.delay_ms
             if h.delay_ms > 0 and not delay_ok:
@@ -258,8 +261,8 @@ def up(
                           f"({h.delay_ms} ms asked), bandwidth shaping only", file=sys.stderr)
             applied = h.delay_ms if delay_ok else 0.0
             # Upload where it leaves the host, download where the bridge hands it over.
-            _shape(["tc", "-n", ns], inner, h.up_bps, shaper, applied)
-            _shape(["tc"], outer, h.down_bps, shaper, 0.0)
+            _shape(["tc", "-n", ns], inner, h.up_bps, shaper, applied, queue_s)
+            _shape(["tc"], outer, h.down_bps, shaper, 0.0, queue_s)
             infos.append(HostInfo(h.name, ns, ip, h.up_bps, h.down_bps, delay, inner, outer))
         _state_path(prefix).write_text(json.dumps([asdict(i) for i in infos], indent=1))
     except BaseException:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +43,18 @@ class FlippingStore(ChunkStore):
         if data is not None and sha == self.bad_sha:
             data = bytes([data[0] ^ 0x01]) + data[1:]
         return data
+
+
+class SlowStore(ChunkStore):
+    """A node whose disk is slow: every put takes ``delay`` seconds (it runs in a worker thread)."""
+
+    def __init__(self, root: Path, delay: float) -> None:
+        super().__init__(root)
+        self.delay = delay
+
+    def put(self, version: int, data: bytes, sha: bytes | None = None) -> bytes:
+        time.sleep(self.delay)
+        return super().put(version, data, sha)
 
 
 @dataclass
@@ -203,6 +216,42 @@ def test_killing_30_percent_of_relays_mid_broadcast(tmp_path: Path) -> None:
             for n in survivors:
                 t = await n.relay.wait(JOB, 1, timeout=30)
                 assert t.payload(n.store) == payload
+            nursery.cancel_scope.cancel()
+
+    run(body)
+
+
+def test_lagging_child_does_not_hold_up_its_siblings(tmp_path: Path) -> None:
+    """A child that drains slowly falls behind its siblings, is told end(lagging) and pulls the
+    rest; its siblings finish at their own pace."""
+    learner = Identity.generate()
+    payload, man, env, src_store = make_version(tmp_path, learner, 40 * CHUNK)
+    keys = {JOB: learner.public_key_bytes}
+    cfg = RelayConfig(stall_timeout_s=20.0, max_lag_chunks=6)
+
+    async def body() -> None:
+        src = Node(learner.peer_id_str, learner, src_store)
+        fast = nodes_for(tmp_path, 2)
+        ident = Identity.generate()
+        slow = Node(ident.peer_id_str, ident, SlowStore(tmp_path / "slow", delay=0.1))
+        async with trio.open_nursery() as nursery:
+            addrs = await start_swarm(nursery, [src, slow, *fast], keys, cfg)
+            plan = plan_tree(src.name, 3.0, {n.name: 0.0 for n in [slow, *fast]})
+            assert plan.fanout(src.name) == 3  # a star: the three are siblings
+            for n in [slow, *fast]:
+                await n.relay.start(env, route_for(plan, n.name, addrs, JOB, 1))
+            t0 = trio.current_time()
+            pushing = await src.relay.start(env, route_for(plan, src.name, addrs, JOB, 1))
+            for n in fast:
+                t = await n.relay.wait(JOB, 1, timeout=20)
+                assert t.payload(n.store) == payload and t.stats.chunks_pulled == 0
+            fast_done = trio.current_time() - t0
+            # 40 chunks at 0.1 s each would take the slow child 4 s on its own.
+            assert fast_done < 2.0
+            t = await slow.relay.wait(JOB, 1, timeout=30)
+            assert t.payload(slow.store) == payload
+            assert pushing.child_state[(0, slow.name)] == "lagging"
+            assert t.stats.chunks_pulled > 0 and not slow.reports
             nursery.cancel_scope.cancel()
 
     run(body)
