@@ -164,7 +164,12 @@ class _Agent:
         try:
             t = await self.relay.wait(JOB, version, timeout)
         except TimeoutError as exc:
-            _say_event(event="timeout", version=version, detail=str(exc))
+            t = self.relay.transfer(JOB, version)
+            state = {} if t is None else {
+                "have": t.n_have, "chunks": t.n, "want": len(t.want),
+                "feeds": [(f.peer[-8:], f.stripe, f.state) for f in t.feeds],
+                "peer_have": len(t.peer_have), "stats": vars(t.stats)}
+            _say_event(event="timeout", version=version, detail=str(exc), state=state)
             return
         _say_event(event="complete", version=version, done_at=t.done_at,
                    pulled=t.stats.chunks_pulled, bad=t.stats.bad_chunks,
@@ -222,6 +227,8 @@ def agent_entry(argv: Sequence[str]) -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format=f"[{os.path.basename(args.store)}] %(name)s %(message)s")
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
+    if os.environ.get("ECHO_BENCH_AGENT_LOG"):
+        logging.getLogger("echo").setLevel(os.environ["ECHO_BENCH_AGENT_LOG"])
     profile_to = os.environ.get("ECHO_BENCH_PROFILE_DIR")
     if profile_to:  # developer aid: a cProfile dump per agent
         import cProfile
@@ -263,6 +270,8 @@ class AgentProc:
                     return msg
                 if msg.get("event") == "bad_peer":
                     say(f"    {self.name}: reported {msg['peer'][-8:]} ({msg['reason']})")
+                if msg.get("event") == "timeout":
+                    raise RuntimeError(f"agent {self.name} gave up: {msg}")
         raise RuntimeError(f"agent {self.name} exited while waiting for {event}")
 
 
@@ -377,7 +386,10 @@ class Bench:
             if self.args.nice:
                 argv = ["nice", "-n", str(self.args.nice), *argv]
             log = open(self.workdir / f"{spec.name}.log", "wb")  # noqa: SIM115 (closed at exit)
-            proc = await trio.lowlevel.open_process(argv, stdin=-1, stdout=-1, stderr=log)
+            env = {**os.environ, **({"ECHO_BENCH_AGENT_LOG": "INFO"} if self.args.keep_logs
+                                    else {})}
+            proc = await trio.lowlevel.open_process(argv, stdin=-1, stdout=-1, stderr=log,
+                                                    env=env)
             agent = AgentProc(spec.name, proc)
             self.agents[spec.name] = agent
             nursery.start_soon(agent.pump)
@@ -536,7 +548,10 @@ async def orchestrate(args: argparse.Namespace, shaping: str) -> dict[str, Any]:
     finally:
         if shaping == "netns":
             netem.down(args.prefix, quiet=True)
-        shutil.rmtree(bench.workdir, ignore_errors=True)
+        if args.keep_logs:
+            say(f"agent logs and stores kept in {bench.workdir}")
+        else:
+            shutil.rmtree(bench.workdir, ignore_errors=True)
     return summarize(args, rows, shaping)
 
 
@@ -598,6 +613,8 @@ def _setup(parser: argparse.ArgumentParser) -> None:
                              "core far longer than they run (see runq-wait/cpu)")
     parser.add_argument("--shaper", choices=netem.SHAPERS, default="htb",
                         help="htb: rate + ACK priority + bulk FIFO; tbf: plain token bucket")
+    parser.add_argument("--keep-logs", action="store_true",
+                        help="keep the agents' logs (INFO level) and stores")
     parser.add_argument("--queue-ms", type=float, default=100.0, help="htb bulk queue length")
     parser.add_argument("--gso-kb", type=int, default=16, help="veth GSO packet cap")
 

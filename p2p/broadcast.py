@@ -59,7 +59,7 @@ from libp2p.peer.id import ID
 
 from echo.p2p.chunkstore import ChunkHashMismatch, ChunkStore, fetch_chunk, serve_chunks
 from echo.p2p.host import EchoHost
-from echo.p2p.rpc import RemoteError, RpcError, transfer_timeout
+from echo.p2p.rpc import RemoteError, RpcConnectionError, RpcError, transfer_timeout
 from echo.p2p.streams import read_exactly, read_frame
 from echo.protocol import broadcast as b
 from echo.protocol import messages as m
@@ -756,6 +756,14 @@ class Relay:
                 errors.append(str(exc))
         raise RpcError(f"cannot reach {peer[-8:]}: {'; '.join(errors) or 'no address'}")
 
+    async def _drop_connection(self, peer: str) -> None:
+        """Forget a connection that no longer carries requests, so the next use dials afresh."""
+        with trio.move_on_after(_STREAM_CLOSE_TIMEOUT):
+            try:
+                await self.host.disconnect(peer)
+            except Exception:  # already gone
+                log.debug("disconnecting %s failed", peer[-8:], exc_info=True)
+
     async def _write(self, stream: INetStream, data: bytes) -> None:
         if self._bucket is not None:
             await self._bucket.take(len(data))
@@ -853,9 +861,10 @@ class Relay:
                 if data is None:  # pruned under us: the child pulls it elsewhere
                     return "shutdown"
                 hdr = b.PushHeader(op="chunk", job_id=t.job_id, version=t.version, index=i)
+                # Counted as sent before the write returns: the child may acknowledge it first.
+                acks.sent_bytes.append(acks.sent_bytes[-1] + len(data))
                 await self._write(stream, encode_frame(b.encode(hdr), b.MAX_HEADER_BYTES)
                                   + encode_frame(data, MAX_CHUNK_BYTES))
-                acks.sent_bytes.append(acks.sent_bytes[-1] + len(data))
                 t.stats.pushed_out_bytes += len(data)
                 if acks.sent < total and self._lagging(t, stripe, key):
                     return "lagging"
@@ -1031,6 +1040,7 @@ class Relay:
                 return i, min(holders, key=lambda p: (p in self.stalled, t.inflight[p],
                                                       hash((p, i))))
             if (origin is not None and t.inflight[origin] < self.config.pull_parallel
+                    and self._unreachable.get(origin, 0.0) <= now
                     and (now - t.wanted_since.get(i, now) >= self.config.origin_grace_s
                          or not others)):
                 return i, origin
@@ -1067,7 +1077,9 @@ class Relay:
             return False
         except (RpcError, ProtocolError, OSError, ValueError) as exc:
             self._unreachable[peer] = time.monotonic() + _UNREACHABLE_S
-            log.debug("pull of chunk %d from %s failed: %r", index, peer[-8:], exc)
+            log.info("pull of chunk %d from %s failed: %r", index, peer[-8:], exc)
+            if isinstance(exc, RpcConnectionError):
+                await self._drop_connection(peer)
             return False
         try:
             await self._accept(t, index, data, via="pull")
