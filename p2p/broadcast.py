@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
@@ -83,6 +83,11 @@ _HAVE_PARALLEL = 8
 _HAVE_TIMEOUT_S = 5.0
 # An acknowledgement the parent does not take within this is dropped (the next one supersedes).
 _ACK_TIMEOUT_S = 5.0
+# Per-child push window: the child's acknowledged rate over the last few seconds, times this,
+# between two chunks and RelayConfig.push_window_bytes (see _Acks.window).
+_WINDOW_S = 0.5
+_RATE_SPAN_S = 3.0
+_RATE_MIN_SPAN_S = 0.3
 # What ends one child's push stream (logged; the child pulls what it misses).
 _PUSH_ERRORS = (trio.TooSlowError, RpcError, BaseLibp2pError, OSError, ValueError)
 # After "end", how long a parent waits for the child to acknowledge and close its side.
@@ -125,8 +130,9 @@ class RelayConfig:
     # A child this many chunks behind its fastest sibling (by acknowledged chunks) is dropped and
     # pulls (0: never drop).
     max_lag_chunks: int = 64
-    # Unacknowledged bytes per child: the bounded queue that keeps a slow child from buffering
-    # (in our memory, the kernel's or its own) more than this. At least one chunk is in flight.
+    # Unacknowledged bytes per child, at most: the bounded per-child queue. Within it the window
+    # follows what the child acknowledges (about half a second of its rate, at least two chunks),
+    # so that little waits in send buffers ahead of control frames on the same connection.
     push_window_bytes: int = 2 * 1024 * 1024
     # Concurrent chunk pulls per transfer, and the timeout of one.
     pull_parallel: int = 4
@@ -182,6 +188,8 @@ class _Feed:
     last_beat: float
     last_chunk: float
     state: str = "open"  # open | ended | lagging | bad | stalled | gone | complete
+    received: int = 0  # chunks read on this stream (acknowledged to the parent)
+    ack_changed: trio.Event = field(default_factory=trio.Event)
 
 
 @dataclass
@@ -197,9 +205,31 @@ class _Acks:
     def sent(self) -> int:
         return len(self.sent_bytes) - 1
 
+    history: deque[tuple[float, int]] = field(default_factory=deque)  # (time, bytes acked)
+
     @property
     def unacked(self) -> int:
         return self.sent_bytes[-1] - self.sent_bytes[self.count]
+
+    def acked(self, count: int) -> None:
+        self.count = count
+        now = time.monotonic()
+        self.history.append((now, self.sent_bytes[count]))
+        while len(self.history) > 2 and now - self.history[1][0] > _RATE_SPAN_S:
+            self.history.popleft()
+        self.changed.set()
+        self.changed = trio.Event()
+
+    def window(self, floor: int, ceiling: int) -> int:
+        """Bytes that may be unacknowledged: what the child took in the last ``_WINDOW_S``
+        (its acknowledged rate), between ``floor`` and ``ceiling``. Everything beyond sits in
+        send buffers, where it delays every control frame on the same connection (acks, pull
+        requests, stream opens) by as long as it takes to drain."""
+        if len(self.history) < 2 or self.history[-1][0] - self.history[0][0] < _RATE_MIN_SPAN_S:
+            return floor  # until the child's rate shows: two chunks
+        (t0, b0), (t1, b1) = self.history[0], self.history[-1]
+        rate = (b1 - b0) / (t1 - t0)
+        return int(min(ceiling, max(floor, rate * _WINDOW_S)))
 
 
 class _TokenBucket:
@@ -632,7 +662,20 @@ class Relay:
             feed = _Feed(peer, hello.stripe, trio.CancelScope(), now, now, now)
             t.feeds.append(feed)
             with feed.scope:
-                await self._receive(stream, t, feed)
+                # Acks go out from their own task: a reader that waits on its own writes could
+                # deadlock with a parent doing the same on the same connection.
+                error: Exception | None = None
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._ack_writer, stream, feed)
+                    try:
+                        await self._receive(stream, t, feed)
+                        await self._ack(stream, feed.received)  # the final count
+                    except Exception as exc:  # re-raised below, outside the nursery's group
+                        error = exc
+                    finally:
+                        nursery.cancel_scope.cancel()
+                if error is not None:
+                    raise error
         except trio.TooSlowError:
             if t is None:
                 log.info("push from %s: no hello in time", peer[-8:])
@@ -674,7 +717,6 @@ class Relay:
         """Read chunks until ``end``; verify, store and forward each one."""
         # Safety net only: the watchdog cancels feed.scope long before this on a silent parent.
         silence = 3 * self.config.stall_timeout_s + self.config.idle_interval_s
-        received = 0
         while True:
             with trio.fail_after(silence):
                 hdr = b.decode(b.PushHeader, await read_frame(stream, b.MAX_HEADER_BYTES))
@@ -701,17 +743,32 @@ class Relay:
                 self._report(t, feed.peer, "bad_chunk", hdr.index, "pushed chunk failed its hash")
                 return
             feed.last_chunk = feed.last_byte = time.monotonic()
-            received += 1
-            await self._ack(stream, received)
+            feed.received += 1
+            feed.ack_changed.set()
+
+    async def _ack_writer(self, stream: INetStream, feed: _Feed) -> None:
+        """Send the latest received count whenever it changes (coalescing: one write may cover
+        several chunks)."""
+        sent = 0
+        while True:
+            feed.ack_changed = trio.Event()
+            if feed.received > sent:
+                sent = feed.received
+                if not await self._ack(stream, sent):
+                    return
+            else:
+                await feed.ack_changed.wait()
 
     @staticmethod
-    async def _ack(stream: INetStream, received: int) -> None:
+    async def _ack(stream: INetStream, received: int) -> bool:
         """Tell the parent how many chunks arrived on this stream (best effort: a parent that
         is gone or has closed its side just does not hear it)."""
         with trio.move_on_after(_ACK_TIMEOUT_S):
             with suppress(BaseLibp2pError, OSError):
                 await stream.write(encode_frame(b.encode(b.PushAck(received=received)),
                                                 b.MAX_HEADER_BYTES))
+                return True
+        return False
 
     @staticmethod
     async def _read_body(stream: INetStream, size: int, feed: _Feed) -> bytes:
@@ -883,7 +940,9 @@ class Relay:
         """Wait until ``size`` more bytes fit the child's window; False if it lags meanwhile."""
         cfg = self.config
         last_ack = time.monotonic()
-        while acks.unacked + size > cfg.push_window_bytes and acks.unacked > 0:
+        floor = 2 * max(size, 1)
+        while (acks.unacked + size > acks.window(floor, cfg.push_window_bytes)
+               and acks.unacked > 0):
             if self._lagging(t, stripe, key):
                 return False
             changed, before = acks.changed, acks.count
@@ -906,10 +965,8 @@ class Relay:
                     log.info("push ack for %d chunks, only %d sent", ack.received, acks.sent)
                     return
                 if ack.received > acks.count:
-                    acks.count = ack.received
+                    acks.acked(ack.received)
                     t.cursors[key] = ack.received
-                    acks.changed.set()
-                    acks.changed = trio.Event()
         except (ProtocolError, BaseLibp2pError, OSError):
             return
         except Exception:  # never let the reader take the sender down with it
