@@ -294,16 +294,16 @@ class CpuMeter:
 
     @staticmethod
     def _schedstat(pids: Sequence[int]) -> tuple[float, float]:
-        """(seconds on CPU, seconds runnable but waiting for a CPU) summed over all threads."""
+        """(seconds on CPU, seconds runnable but waiting for a CPU) of the agents' main threads
+        (the event loops; worker threads come and go and would take their counts with them)."""
         run = wait = 0.0
         for pid in pids:
-            for task in Path(f"/proc/{pid}/task").glob("*"):
-                try:
-                    on, delay, _ = (task / "schedstat").read_text().split()
-                except (OSError, ValueError):
-                    continue
-                run += int(on) / 1e9
-                wait += int(delay) / 1e9
+            try:
+                on, delay, _ = Path(f"/proc/{pid}/schedstat").read_text().split()
+            except (OSError, ValueError):
+                continue
+            run += int(on) / 1e9
+            wait += int(delay) / 1e9
         return run, wait
 
     def start_sched(self, pids: Sequence[int]) -> None:
