@@ -44,6 +44,11 @@ log = logging.getLogger("echo.learner")
 RPC_TIMEOUT = 30.0
 # How long to wait between polls of an empty replay buffer.
 POLL_S = 0.1
+# After the last step the learner is the only holder some nodes can fetch the final version from:
+# it keeps serving until no chunk has been asked for in FINAL_IDLE_S (a node mid-generation asks
+# after its current groups), and never longer than FINAL_SERVE_MAX_S.
+FINAL_IDLE_S = 10.0
+FINAL_SERVE_MAX_S = 90.0
 
 
 class Learner:
@@ -223,9 +228,22 @@ class Learner:
                 sealed = await trio.to_thread.run_sync(self._publish, [], [], {})
                 await self._send_report(sealed)
                 log.info("published v0 (base policy)")
-            await self._train_loop()
+            if await self._train_loop():
+                await self._serve_final()
 
-    async def _train_loop(self) -> None:
+    async def _serve_final(self) -> None:
+        start = time.monotonic()
+        log.info("serving the final version v%d until nodes stop asking", self.version)
+        self.chunks.last_read = max(self.chunks.last_read, start)
+        while time.monotonic() - self.chunks.last_read < FINAL_IDLE_S:
+            if time.monotonic() - start > FINAL_SERVE_MAX_S:
+                log.info("served the final version for %.0f s; exiting", FINAL_SERVE_MAX_S)
+                return
+            await trio.sleep(1.0)
+        log.info("no chunk requests for %.0f s; exiting", FINAL_IDLE_S)
+
+    async def _train_loop(self) -> bool:
+        """Train until the job's last step (True) or until it is cancelled (False)."""
         spec = self.spec
         pending: list[m.TrainingGroup] = []
         last_wait_log = time.monotonic()
@@ -233,7 +251,7 @@ class Learner:
             groups, cancelled = await self._take_groups(spec.batch_groups - len(pending))
             if cancelled:
                 log.info("job cancelled at v%d", self.version)
-                return
+                return False
             pending.extend(groups)
             floor = self.version - spec.staleness
             pending = [g for g in pending if g.version >= floor]
@@ -259,6 +277,7 @@ class Learner:
                 metrics["step_s"],
             )
         log.info("trained %d versions; done", self.version)
+        return True
 
     def _step(self, batch: list[m.TrainingGroup]) -> tuple[bytes, dict[str, float]]:
         vocab = self.learner.vocab_size

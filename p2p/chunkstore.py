@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import time
 from pathlib import Path
 
 from echo.p2p.host import EchoHost
@@ -43,6 +44,9 @@ class ChunkStore:
         self.keep_versions = keep_versions
         root.mkdir(parents=True, exist_ok=True)
         self._index: dict[bytes, Path] = {}
+        # When a chunk was last handed out (time.monotonic()); a finished learner serves its
+        # final version until nobody has asked for a while.
+        self.last_read = 0.0
         for vdir in root.iterdir():
             if vdir.is_dir() and vdir.name.isdigit():
                 for f in vdir.iterdir():
@@ -57,10 +61,12 @@ class ChunkStore:
         if path is None:
             return None
         try:
-            return path.read_bytes()
+            data = path.read_bytes()
         except FileNotFoundError:
             self._index.pop(sha, None)
             return None
+        self.last_read = time.monotonic()
+        return data
 
     def put(self, version: int, data: bytes, sha: bytes | None = None) -> bytes:
         """Store ``data`` for ``version`` (checked against ``sha`` when given); return its hash."""

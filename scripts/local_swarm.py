@@ -312,9 +312,10 @@ def main() -> int:
                 time.sleep(1.0)
         if st.get("status") == "done":
             # Nodes see "job is done" on their next lease request, sync to the final version
-            # and leave by themselves; give them a moment so their held weights are final.
+            # (the learner serves it until nobody asks) and leave by themselves; give them time
+            # to finish the groups in hand so their held weights are final.
             node_procs = swarm.procs[1:]
-            deadline = time.time() + 20
+            deadline = time.time() + 60
             while time.time() < deadline and any(p.poll() is None for p in node_procs):
                 time.sleep(0.5)
             st, nodes = swarm.status(job_id)
