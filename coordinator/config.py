@@ -39,6 +39,23 @@ class LearnerSection(BaseModel):
     torch_threads: int = Field(default=1, ge=1)
 
 
+class BroadcastSection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = Field(
+        default=True, description="plan a relay tree per version (false: every node pulls)"
+    )
+    learner_upload_bps: float = Field(
+        default=12.5e6, gt=0, description="the learner host's uplink in bytes/s (plans size the "
+        "learner's fan-out by it)",
+    )
+    default_node_upload_bps: float = Field(
+        default=2.5e6, gt=0,
+        description="a node's uplink until it has measured its own push rate, bytes/s",
+    )
+    max_fanout: int = Field(default=32, ge=1, description="children per relay, at most")
+    max_stripes: int = Field(default=16, ge=1, le=64, description="striped trees, at most")
+
+
 class CoordinatorConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     data_dir: Path = Field(
@@ -50,6 +67,7 @@ class CoordinatorConfig(BaseModel):
     api_token: str = Field(default="", description="bearer token for the job API; empty = generate")
     verification: VerificationSection = Field(default_factory=VerificationSection)
     learner: LearnerSection = Field(default_factory=LearnerSection)
+    broadcast: BroadcastSection = Field(default_factory=BroadcastSection)
 
     def ensure_token(self) -> str:
         """The API token: configured, or generated once and kept in data_dir (mode 0600)."""

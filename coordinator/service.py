@@ -23,12 +23,14 @@ import trio
 
 from echo.coordinator import reasons as R
 from echo.coordinator.config import CoordinatorConfig
+from echo.coordinator.dissemination import Dissemination
 from echo.coordinator.jobs import RunningJob, load_running_job
 from echo.coordinator.metrics import Metrics
 from echo.coordinator.store import LeaseRow, Store, StoreError
 from echo.coordinator.verify import Accepted, Rejected, check_submission
 from echo.p2p.host import EchoHost, open_host
 from echo.p2p.identity import Identity, public_key_from_peer_id
+from echo.protocol import broadcast as b
 from echo.protocol import codec, ids, limits, signing
 from echo.protocol import messages as m
 from echo.protocol.errors import ProtocolError, SchemaError, SignatureError, VersionError
@@ -51,6 +53,13 @@ class Coordinator:
         self.token = config.ensure_token()
         self.jobs: dict[str, RunningJob] = {}
         self.metrics = Metrics()
+        bc = config.broadcast
+        self.dissemination = Dissemination(
+            learner_upload_bps=bc.learner_upload_bps,
+            default_node_upload_bps=bc.default_node_upload_bps,
+            max_fanout=bc.max_fanout,
+            max_stripes=bc.max_stripes,
+        )
         self.host: EchoHost | None = None
         self.http_addrs: list[str] = []
         self._nursery: trio.Nursery | None = None
@@ -163,6 +172,7 @@ class Coordinator:
         host.set_handler(ids.PROTO_SUBMIT, self.handle_submit, max_request=limits.MAX_MESSAGE_BYTES)
         host.set_handler(ids.PROTO_MANIFEST, self.handle_manifest, max_request=small)
         host.set_handler(ids.PROTO_STATUS, self.handle_status, max_request=small)
+        host.set_handler(ids.PROTO_BAD_PEER, self.handle_bad_peer, max_request=small)
         host.set_handler(ids.PROTO_LEARNER_HELLO, self.handle_learner_hello, max_request=small)
         host.set_handler(ids.PROTO_LEARNER_BATCH, self.handle_learner_batch, max_request=small)
         host.set_handler(
@@ -210,6 +220,7 @@ class Coordinator:
             raise ProtocolError(
                 "this node is excluded after repeated verification failures", code=R.NODE_EXCLUDED
             )
+        self.dissemination.registered(node_id, reg.addrs, reg.upload_bps)
         log.info("node %s registered (%s, %.0f tok/s)", node_id[-8:], reg.engine, reg.tokens_per_s)
         return m.encode(
             m.RegisterReply(
@@ -454,6 +465,7 @@ class Coordinator:
         self.store.touch_node(
             node_id, version=st.version, digest=st.state_digest, tokens_per_s=st.tokens_per_s
         )
+        self.dissemination.measured(node_id, st.upload_bps)
         job = self.jobs.get(st.job_id)
         if (
             job is not None
@@ -463,6 +475,40 @@ class Coordinator:
             self.store.record_node_version(st.job_id, node_id, st.version)
             self._check_all_nodes(st.job_id, st.version)
         return m.encode(m.StepAck(ok=True))
+
+    async def handle_bad_peer(self, peer_id, data: bytes) -> bytes:
+        env, node_id = self._open_from_node(data, "bad_peer", peer_id)
+        report = b.from_obj(b.BadPeerReport, env.decode_body())
+        if self.store.node(node_id) is None:
+            raise ProtocolError("register first", code=R.UNKNOWN_NODE)
+        if report.peer_id == node_id:
+            raise SchemaError("a node cannot report itself")
+        self.dissemination.reported(node_id, report)
+        return m.encode(m.StepAck(ok=True))
+
+    def _plan_broadcast(self, job: RunningJob, man: m.Manifest, manifest_env: bytes) -> bytes:
+        """The signed PlanAnnouncement of a new version (empty when there is nobody to plan)."""
+        if not self.config.broadcast.enabled:
+            return b""
+        row = self.store.job(man.job_id)
+        now = time.time()
+        active = [
+            n["node_id"]
+            for n in self.store.nodes()
+            if not n["excluded"] and now - n["last_seen"] < NODE_ACTIVE_S
+        ]
+        ann = self.dissemination.plan(
+            man.job_id,
+            man.version,
+            manifest_env,
+            man.total_size,
+            source=row["learner_peer_id"],
+            source_addrs=json.loads(row["learner_addrs_json"]),
+            nodes=active,
+        )
+        if ann is None:
+            return b""
+        return signing.seal(self.identity.private_key, "broadcast_plan", ann.to_obj())
 
     def _check_all_nodes(self, job_id: str, version: int) -> None:
         now = time.time()
@@ -584,8 +630,10 @@ class Coordinator:
             self.store.set_job_status(rep.job_id, "done")
             log.info("job %s done at v%d", rep.job_id, rep.version)
         assert self.host is not None
-        try:
-            await self.host.publish(ids.TOPIC_VERSIONS, rep.manifest)
-        except Exception as exc:  # gossip is an optimisation: leases carry the version too
-            log.debug("version announcement failed: %s", exc)
-        return m.encode(m.StepAck(ok=True))
+        plan = self._plan_broadcast(job, man, rep.manifest)
+        if plan:
+            try:
+                await self.host.publish(ids.TOPIC_VERSIONS, plan)
+            except Exception as exc:  # nodes not reached learn the version from leases and pull
+                log.debug("version announcement failed: %s", exc)
+        return m.encode(m.StepAck(ok=True, plan=plan))

@@ -30,12 +30,16 @@ from echo.learner.rescore import Rescorer, Verdict, token_stats
 from echo.learner.warmup import warmup
 from echo.models.spec import ModelSpec, build_model
 from echo.models.weights import export_state
+from echo.p2p.broadcast import Relay, open_relay
 from echo.p2p.chunkstore import ChunkStore, serve_chunks
 from echo.p2p.host import EchoHost, open_host
-from echo.p2p.identity import Identity
+from echo.p2p.identity import Identity, public_key_from_peer_id
 from echo.p2p.lifecycle import run_until_signalled
+from echo.p2p.tree import route_from_announcement
+from echo.protocol import broadcast as b
 from echo.protocol import ids, signing
 from echo.protocol import messages as m
+from echo.protocol.errors import ProtocolError
 from echo.protocol.jobspec import JobSpec
 from echo.tasks.registry import make_task
 
@@ -68,6 +72,8 @@ class Learner:
         self.pending_report: bytes | None = None
         self.host: EchoHost | None = None
         self.coord_peer = None
+        self.relay: Relay | None = None
+        self.served_bytes = 0  # chunk bytes nodes pulled from us
 
     # ------------------------------------------------------------------ model
 
@@ -122,7 +128,14 @@ class Learner:
         """Publish the current weights as ``self.version``; returns the signed report."""
         state = self.published_state()
         pub = self.publisher.publish(state, self.version)
-        metrics = {**metrics, "payload_bytes": float(pub.payload_bytes), "encode_s": pub.encode_s}
+        metrics = {
+            **metrics,
+            "payload_bytes": float(pub.payload_bytes),
+            "encode_s": pub.encode_s,
+            # Cumulative: the difference between two versions is what disseminating the
+            # earlier one cost the learner's uplink.
+            "source_bytes_total": float(self.bytes_sent()),
+        }
         report = m.StepReport(
             job_id=self.job_id,
             version=self.version,
@@ -166,9 +179,33 @@ class Learner:
             timeout=RPC_TIMEOUT,
             max_response=1 << 16,
         )
-        ack = m.decode(m.StepAck, data)
+        ack = m.decode(m.StepAck, data, max_bytes=8 << 20)
         if not ack.ok:
             raise RuntimeError(f"coordinator refused version {self.version}: {ack.message}")
+        if ack.plan:
+            await self._start_broadcast(ack.plan)
+
+    async def _start_broadcast(self, sealed_plan: bytes) -> None:
+        """Push the new version to our children in the coordinator's plan; nodes the push does
+        not reach pull from us instead, so a bad plan only costs time."""
+        assert self.host is not None and self.relay is not None
+        try:
+            env = signing.open_envelope(
+                sealed_plan,
+                kind="broadcast_plan",
+                max_bytes=8 << 20,
+                expected_signer=public_key_from_peer_id(self.coord_peer),
+            )
+            ann = b.from_obj(b.PlanAnnouncement, env.decode_body())
+            route = route_from_announcement(ann, str(self.host.peer_id))
+            if route is not None:
+                await self.relay.start(ann.manifest, route)
+        except ProtocolError as exc:
+            log.warning("cannot push v%d down the plan: %s", self.version, exc)
+
+    def bytes_sent(self) -> int:
+        """Chunk bytes this learner has sent, pushed and pulled, since it started."""
+        return self.served_bytes + (self.relay.pushed_out_total if self.relay else 0)
 
     async def _take_groups(self, want: int) -> tuple[list[m.TrainingGroup], bool]:
         min_version = max(0, self.version - self.spec.staleness)
@@ -206,30 +243,47 @@ class Learner:
         async with open_host(self.identity, [self._listen_addr()]) as host:
             self._remember_port(host)
             self.host = host
-            serve_chunks(host, self.chunks)
+            serve_chunks(host, self.chunks, on_served=self._count_served)
             self.coord_peer = await host.connect(self.coordinator)
-            hello = await self._rpc(
-                ids.PROTO_LEARNER_HELLO,
-                "learner_hello",
-                m.LearnerHello(
-                    job_id=self.job_id,
-                    peer_id=str(host.peer_id),
-                    addrs=host.listen_multiaddrs,
-                    timestamp=time.time(),
-                ),
-                m.LearnerHelloReply,
-            )
-            if hello.cancelled:
-                log.info("job was cancelled; exiting")
-                return
-            if hello.current_version < self.version and self.pending_report is not None:
-                await self._send_report(self.pending_report)  # crashed before reporting
-            elif hello.current_version < 0:
-                sealed = await trio.to_thread.run_sync(self._publish, [], [], {})
-                await self._send_report(sealed)
-                log.info("published v0 (base policy)")
-            if await self._train_loop():
-                await self._serve_final()
+            async with open_relay(
+                host,
+                self.chunks,
+                learner_keys={self.job_id: self.identity.public_key_bytes},
+                serve_pulls=False,
+            ) as relay:
+                self.relay = relay
+                await self._attached()
+
+    def _count_served(self, n: int) -> None:
+        self.served_bytes += n
+
+    async def _attached(self) -> None:
+        """Attach to the job at the coordinator, re-send a report a crash left unsent, train,
+        and serve the final version."""
+        assert self.host is not None
+        host = self.host
+        hello = await self._rpc(
+            ids.PROTO_LEARNER_HELLO,
+            "learner_hello",
+            m.LearnerHello(
+                job_id=self.job_id,
+                peer_id=str(host.peer_id),
+                addrs=host.listen_multiaddrs,
+                timestamp=time.time(),
+            ),
+            m.LearnerHelloReply,
+        )
+        if hello.cancelled:
+            log.info("job was cancelled; exiting")
+            return
+        if hello.current_version < self.version and self.pending_report is not None:
+            await self._send_report(self.pending_report)  # crashed before reporting
+        elif hello.current_version < 0:
+            sealed = await trio.to_thread.run_sync(self._publish, [], [], {})
+            await self._send_report(sealed)
+            log.info("published v0 (base policy)")
+        if await self._train_loop():
+            await self._serve_final()
 
     async def _serve_final(self) -> None:
         start = time.monotonic()

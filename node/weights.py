@@ -61,6 +61,8 @@ class WeightSync:
         self.download_bps = 0.0
         self.sources: list = []  # peer ids to fetch chunks from, best first
         self.bad_peers: set = set()
+        # Versions the store must keep besides the held one (e.g. those a relay is carrying).
+        self.keep_also: Callable[[], set[int]] = set
 
     async def add_source_addrs(self, addrs: list[str]) -> None:
         for addr in addrs:
@@ -127,7 +129,7 @@ class WeightSync:
         self.state, self.version, self.digest = state, latest.version, latest.state_digest
         elapsed = time.perf_counter() - t0
         self.download_bps = received / max(elapsed, 1e-6)
-        self.store.prune(keep={latest.version, latest.anchor_version})
+        self.store.prune(keep={latest.version, latest.anchor_version} | self.keep_also())
         log.info("holding v%d (%d version(s), %.1f kB in %.2f s)", latest.version, len(plan),
                  received / 1e3, elapsed)
         return True

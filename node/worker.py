@@ -28,10 +28,13 @@ from echo.node.engines.base import Engine, GenRequest, SamplingParams
 from echo.node.engines.factory import make_engine
 from echo.node.probe import choose_engine, probe
 from echo.node.weights import WeightError, WeightSync
+from echo.p2p.broadcast import Relay
 from echo.p2p.chunkstore import ChunkStore, serve_chunks
 from echo.p2p.host import EchoHost, open_host
 from echo.p2p.identity import Identity, public_key_from_peer_id
 from echo.p2p.rpc import RemoteError, RpcError
+from echo.p2p.tree import route_from_announcement
+from echo.protocol import broadcast as b
 from echo.protocol import codec, ids, signing
 from echo.protocol import messages as m
 from echo.protocol.errors import ProtocolError
@@ -45,6 +48,14 @@ NO_JOB_RETRY_S = 3.0
 # A learner restart takes a few seconds; a node waits this long for weights before giving up.
 SYNC_GIVE_UP_S = 300.0
 SOFTWARE = "echo-swarm/0.1.0"
+# A lease reply can announce a version before its plan arrives by gossip: wait this long for the
+# push to start before pulling, then this long for the relay (which pulls around stalls itself)
+# to complete the version before falling back to pulling it whole.
+PLAN_WAIT_S = 1.0
+BROADCAST_WAIT_S = 30.0
+# Bad-relay reports queued for the coordinator; beyond this they are dropped (a node under
+# attack reports the first ones, the rest add nothing).
+BAD_PEER_QUEUE = 32
 
 
 def lease_request(lease: m.Lease, prompt_ids: list[int]) -> GenRequest:
@@ -96,6 +107,11 @@ class Node:
         self.coord_key = b""
         self.announced = -1
         self.report_engine = self.engine_name
+        self.relay: Relay | None = None
+        self.upload_bps = 0.0  # measured push rate to our relay children
+        self._bad_peers_in, self._bad_peers_out = trio.open_memory_channel[b.BadPeerReport](
+            BAD_PEER_QUEUE
+        )
 
     def say(self, text: str) -> None:
         self.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {text}")
@@ -134,9 +150,10 @@ class Node:
             engine=self.engine_name,
             hardware=self.probe.hardware,
             tokens_per_s=self.stats.tokens_per_s,
-            upload_bps=0.0,
+            upload_bps=self.upload_bps,
             download_bps=0.0,
             timestamp=time.time(),
+            addrs=self.host.listen_multiaddrs[:8] if self.host is not None else [],
         )
 
     async def _register(self) -> m.JobInfo:
@@ -187,12 +204,51 @@ class Node:
         await sync.add_source_addrs(job.learner_addrs)
         if not sync.sources:
             raise NodeError("cannot reach the job's learner to fetch weights")
-        await self._sync(sync, job.current_version)
         async with trio.open_nursery() as nursery:
+            relay = Relay(
+                host,
+                chunks,
+                learner_keys={job.job_id: job.learner_public_key},
+                on_bad_peer=self._queue_bad_peer,
+                serve_pulls=False,  # serve_chunks above already answers pulls from this store
+            )
+            self.relay = await nursery.start(relay.run)
+            # Versions the relay is still carrying stay in the store when a sync prunes it.
+            sync.keep_also = lambda: {t.version for t in relay.transfers.values()}
             nursery.start_soon(self._listen_versions, job)
+            nursery.start_soon(self._report_bad_peers)
+            await self._sync(sync, job.current_version)
             nursery.start_soon(self._heartbeat, job, sync)
             await self._lease_loop(job, spec, tokenizer, task, sync)
             nursery.cancel_scope.cancel()
+
+    def _queue_bad_peer(self, report: b.BadPeerReport) -> None:
+        with contextlib.suppress(trio.WouldBlock):
+            self._bad_peers_in.send_nowait(report)
+
+    async def _report_bad_peers(self) -> None:
+        async for report in self._bad_peers_out:
+            self.say(f"[yellow]relay {report.peer_id[-8:]} {report.reason}[/yellow] at "
+                     f"v{report.version}; reported")
+            try:
+                await self._call(ids.PROTO_BAD_PEER, self._seal("bad_peer", report), timeout=10.0)
+            except (RpcError, ProtocolError) as exc:
+                log.debug("bad-peer report not delivered: %s", exc)
+
+    async def _await_broadcast(self, job_id: str, target: int) -> None:
+        """Let the relay bring ``target`` into the store if a plan covers us (bounded)."""
+        relay = self.relay
+        if relay is None:
+            return
+        t = relay.transfer(job_id, target)
+        if t is None:
+            with trio.move_on_after(PLAN_WAIT_S):
+                while (t := relay.transfer(job_id, target)) is None:
+                    await trio.sleep(0.02)
+        if t is None:
+            return
+        with trio.move_on_after(BROADCAST_WAIT_S):
+            await t.done.wait()
 
     async def _sync(self, sync: WeightSync, target: int) -> None:
         """Bring engine and weights to ``target``, riding out a learner restart or a lost peer.
@@ -203,6 +259,7 @@ class Node:
         """
         started = time.monotonic()
         delay, rebase = 0.5, False
+        await self._await_broadcast(sync.job.job_id, target)
         while True:
             try:
                 changed = await sync.sync_to(target, rebase=rebase)
@@ -249,8 +306,20 @@ class Node:
             f'"state_digest": "{sync.digest}"}}\n'
         )
 
+    def _measure_upload(self) -> float:
+        """Our push rate in the newest transfer where we pushed (kept from earlier ones)."""
+        if self.relay is not None:
+            rates = [
+                (t.version, t.stats.push_rate_bps()) for t in self.relay.transfers.values()
+            ]
+            rates = [r for r in rates if r[1] > 0]
+            if rates:
+                self.upload_bps = max(rates)[1]
+        return self.upload_bps
+
     async def _send_status(self, sync: WeightSync) -> None:
         st = m.NodeStatus(
+            upload_bps=self._measure_upload(),
             job_id=sync.job.job_id,
             version=sync.version,
             state_digest=sync.digest,
@@ -268,19 +337,27 @@ class Node:
             await self._send_status(sync)
 
     async def _listen_versions(self, job: m.JobInfo) -> None:
-        """Gossip tells us early that a version is out; leases would tell us too, later."""
-        assert self.host is not None
+        """Gossip tells us early that a version is out, and the relay tree that carries it: we
+        take our place in it (receive from our parents, forward to our children). Leases would
+        tell us of the version too, later, and we would pull it."""
+        assert self.host is not None and self.relay is not None
+        me = str(self.host.peer_id)
         sub = await self.host.subscribe(ids.TOPIC_VERSIONS)
         async for _peer, data in sub:
             try:
                 env = signing.open_envelope(
-                    data, kind="manifest", expected_signer=job.learner_public_key
+                    data, kind="broadcast_plan", max_bytes=8 << 20, expected_signer=self.coord_key
                 )
-                man = m.from_obj(m.Manifest, env.decode_body())
-            except ProtocolError:
+                ann = b.from_obj(b.PlanAnnouncement, env.decode_body())
+                if ann.job_id != job.job_id:
+                    continue
+                route = route_from_announcement(ann, me)
+                if route is not None:
+                    await self.relay.start(ann.manifest, route)  # verifies the manifest
+            except ProtocolError as exc:
+                log.debug("version announcement ignored: %s", exc)
                 continue
-            if man.job_id == job.job_id:
-                self.announced = max(self.announced, man.version)
+            self.announced = max(self.announced, ann.version)
 
     async def _lease_loop(
         self, job: m.JobInfo, spec: ModelSpec, tokenizer, task, sync: WeightSync

@@ -168,6 +168,16 @@ class TransferStats:
     pushed_out_bytes: int = 0
     chunks_pulled: int = 0
     duplicate_chunks: int = 0
+    # From the first chunk pushed to the last acknowledged (time.monotonic()): the pushing span.
+    first_push_at: float | None = None
+    last_ack_at: float | None = None
+
+    def push_rate_bps(self) -> float:
+        """Bytes pushed to children per second of pushing (0 when nothing was pushed). Chunks
+        wait for the upstream too, so this is a lower bound on the uplink."""
+        if not self.pushed_out_bytes or self.first_push_at is None or self.last_ack_at is None:
+            return 0.0
+        return self.pushed_out_bytes / max(self.last_ack_at - self.first_push_at, 1e-3)
     bad_chunks: int = 0
 
 
@@ -421,6 +431,8 @@ class Relay:
         self._cache: OrderedDict[bytes, bytes] = OrderedDict()
         self._cache_bytes = 0
         self._store_limiter = trio.CapacityLimiter(_STORE_THREADS)
+        # Chunk bytes pushed to children over the relay's life (all transfers).
+        self.pushed_out_total = 0
 
     # ------------------------------------------------------------------------- lifecycle
 
@@ -926,11 +938,14 @@ class Relay:
                 if data is None:  # pruned under us: the child pulls it elsewhere
                     return "shutdown"
                 hdr = b.PushHeader(op="chunk", job_id=t.job_id, version=t.version, index=i)
+                if t.stats.first_push_at is None:
+                    t.stats.first_push_at = time.monotonic()
                 # Counted as sent before the write returns: the child may acknowledge it first.
                 acks.sent_bytes.append(acks.sent_bytes[-1] + len(data))
                 await self._write(stream, encode_frame(b.encode(hdr), b.MAX_HEADER_BYTES)
                                   + encode_frame(data, MAX_CHUNK_BYTES))
                 t.stats.pushed_out_bytes += len(data)
+                self.pushed_out_total += len(data)
                 if acks.sent < total and self._lagging(t, stripe, key):
                     return "lagging"
             if acks.sent >= total:
@@ -975,6 +990,7 @@ class Relay:
                 if ack.received > acks.count:
                     acks.acked(ack.received)
                     t.cursors[key] = ack.received
+                    t.stats.last_ack_at = time.monotonic()
         except (ProtocolError, BaseLibp2pError, OSError):
             return
         except Exception:  # never let the reader take the sender down with it

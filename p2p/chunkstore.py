@@ -13,6 +13,7 @@ import hashlib
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from echo.p2p.host import EchoHost
@@ -90,20 +91,28 @@ class ChunkStore:
         """Forget all but the newest ``keep_versions`` versions (and any in ``keep``)."""
         vs = self.versions()
         keep = set(keep or ()) | set(vs[-self.keep_versions :])
-        for v in vs:
-            if v not in keep:
-                shutil.rmtree(self.root / str(v), ignore_errors=True)
-        self._index = {k: p for k, p in self._index.items() if p.exists()}
+        dropped = {str(v) for v in vs if v not in keep}
+        for v in dropped:
+            shutil.rmtree(self.root / v, ignore_errors=True)
+        # Entry by entry: a relay's worker thread may be adding chunks meanwhile.
+        for sha, path in list(self._index.items()):
+            if path.parent.name in dropped:
+                self._index.pop(sha, None)
 
 
-def serve_chunks(host: EchoHost, store: ChunkStore) -> None:
-    """Answer ``PROTO_CHUNK`` requests from ``store`` (unknown chunk: a status-1 reply)."""
+def serve_chunks(
+    host: EchoHost, store: ChunkStore, on_served: Callable[[int], None] | None = None
+) -> None:
+    """Answer ``PROTO_CHUNK`` requests from ``store`` (unknown chunk: a status-1 reply);
+    ``on_served(n)`` is told the size of every chunk handed out."""
 
     async def handler(peer_id, data: bytes) -> bytes:
         req = m.decode(m.ChunkRequest, data)
         chunk = store.get(req.sha256)
         if chunk is None:
             raise ProtocolError("chunk not held here", code="no_chunk")
+        if on_served is not None:
+            on_served(len(chunk))
         return chunk
 
     host.set_handler(ids.PROTO_CHUNK, handler, max_request=CHUNK_REQUEST_MAX)

@@ -23,7 +23,8 @@ parent -> children map. Bandwidths are bytes per second.
 :func:`lower_bound_s` is the bound from REFERENCES.md.
 
 :func:`route_for` cuts one node's :class:`~echo.protocol.broadcast.Route` out of a plan and
-:func:`plan_record` turns a plan into its wire record.
+:func:`plan_record` turns a plan into its wire record; :func:`route_from_record` cuts a route
+out of a received record.
 
 Raises ``ValueError`` for bad arguments (negative bandwidths, a source among the nodes, a
 stripe count below 1); nothing else.
@@ -460,6 +461,49 @@ def route_for(
     )
 
 
+def route_from_record(
+    plan: b.BroadcastPlan,
+    addrs: Mapping[str, Sequence[str]],
+    node: str,
+    *,
+    max_sources: int = 32,
+) -> b.Route | None:
+    """``node``'s route in a plan received as a wire record (as :func:`route_for` cuts it from a
+    :class:`TreePlan`); None when the plan does not reach ``node``."""
+    children: list[list[str]] = []
+    members: set[str] = set()
+    for edges in plan.stripes:
+        kids: list[str] = []
+        for e in edges:
+            members.update(e.children)
+            if e.parent == node:
+                kids.extend(e.children)
+        children.append(kids)
+    if node not in members and node != plan.source:
+        return None
+
+    def peer(p: str) -> b.PeerAddr:
+        return b.PeerAddr(peer_id=p, addrs=list(addrs.get(p, ()))[: b.MAX_ADDRS])
+
+    others = sorted(
+        (n for n in members if n != node and n != plan.source),
+        key=lambda n: hashlib.sha256(f"{node}/{n}".encode()).digest(),
+    )
+    return b.Route(
+        job_id=plan.job_id,
+        version=plan.version,
+        stripes=len(plan.stripes),
+        children=[[peer(c) for c in kids] for kids in children],
+        sources=[peer(n) for n in others[:max_sources]],
+        origin=peer(plan.source) if node != plan.source else None,
+    )
+
+
+def route_from_announcement(ann: b.PlanAnnouncement, node: str) -> b.Route | None:
+    """``node``'s route in an announced plan, with the addresses the announcement carries."""
+    return route_from_record(ann.plan, {p.peer_id: list(p.addrs) for p in ann.peers}, node)
+
+
 __all__ = [
     "DEFAULT_MAX_FANOUT",
     "Stripe",
@@ -470,5 +514,7 @@ __all__ = [
     "plan_record",
     "plan_tree",
     "route_for",
+    "route_from_announcement",
+    "route_from_record",
     "star_plan",
 ]

@@ -134,6 +134,17 @@ class BroadcastPlan(Record):
     stripes: list[list[PlanEdge]] = Field(min_length=1, max_length=MAX_STRIPES)
 
 
+class PlanAnnouncement(Record):
+    """Coordinator-signed: version ``version`` is out (``manifest``, the learner-signed
+    envelope) and travels down ``plan``; ``peers`` gives the addresses of everyone in it."""
+
+    job_id: Id
+    version: Version
+    manifest: bytes = Field(max_length=MAX_MANIFEST_ENVELOPE_BYTES)
+    plan: BroadcastPlan
+    peers: list[PeerAddr] = Field(max_length=MAX_PEERS)
+
+
 class BadPeerReport(Record):
     """A node's report of a parent that sent a bad chunk, stalled or broke the protocol."""
 
@@ -157,6 +168,7 @@ __all__ = [
     "HaveReply",
     "HaveRequest",
     "PeerAddr",
+    "PlanAnnouncement",
     "PlanEdge",
     "PushAck",
     "PushHeader",

@@ -2,7 +2,9 @@
 
 # Bump on any incompatible change to a message in echo.protocol.messages; peers with another
 # major version are refused at registration with a clear message.
-PROTOCOL_VERSION = 1
+# 2: versions reach nodes down a coordinator-planned relay tree (Register.addrs, NodeStatus
+#    .upload_bps, StepAck.plan, broadcast.PlanAnnouncement on TOPIC_VERSIONS, PROTO_BAD_PEER).
+PROTOCOL_VERSION = 2
 
 # libp2p stream protocols (request/response, one frame each way).
 PROTO_REGISTER = "/echo/register/1.0.0"  # node -> coordinator
@@ -14,6 +16,9 @@ PROTO_LEARNER_HELLO = "/echo/learner/hello/1.0.0"  # learner -> coordinator: att
 PROTO_LEARNER_BATCH = "/echo/learner/batch/1.0.0"  # learner -> coordinator: take groups
 PROTO_LEARNER_REPORT = "/echo/learner/report/1.0.0"  # learner -> coordinator: publish a version
 PROTO_STATUS = "/echo/status/1.0.0"  # node -> coordinator: heartbeat with held version
+PROTO_BAD_PEER = "/echo/bad-peer/1.0.0"  # node -> coordinator: a relay lied or stalled
 
 # gossipsub topics: small announcements only, never bulk bytes.
-TOPIC_VERSIONS = "echo/versions/1"
+# A coordinator-signed broadcast.PlanAnnouncement per version: the learner-signed manifest and
+# the relay tree that carries it.
+TOPIC_VERSIONS = "echo/versions/2"

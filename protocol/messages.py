@@ -83,6 +83,8 @@ class Register(Record):
     upload_bps: float = Field(ge=0, allow_inf_nan=False)
     download_bps: float = Field(ge=0, allow_inf_nan=False)
     timestamp: float = Field(allow_inf_nan=False)
+    # Where peers reach this node to push versions to it (its listen multiaddrs).
+    addrs: list[ShortStr] = Field(default_factory=list, max_length=8)
 
 
 class TaskRef(Record):
@@ -185,6 +187,8 @@ class NodeStatus(Record):
     state_digest: ShortStr
     tokens_per_s: float = Field(ge=0, allow_inf_nan=False)
     timestamp: float = Field(allow_inf_nan=False)
+    # The node's measured push rate to its relay children (0: not measured yet).
+    upload_bps: float = Field(default=0.0, ge=0, allow_inf_nan=False)
 
 
 # ---------------------------------------------------------------- versions and chunks
@@ -284,6 +288,9 @@ class StepReport(Record):
 class StepAck(Record):
     ok: bool
     message: ShortStr = ""
+    # To a step report: the coordinator-signed broadcast.PlanAnnouncement of the new version
+    # (empty: no plan, nodes pull); the learner pushes to its children in it.
+    plan: bytes = Field(default=b"", max_length=4 << 20)
 
 
 # ---------------------------------------------------------------- packed arrays

@@ -114,6 +114,24 @@ def render(st: dict, nodes: list[dict], elapsed: float) -> Table:
     return t
 
 
+def _median(xs: list[float]) -> float | None:
+    return sorted(xs)[len(xs) // 2] if xs else None
+
+
+def source_bytes(versions: list[dict]) -> list[dict]:
+    """Bytes the learner sent (pushes and pulls) while version v was the newest, next to v's
+    payload: the learner reports its running total with every version. A learner restart resets
+    the total; that interval is left out."""
+    out = []
+    for a, b in zip(versions, versions[1:], strict=False):
+        ta, tb = a["metrics"].get("source_bytes_total"), b["metrics"].get("source_bytes_total")
+        if ta is None or tb is None or tb < ta:
+            continue
+        out.append({"version": a["version"], "kind": a["kind"], "payload_bytes": a["bytes"],
+                    "source_bytes": int(tb - ta)})
+    return out
+
+
 def summarize(st: dict, nodes: list[dict], wall: float) -> dict:
     curve = st["reward_by_version"]
     versions = st["versions"]
@@ -133,11 +151,22 @@ def summarize(st: dict, nodes: list[dict], wall: float) -> dict:
         "engines": sorted(n["engine"] for n in nodes),
         "time_to_all_s": [{"version": v["version"], "s": v["time_to_all_s"]} for v in versions],
         "time_to_all_s_median": sorted(tta)[len(tta) // 2] if tta else None,
-        "source_bytes_per_version": [
-            {"version": v["version"], "kind": v["kind"], "bytes": v["bytes"]} for v in versions
-        ],
+        "source_bytes_per_version": (src := source_bytes(versions)),
+        # Copies of a version the learner's uplink carried (star: one per node).
+        "source_copies_median": _median([x["source_bytes"] / x["payload_bytes"] for x in src
+                                         if x["payload_bytes"]]),
         "wall_s": wall,
     }
+
+
+# Loopback is as fast as memory, so the planner would rightly have the learner send to 3 nodes
+# itself. The demo declares a home-sized learner uplink instead: the plan then puts one node
+# under the learner and has it relay to the others, as a real swarm of many nodes would.
+DEMO_COORDINATOR_TOML = """\
+[broadcast]
+learner_upload_bps = 2.0e6
+default_node_upload_bps = 4.0e6
+"""
 
 
 class Swarm:
@@ -152,12 +181,15 @@ class Swarm:
 
     def start_coordinator(self) -> dict:
         (self.out / "coordinator.json").unlink(missing_ok=True)  # never read a previous run's
+        (self.out / "coordinator.toml").write_text(DEMO_COORDINATOR_TOML)
         coord = start(
             [
                 sys.executable,
                 "-m",
                 "echo.coordinator.cli",
                 "serve",
+                "--config",
+                str(self.out / "coordinator.toml"),
                 "--data-dir",
                 str(self.out / "coordinator"),
                 "--listen",
@@ -328,6 +360,12 @@ def main() -> int:
             f"{summary['rollouts_accepted']} groups accepted, "
             f"{summary['rollouts_rejected']} rejected, {summary['wall_s']:.0f} s"
         )
+        tta, copies = summary["time_to_all_s_median"], summary["source_copies_median"]
+        if tta is not None and copies is not None:
+            console.print(
+                f"weights: median time-to-all {tta:.2f} s per version; the learner sent "
+                f"{copies:.2f} copies of each version to {summary['nodes']} nodes (relay tree)"
+            )
         console.print(f"logs and summary.json in {out}")
         return 0 if summary["status"] == "done" else 1
     finally:

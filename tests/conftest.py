@@ -47,16 +47,17 @@ class Client:
     def seal(self, kind: str, record: m.Record) -> bytes:
         return signing.seal(self.identity.private_key, kind, record.to_obj())
 
-    async def register(self) -> m.RegisterReply:
+    async def register(self, upload_bps: float = 0.0) -> m.RegisterReply:
         reg = m.Register(
             protocol_version=ids.PROTOCOL_VERSION,
             software="test",
             engine="torch",
             hardware=m.Hardware(cpu_count=2, ram_bytes=1 << 30),
             tokens_per_s=0.0,
-            upload_bps=0.0,
+            upload_bps=upload_bps,
             download_bps=0.0,
             timestamp=time.time(),
+            addrs=self.host.listen_multiaddrs,
         )
         return m.decode(
             m.RegisterReply, await self.call(ids.PROTO_REGISTER, self.seal("register", reg))

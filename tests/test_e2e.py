@@ -83,6 +83,11 @@ def test_summary_and_reward_rose(swarm_run: Path) -> None:
     # A mixed swarm where llama.cpp is installed (CI installs it): both engines served the job.
     if importlib.util.find_spec("llama_cpp") is not None:
         assert set(s["engines"]) == {"torch", "llamacpp"}, s["engines"]
+    # Versions went down the relay tree: the learner's uplink carried about one copy of each
+    # version (the demo's plan: learner -> one node -> the other two), where a star needs three.
+    assert s["source_copies_median"] is not None and s["source_copies_median"] < 2.0, s[
+        "source_bytes_per_version"
+    ]
     # The learner was SIGKILLed mid-run; the coordinator restarted it from its checkpoint.
     assert s["learner_killed_at"] is not None
     log = (_job_dir(swarm_run) / "learner.log").read_text()

@@ -1,0 +1,131 @@
+"""The coordinator's side of the relay broadcast: plans from registered nodes' addresses and
+uplinks, bad-relay reports demoting a peer to a leaf, and the signed plan the learner gets back."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from echo.coordinator.dissemination import Dissemination
+from echo.p2p import tree
+from echo.p2p.identity import Identity
+from echo.p2p.rpc import RemoteError
+from echo.protocol import broadcast as b
+from echo.protocol import ids, signing
+from echo.protocol import messages as m
+from tests.conftest import learner_publish_v0, run_with_coordinator, submit_job
+
+MB = 1_000_000
+
+
+def _diss(**ups: float) -> Dissemination:
+    d = Dissemination(learner_upload_bps=2 * MB, default_node_upload_bps=1 * MB)
+    for name, up in ups.items():
+        d.registered(name, [f"/ip4/10.0.0.1/tcp/1/p2p/{name}"], up)
+    return d
+
+
+def _plan(d: Dissemination, nodes, total=64 * MB) -> b.PlanAnnouncement:
+    ann = d.plan("job", 3, b"manifest", total, source="L", source_addrs=["/ip4/1/tcp/1/p2p/L"],
+                 nodes=nodes)
+    assert ann is not None
+    return ann
+
+
+def _edges(ann: b.PlanAnnouncement) -> list[dict[str, list[str]]]:
+    return [{e.parent: list(e.children) for e in s} for s in ann.plan.stripes]
+
+
+def test_plan_reaches_every_node_once_per_stripe_fast_uploaders_inside() -> None:
+    ups = {f"n{i}": (10 if i < 3 else 1) * MB for i in range(12)}
+    ann = _plan(_diss(**ups), list(ups))
+    assert ann.plan.source == "L" and ann.version == 3
+    assert {p.peer_id for p in ann.peers} == {"L", *ups}
+    for stripe in _edges(ann):
+        reached = [c for kids in stripe.values() for c in kids]
+        assert sorted(reached) == sorted(ups)  # everyone exactly once
+    parents = {p for stripe in _edges(ann) for p, kids in stripe.items() if kids} - {"L"}
+    assert parents and parents <= {"n0", "n1", "n2"}  # only fast uploaders forward
+
+
+def test_measured_rate_replaces_the_declared_one_and_unknown_nodes_are_left_out() -> None:
+    d = _diss(a=5 * MB, b=5 * MB)
+    d.measured("a", 1 * MB)
+    assert d.upload_of("a") == 1 * MB and d.upload_of("b") == 5 * MB
+    d.measured("a", 2 * MB)  # smoothed
+    assert 1 * MB < d.upload_of("a") < 2 * MB
+    ann = _plan(d, ["a", "b", "stranger"])  # no registration, no address: not planned
+    assert {p.peer_id for p in ann.peers} == {"L", "a", "b"}
+    assert d.plan("job", 1, b"", 1, source="L", source_addrs=[], nodes=["stranger"]) is None
+
+
+def test_a_relay_reported_for_a_bad_chunk_becomes_a_leaf() -> None:
+    ups = {f"n{i}": 10 * MB for i in range(8)}
+    d = _diss(**ups)
+    before = {p for s in _edges(_plan(d, list(ups))) for p, kids in s.items() if kids}
+    victim = sorted(before - {"L"})[0]
+    report = b.BadPeerReport(job_id="job", version=3, peer_id=victim, reason="bad_chunk",
+                             chunk_index=0)
+    d.reported("n7", report)
+    after = _plan(d, list(ups))
+    for stripe in _edges(after):
+        assert not stripe.get(victim)  # receives, never forwards
+        assert victim in [c for kids in stripe.values() for c in kids]
+    # A stall is not proof of anything: it does not demote.
+    d.reported("n7", b.BadPeerReport(job_id="job", version=3, peer_id="n1", reason="stalled"))
+    assert d.upload_of("n1") == 10 * MB
+
+
+def test_route_from_the_wire_record_matches_the_planner_route() -> None:
+    ups = {f"n{i}": (i + 1) * MB for i in range(10)}
+    plan = tree.best_plan("L", 4 * MB, ups, total_bytes=64 * MB, chunk_bytes=4 * MB)
+    rec = tree.plan_record(plan, "job", 7)
+    addrs = {n: [f"/ip4/10.0.0.{i}/tcp/1/p2p/{n}"] for i, n in enumerate(["L", *ups])}
+    for node in ["L", *ups]:
+        want = tree.route_for(plan, node, addrs, "job", 7)
+        got = tree.route_from_record(rec, addrs, node)
+        assert got is not None
+        assert got.children == want.children and got.origin == want.origin
+        assert got.stripes == want.stripes
+        assert {p.peer_id for p in got.sources} == {p.peer_id for p in want.sources}
+    assert tree.route_from_record(rec, addrs, "outsider") is None
+
+
+def test_learner_gets_a_signed_plan_and_bad_peer_reports_are_heard(tmp_path) -> None:
+    async def body(coord, client) -> None:
+        job_id = submit_job(coord)
+        nodes = [await client() for _ in range(4)]
+        for i, n in enumerate(nodes):
+            await n.register(upload_bps=(4 - i) * MB)
+        ident, _, report = learner_publish_v0(coord, job_id)
+        learner = await client(ident)
+        hello = m.LearnerHello(job_id=job_id, peer_id=str(learner.host.peer_id),
+                               addrs=learner.host.listen_multiaddrs, timestamp=time.time())
+        await learner.call(ids.PROTO_LEARNER_HELLO, learner.seal("learner_hello", hello))
+        ack = m.decode(m.StepAck, await learner.call(
+            ids.PROTO_LEARNER_REPORT, learner.seal("step_report", report)), max_bytes=8 << 20)
+        assert ack.ok and ack.plan
+        env = signing.open_envelope(ack.plan, kind="broadcast_plan", max_bytes=8 << 20,
+                                    expected_signer=coord.identity.public_key_bytes)
+        ann = b.from_obj(b.PlanAnnouncement, env.decode_body())
+        node_ids = {str(n.host.peer_id) for n in nodes}
+        assert ann.plan.source == str(learner.host.peer_id)
+        assert {p.peer_id for p in ann.peers} == node_ids | {ann.plan.source}
+        assert all(p.addrs for p in ann.peers)
+        route = tree.route_from_announcement(ann, ann.plan.source)
+        assert route is not None and any(route.children)
+        # A node reports the fastest node (a relay) for a bad chunk: it is demoted to a leaf.
+        fastest = str(nodes[0].host.peer_id)
+        rep = b.BadPeerReport(job_id=job_id, version=0, peer_id=fastest, reason="bad_chunk")
+        reply = m.decode(m.StepAck, await nodes[1].call(
+            ids.PROTO_BAD_PEER, nodes[1].seal("bad_peer", rep)))
+        assert reply.ok
+        assert coord.dissemination.upload_of(fastest) == 0.0
+        # Reports must come from a registered node, about someone else, signed by the sender.
+        stranger = await client(Identity.generate())
+        with pytest.raises(RemoteError, match="register first"):
+            await stranger.call(ids.PROTO_BAD_PEER, stranger.seal("bad_peer", rep))
+        assert coord.dissemination.upload_of(str(nodes[1].host.peer_id)) == 3 * MB
+
+    run_with_coordinator(tmp_path, body)
