@@ -251,6 +251,7 @@ class AgentProc:
         self.send_ch, self.recv_ch = trio.open_memory_channel[dict](1000)
         self.peer_id = ""
         self.addrs: list[str] = []
+        self.log_path: Path | None = None
 
     async def pump(self) -> None:
         assert self.proc.stdout is not None
@@ -272,7 +273,11 @@ class AgentProc:
                     say(f"    {self.name}: reported {msg['peer'][-8:]} ({msg['reason']})")
                 if msg.get("event") == "timeout":
                     raise RuntimeError(f"agent {self.name} gave up: {msg}")
-        raise RuntimeError(f"agent {self.name} exited while waiting for {event}")
+        tail = ""
+        if self.log_path is not None:
+            with contextlib.suppress(OSError):
+                tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-30:])
+        raise RuntimeError(f"agent {self.name} exited while waiting for {event}:\n{tail}")
 
 
 class CpuMeter:
@@ -391,6 +396,7 @@ class Bench:
             proc = await trio.lowlevel.open_process(argv, stdin=-1, stdout=-1, stderr=log,
                                                     env=env)
             agent = AgentProc(spec.name, proc)
+            agent.log_path = self.workdir / f"{spec.name}.log"
             self.agents[spec.name] = agent
             nursery.start_soon(agent.pump)
         for agent in self.agents.values():

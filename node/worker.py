@@ -56,6 +56,9 @@ BROADCAST_WAIT_S = 30.0
 # Bad-relay reports queued for the coordinator; beyond this they are dropped (a node under
 # attack reports the first ones, the rest add nothing).
 BAD_PEER_QUEUE = 32
+# Versions at least this large get a progress bar while they arrive (small patches take
+# milliseconds; a bar per version would only flicker).
+PROGRESS_MIN_BYTES = 16 << 20
 
 
 def lease_request(lease: m.Lease, prompt_ids: list[int]) -> GenRequest:
@@ -108,6 +111,8 @@ class Node:
         self.announced = -1
         self.report_engine = self.engine_name
         self.relay: Relay | None = None
+        self._bar = None  # rich Progress of a large version being pulled
+        self._bar_task = None
         self.upload_bps = 0.0  # measured push rate to our relay children
         self._bad_peers_in, self._bad_peers_out = trio.open_memory_channel[b.BadPeerReport](
             BAD_PEER_QUEUE
@@ -200,7 +205,7 @@ class Node:
         task = make_task(job.task.name, dict(job.task.params))
         chunks = ChunkStore(cfg.data_dir / "chunks" / job.job_id, keep_versions=job.staleness + 2)
         serve_chunks(host, chunks)
-        sync = WeightSync(host, job, self.coord, chunks)
+        sync = WeightSync(host, job, self.coord, chunks, on_progress=self._pull_progress)
         await sync.add_source_addrs(job.learner_addrs)
         if not sync.sources:
             raise NodeError("cannot reach the job's learner to fetch weights")
@@ -248,7 +253,46 @@ class Node:
         if t is None:
             return
         with trio.move_on_after(BROADCAST_WAIT_S):
-            await t.done.wait()
+            if t.manifest.total_size < PROGRESS_MIN_BYTES:
+                await t.done.wait()
+                return
+            with self._progress() as bar:
+                task = bar.add_task(f"policy v{target} (relay)", total=t.manifest.total_size)
+                while not t.done.is_set():
+                    have = sum(c.size for c, h in zip(t.manifest.chunks, t.have, strict=True) if h)
+                    bar.update(task, completed=have)
+                    with trio.move_on_after(0.25):
+                        await t.done.wait()
+
+    def _progress(self):
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TransferSpeedColumn,
+        )
+
+        return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                        TransferSpeedColumn(), console=self.console, transient=True)
+
+    def _pull_progress(self, version: int, done: int, total: int) -> None:
+        """WeightSync's per-chunk callback: a bar for large versions pulled whole."""
+        if total < PROGRESS_MIN_BYTES:
+            return
+        if self._bar is None:
+            self._bar = self._progress()
+            self._bar.start()
+            self._bar_task = self._bar.add_task(f"policy v{version} (pull)", total=total)
+        self._bar.update(self._bar_task, completed=done, total=total,
+                         description=f"policy v{version} (pull)")
+        if done >= total:
+            self._close_bar()
+
+    def _close_bar(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
 
     async def _sync(self, sync: WeightSync, target: int) -> None:
         """Bring engine and weights to ``target``, riding out a learner restart or a lost peer.
@@ -265,6 +309,7 @@ class Node:
                 changed = await sync.sync_to(target, rebase=rebase)
                 break
             except (WeightError, RpcError, ProtocolError) as exc:
+                self._close_bar()
                 if time.monotonic() - started > SYNC_GIVE_UP_S:
                     raise NodeError(f"cannot get policy v{target}: {exc}") from None
                 self.say(f"[yellow]weights v{target} not available yet[/yellow] ({exc}); retrying")

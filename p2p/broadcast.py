@@ -299,6 +299,7 @@ class Transfer:
         self.inflight: Counter[str] = Counter()
         self.reported: set[tuple[str, str]] = set()
         self.nursery: trio.Nursery | None = None
+        self.started = trio.Event()  # set once ``nursery`` is open (tasks can be started)
         self.pullers_started = False
         self._changed = trio.Event()
         self._want_changed = trio.Event()
@@ -473,6 +474,7 @@ class Relay:
         coordinator assigns it a route (pushes that arrive earlier are accepted meanwhile).
 
         :raises ManifestError: bad manifest for the route's job / version.
+        :raises ProtocolError: (``stale_version``) the version is older than those kept.
         :raises RuntimeError: the relay is not running.
         """
         key = self._key_for(route.job_id)
@@ -480,6 +482,13 @@ class Relay:
         t = self.transfers.get((route.job_id, route.version))
         if t is None:
             t = await self._launch(man, envelope, route.stripes)
+        # A push that arrived first may have created the transfer and still be opening its
+        # nursery (inside _launch, on another task): wait for it.
+        with trio.move_on_after(self.config.hello_timeout_s):
+            await t.started.wait()
+        if not t.started.is_set() or t.dropped.is_set():
+            raise ProtocolError(f"{t.job_id} v{t.version} is older than the versions kept",
+                                code="stale_version")
         if t.route is None:
             t.route = route
             t.stripes = route.stripes
@@ -568,6 +577,7 @@ class Relay:
     async def _transfer_task(self, t: Transfer, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             t.nursery = nursery
+            t.started.set()
             if not t.complete:
                 nursery.start_soon(self._watchdog, t)
             task_status.started()
