@@ -104,16 +104,17 @@ class Coordinator:
             expired = self.store.expire_leases(time.time())
             if expired:
                 self.metrics.leases_expired.inc(expired)
-            self.metrics.nodes_active.set(self._active_node_count())
+            self.metrics.nodes_active.set(len(self._active_nodes()))
             await trio.sleep(1.0)
 
-    def _active_node_count(self) -> int:
+    def _active_nodes(self) -> list:
+        """Nodes heard from within NODE_ACTIVE_S and not excluded (store rows)."""
         now = time.time()
-        return sum(
-            1
+        return [
+            n
             for n in self.store.nodes()
             if not n["excluded"] and now - n["last_seen"] < NODE_ACTIVE_S
-        )
+        ]
 
     # ------------------------------------------------------------------ jobs (HTTP API)
 
@@ -486,17 +487,11 @@ class Coordinator:
         self.dissemination.reported(node_id, report)
         return m.encode(m.StepAck(ok=True))
 
-    def _plan_broadcast(self, job: RunningJob, man: m.Manifest, manifest_env: bytes) -> bytes:
+    def _plan_broadcast(self, man: m.Manifest, manifest_env: bytes) -> bytes:
         """The signed PlanAnnouncement of a new version (empty when there is nobody to plan)."""
         if not self.config.broadcast.enabled:
             return b""
         row = self.store.job(man.job_id)
-        now = time.time()
-        active = [
-            n["node_id"]
-            for n in self.store.nodes()
-            if not n["excluded"] and now - n["last_seen"] < NODE_ACTIVE_S
-        ]
         ann = self.dissemination.plan(
             man.job_id,
             man.version,
@@ -504,21 +499,16 @@ class Coordinator:
             man.total_size,
             source=row["learner_peer_id"],
             source_addrs=json.loads(row["learner_addrs_json"]),
-            nodes=active,
+            nodes=[n["node_id"] for n in self._active_nodes()],
         )
         if ann is None:
             return b""
         return signing.seal(self.identity.private_key, "broadcast_plan", ann.to_obj())
 
     def _check_all_nodes(self, job_id: str, version: int) -> None:
-        now = time.time()
-        active = [
-            n
-            for n in self.store.nodes()
-            if not n["excluded"] and now - n["last_seen"] < NODE_ACTIVE_S
-        ]
+        active = self._active_nodes()
         if active and all(n["version"] >= version for n in active):
-            self.store.mark_all_nodes(job_id, version, now)
+            self.store.mark_all_nodes(job_id, version, time.time())
 
     # ------------------------------------------------------------------ learner handlers
 
@@ -630,7 +620,7 @@ class Coordinator:
             self.store.set_job_status(rep.job_id, "done")
             log.info("job %s done at v%d", rep.job_id, rep.version)
         assert self.host is not None
-        plan = self._plan_broadcast(job, man, rep.manifest)
+        plan = self._plan_broadcast(man, rep.manifest)
         if plan:
             try:
                 await self.host.publish(ids.TOPIC_VERSIONS, plan)

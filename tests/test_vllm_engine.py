@@ -23,8 +23,9 @@ import torch
 
 from echo.models.spec import ModelSpec, build_model
 from echo.models.tokenizer import EOS_ID, VOCAB_SIZE
-from echo.models.weights import export_state, load_state, state_digest
+from echo.models.weights import export_state, state_digest
 from echo.node.engines.base import GenRequest, SamplingParams
+from tests.engine_parity import adamw_versions, max_logprob_error, peaked_model
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(
@@ -40,58 +41,6 @@ SPEC = ModelSpec(heads=2)
 
 
 # ---------------------------------------------------------------------------------- helpers
-
-
-def peaked_model(spec: ModelSpec = SPEC, steps: int = 12, seed: int = 0) -> torch.nn.Module:
-    """A tiny model trained a little on random byte strings where every 4th token is EOS, so
-    its distributions are far from uniform and it stops on its own fairly often."""
-    model = build_model(spec, seed=seed).train()
-    g = torch.Generator().manual_seed(seed)
-    data = torch.randint(3, VOCAB_SIZE, (16, 24), generator=g)
-    data[:, 4::4] = EOS_ID
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
-    for _ in range(steps):
-        loss = model(input_ids=data, labels=data).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model.eval()
-
-
-def adamw_versions(
-    model: torch.nn.Module, n: int, dtype: str = "float32", lr: float = 1e-3, seed: int = 1
-) -> list[dict[str, torch.Tensor]]:
-    """``n`` successive published states, one real AdamW step on random tokens apart."""
-    model.train()
-    g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    out = []
-    for _ in range(n):
-        data = torch.randint(3, VOCAB_SIZE, (8, 16), generator=g)
-        loss = model(input_ids=data, labels=data).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        out.append(export_state(model, dtype))
-    model.eval()
-    return out
-
-
-@torch.inference_mode()
-def max_logprob_error(state: dict[str, torch.Tensor], reqs: list[GenRequest], results) -> float:
-    """Largest |reported - transformers| log-prob (teacher forcing, ``log_softmax(logits / T)``
-    of each completion token after its prompt, float32)."""
-    model = build_model(SPEC)
-    load_state(model, state)
-    worst = 0.0
-    for req, group in zip(reqs, results, strict=True):
-        for c in group:
-            ids = torch.tensor([req.prompt_ids + c.token_ids])
-            logits = model(input_ids=ids).logits[0, len(req.prompt_ids) - 1 : -1].float()
-            lp = torch.log_softmax(logits / (req.params.temperature or 1.0), dim=-1)
-            ref = lp.gather(1, torch.tensor(c.token_ids).unsqueeze(1)).squeeze(1).numpy()
-            worst = max(worst, float(np.max(np.abs(ref - np.array(c.logprobs)))))
-    return worst
 
 
 def requests(
@@ -130,7 +79,7 @@ def tokens_of(results) -> list[list[list[int]]]:
 
 @pytest.fixture(scope="module")
 def peaked() -> torch.nn.Module:
-    return peaked_model()
+    return peaked_model(SPEC)
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +127,7 @@ def test_parity_and_exact_weights_through_a_version_chain(engine, peaked) -> Non
     assert engine.logprobs_before_top_p
     assert engine.state_digest() == state_digest(base)
     reqs = requests(temperature=0.8, top_p=0.9)
-    worst = max_logprob_error(base, reqs, engine.generate(reqs))
+    worst = max_logprob_error(SPEC, base, reqs, engine.generate(reqs))
     assert worst < LOGPROB_TOL, worst
 
     model = copy.deepcopy(peaked)  # trained on below; the fixture stays as it was
@@ -193,10 +142,10 @@ def test_parity_and_exact_weights_through_a_version_chain(engine, peaked) -> Non
         assert engine.state_digest() == state_digest(state), f"version {i}"
         reqs = requests(seed=100 + i, temperature=0.8, top_p=0.9 if i % 2 else 1.0)
         results = engine.generate(reqs)
-        err = max_logprob_error(state, reqs, results)
+        err = max_logprob_error(SPEC, state, reqs, results)
         assert err < LOGPROB_TOL, (i, err)
         worst = max(worst, err)
-        assert max_logprob_error(previous, reqs, results) > 10 * LOGPROB_TOL, "stale weights"
+        assert max_logprob_error(SPEC, previous, reqs, results) > 10 * LOGPROB_TOL, "stale weights"
         previous = state
         rescorer.remember(i, state)
         groups = [
@@ -244,7 +193,7 @@ def test_generation_terminates_correctly(engine, peaked) -> None:
         check_termination(results, reqs)
         if params.temperature == 0:
             assert all(c.token_ids == results[0][0].token_ids for c in results[0])
-            assert max_logprob_error(export_state(peaked), reqs, results) < LOGPROB_TOL
+            assert max_logprob_error(SPEC, export_state(peaked), reqs, results) < LOGPROB_TOL
 
 
 @needs_vllm

@@ -63,6 +63,13 @@ class Engine(ABC):
     """A rollout backend holding one set of weights at a time."""
 
     name: str
+    # tokens, seconds and tokens_per_s of the last generate() call; set by each engine.
+    last_stats: dict[str, float]
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of the last :meth:`generate` call."""
+        return self.last_stats["tokens_per_s"]
 
     @abstractmethod
     def generate(self, requests: list[GenRequest]) -> list[list[Completion]]:

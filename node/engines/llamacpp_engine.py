@@ -362,11 +362,6 @@ class LlamaCppEngine(Engine):
         with contextlib.suppress(Exception):
             self.close()
 
-    @property
-    def tokens_per_s(self) -> float:
-        """Generated tokens per second of the last :meth:`generate` call."""
-        return self.last_stats["tokens_per_s"]
-
     # -- generation ---------------------------------------------------------------------------
 
     def generate(self, requests: list[GenRequest]) -> list[list[Completion]]:

@@ -69,11 +69,6 @@ class TorchEngine(Engine):
     def state_digest(self) -> str:
         return digest_of(export_state(self.model, self._state_dtype))
 
-    @property
-    def tokens_per_s(self) -> float:
-        """Generated tokens per second of the last :meth:`generate` call."""
-        return self.last_stats["tokens_per_s"]
-
     # -- generation ---------------------------------------------------------------------------
 
     @torch.inference_mode()
