@@ -171,8 +171,11 @@ class _Agent:
                 "peer_have": len(t.peer_have), "stats": vars(t.stats)}
             _say_event(event="timeout", version=version, detail=str(exc), state=state)
             return
+        st = t.stats
         _say_event(event="complete", version=version, done_at=t.done_at,
-                   pulled=t.stats.chunks_pulled, bad=t.stats.bad_chunks,
+                   pulled=st.chunks_pulled, bad=st.bad_chunks,
+                   pushed_out=st.pushed_out_bytes, first_push_at=st.first_push_at,
+                   last_ack_at=st.last_ack_at,
                    lagging=sum(1 for s in t.child_state.values() if s == "lagging"))
 
     async def main(self) -> None:
@@ -427,10 +430,11 @@ class Bench:
                               [self.ups[x] for x in names])
         estimate = plan.estimate_s(size, chunk)
         timeout = max(60.0, 4 * max(bound, estimate) + 30)
-        # A generous stall timeout: on a shared machine a starved (not dead) process can go
-        # quiet for many seconds. Star and chain never cut a lagging child, and their nodes may
-        # only fall back on the source, so they stay what they claim to be.
-        cfg: dict[str, Any] = {"stall_timeout_s": 30.0,
+        # The relay's own stall timeout unless --stall-timeout says otherwise (on a machine shared
+        # with busy jobs a starved, not dead, process can go quiet for many seconds). Star and
+        # chain never cut a lagging child, and their nodes may only fall back on the source, so
+        # they stay what they claim to be.
+        cfg: dict[str, Any] = {"stall_timeout_s": self.args.stall_timeout,
                                "max_lag_chunks": 64 if kind == "tree" else 0}
         max_sources = 32 if kind == "tree" else 0
         if self.shaping == "inproc":
@@ -500,9 +504,25 @@ class Bench:
             f"runq-wait/cpu {sched_wait:4.1f}  "
             f"{'ok' if ok else 'BYTES DIFFER'}"
             f"{'  [in-process shaping]' if self.shaping == 'inproc' else ''}")
+        if self.args.per_node:
+            self._say_per_node(plan, names, nodes, done, t0)
         if not ok:
             raise RuntimeError(f"{kind} N={n}: a node's bytes differ from the source's")
         return row
+
+    def _say_per_node(self, plan: TreePlan, names: list[str], nodes: list[AgentProc],
+                      done: list[dict], t0: float) -> None:
+        """One line per node, last finisher last: where a run lost time to the bound."""
+        rows = []
+        for name, a, d in zip(names, nodes, done, strict=True):
+            span = ((d["last_ack_at"] or 0.0) - (d["first_push_at"] or 0.0)) or 0.0
+            rate = d["pushed_out"] / span if span > 0 else 0.0
+            rows.append((d["done_at"] - t0, name, self.ups[name], plan.fanout(a.peer_id),
+                         d["pushed_out"], rate, d["pulled"]))
+        for at, name, up, fan, pushed, rate, pulled in sorted(rows):
+            say(f"      {name} up {up / MB:4.2f} MB/s  children {fan:2d}  done {at:6.2f} s  "
+                f"pushed {pushed / MB:6.2f} MB at {rate / MB:4.2f} MB/s "
+                f"({rate / up if up else 0:4.0%} of uplink)  pulled {pulled}")
 
     async def shutdown(self) -> None:
         for a in self.agents.values():
@@ -619,6 +639,11 @@ def _setup(parser: argparse.ArgumentParser) -> None:
                              "core far longer than they run (see runq-wait/cpu)")
     parser.add_argument("--shaper", choices=netem.SHAPERS, default="htb",
                         help="htb: rate + ACK priority + bulk FIFO; tbf: plain token bucket")
+    parser.add_argument("--stall-timeout", type=float, default=RelayConfig.stall_timeout_s,
+                        help="seconds without data before a child pulls around its parent "
+                             "(raise it on a machine shared with busy jobs)")
+    parser.add_argument("--per-node", action="store_true",
+                        help="print each node's finish time, children and push rate")
     parser.add_argument("--keep-logs", action="store_true",
                         help="keep the agents' logs (INFO level) and stores")
     parser.add_argument("--queue-ms", type=float, default=100.0, help="htb bulk queue length")

@@ -89,7 +89,7 @@ _STREAM_CLOSE_TIMEOUT = 1.0
 _HAVE_REFRESH_S = 1.0
 _HAVE_PARALLEL = 8
 _HAVE_TIMEOUT_S = 5.0
-# An acknowledgement the parent does not take within this is dropped (the next one supersedes).
+# The final acknowledgement of a push, if the parent does not take it within this, is dropped.
 _ACK_TIMEOUT_S = 5.0
 # Per-child push window: the child's acknowledged rate over the last few seconds, times this,
 # between two chunks and RelayConfig.push_window_bytes (see _Acks.window).
@@ -171,6 +171,7 @@ class TransferStats:
     # From the first chunk pushed to the last acknowledged (time.monotonic()): the pushing span.
     first_push_at: float | None = None
     last_ack_at: float | None = None
+    bad_chunks: int = 0
 
     def push_rate_bps(self) -> float:
         """Bytes pushed to children per second of pushing (0 when nothing was pushed). Chunks
@@ -178,7 +179,6 @@ class TransferStats:
         if not self.pushed_out_bytes or self.first_push_at is None or self.last_ack_at is None:
             return 0.0
         return self.pushed_out_bytes / max(self.last_ack_at - self.first_push_at, 1e-3)
-    bad_chunks: int = 0
 
 
 @dataclass(frozen=True)
@@ -778,21 +778,29 @@ class Relay:
 
     async def _ack_writer(self, stream: INetStream, feed: _Feed) -> None:
         """Send the latest received count whenever it changes (coalescing: one write may cover
-        several chunks)."""
+        several chunks).
+
+        A write is never abandoned on a timer: it can wait seconds behind bulk data on the same
+        connection (a TCP flow in retransmission backoff), and an ack given up on would stall
+        the parent's window for good. The feed's scope bounds it (cancelled when the push ends
+        or the watchdog cuts a silent parent); a broken stream ends it."""
         sent = 0
         while True:
             feed.ack_changed = trio.Event()
             if feed.received > sent:
                 sent = feed.received
-                if not await self._ack(stream, sent):
+                try:
+                    await stream.write(encode_frame(b.encode(b.PushAck(received=sent)),
+                                                    b.MAX_HEADER_BYTES))
+                except (BaseLibp2pError, OSError):
                     return
             else:
                 await feed.ack_changed.wait()
 
     @staticmethod
     async def _ack(stream: INetStream, received: int) -> bool:
-        """Tell the parent how many chunks arrived on this stream (best effort: a parent that
-        is gone or has closed its side just does not hear it)."""
+        """Tell the parent how many chunks arrived on this stream, once at the end (best effort:
+        a parent that is gone or has closed its side just does not hear it)."""
         with trio.move_on_after(_ACK_TIMEOUT_S):
             with suppress(BaseLibp2pError, OSError):
                 await stream.write(encode_frame(b.encode(b.PushAck(received=received)),

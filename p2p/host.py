@@ -2,7 +2,8 @@
 
 :func:`open_host` is an async context manager. It builds a py-libp2p host with exactly one
 transport (TCP), one security protocol (Noise: the peer id is authenticated) and one muxer
-(yamux: about 5x mplex's throughput here); QUIC, secio, TLS and plaintext are not offered. The
+(yamux: about 5x mplex's throughput here, in :mod:`echo.p2p.yamux`'s variant whose reader never
+waits to write); QUIC, secio, TLS and plaintext are not offered. The
 host, its pubsub services and all tasks we start run inside the context; leaving it cancels and
 closes them all.
 
@@ -33,7 +34,6 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
-from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 from libp2p.transport.tcp.tcp import TCP
 from multiaddr import Multiaddr
@@ -51,6 +51,7 @@ from echo.p2p.rpc import (
     call,
     serve_stream,
 )
+from echo.p2p.yamux import NonBlockingReaderYamux, install_yamux
 from echo.protocol.limits import MAX_FRAME_BYTES
 
 logger = logging.getLogger(__name__)
@@ -216,6 +217,7 @@ class EchoHost:
 
 
 def _build_libp2p_host(identity: Identity, addrs: Sequence[Multiaddr]) -> IHost:
+    install_yamux()
     keypair = identity.libp2p_keypair()
     # Noise's static DH key is separate from the identity key; the handshake signs it with the
     # identity key, which is what binds the session to our peer id.
@@ -223,7 +225,7 @@ def _build_libp2p_host(identity: Identity, addrs: Sequence[Multiaddr]) -> IHost:
     return new_host(
         key_pair=keypair,
         sec_opt={NOISE_PROTOCOL_ID: noise},
-        muxer_opt={YAMUX_PROTOCOL_ID: Yamux},
+        muxer_opt={YAMUX_PROTOCOL_ID: NonBlockingReaderYamux},
         listen_addrs=list(addrs),
         transports=[TCP()],
     )

@@ -1,0 +1,107 @@
+"""A yamux connection on which reading never waits for writing.
+
+py-libp2p 0.8.1's :class:`~libp2p.stream_muxer.yamux.yamux.Yamux` writes every frame under one
+connection lock, held while the socket takes the frame. Two kinds of writes sit on read paths:
+the connection's reader task answers pings and acknowledges new streams inline, and
+``YamuxStream.read`` sends its window update before it returns the data. Behind a bulk writer
+waiting for room on a shaped uplink both wait, for seconds: the reader stops draining the
+socket (when both peers push bulk data to each other, both readers stop and the connection
+hangs both ways -- the symmetric back-pressure deadlock also reported for rust-yamux), and
+every stream reader on the connection stalls with it, including the one that reads a child's
+acknowledgements. Seen in ``benchmarks/broadcast.py`` at N=16 (task dumps of the agents):
+relays' ``_receive`` and ``_read_acks`` parked on the write lock behind their own pushes until
+the stall timers fired.
+
+:class:`NonBlockingReaderYamux` changes one thing: header-only control frames -- window updates
+with any flags (SYN, ACK, FIN, RST) and pings -- are queued instead of written inline, and a
+separate task of the connection's nursery writes them as soon as the write lock is free, or
+sooner, whichever data writer takes the lock next writes them before its own frame. Order holds
+where it matters: a stream's SYN precedes its first data frame, its FIN follows its last (the
+data write returned before ``close`` queued the FIN). Data frames and GO_AWAY are written as
+before. Past ``MAX_QUEUED_CONTROL_FRAMES`` a writer waits for the lock as before (back-pressure,
+never a dropped frame: a lost window update would stall its stream for good).
+
+py-libp2p's muxer negotiation builds ``Yamux`` by name, whatever class the host was given for
+the yamux protocol, so :func:`install_yamux` points that name at this class;
+:func:`echo.p2p.host.open_host` calls it. It changes every yamux connection of the process,
+which is the point: any of them can carry bulk data both ways.
+
+Owns: one control-writer task per connection, in the connection's own nursery (cancelled with
+it); a write error ends that task quietly (the reader sees the dead connection and cleans up).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+import trio
+from libp2p.stream_muxer import muxer_multistream
+from libp2p.stream_muxer.yamux.yamux import HEADER_SIZE, TYPE_PING, TYPE_WINDOW_UPDATE, Yamux
+
+logger = logging.getLogger(__name__)
+
+# Control frames are 12 bytes; a connection whose socket takes nothing for long enough to queue
+# this many (48 KiB) is better slowed down than grown further.
+MAX_QUEUED_CONTROL_FRAMES = 4096
+_CONTROL_TYPES = (TYPE_WINDOW_UPDATE, TYPE_PING)
+
+
+def _is_control(frame: bytes) -> bool:
+    return len(frame) == HEADER_SIZE and frame[1] in _CONTROL_TYPES
+
+
+class NonBlockingReaderYamux(Yamux):
+    """Yamux whose control frames never wait for the write lock (see the module docstring)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._control: deque[bytes] = deque()
+        self._control_ready = trio.Event()
+        self._control_writer_started = False
+
+    async def _write_frame(self, data: bytes) -> None:
+        if (_is_control(data) and self._nursery is not None
+                and len(self._control) < MAX_QUEUED_CONTROL_FRAMES):
+            self._control.append(data)
+            self._control_ready.set()
+            if not self._control_writer_started:
+                self._control_writer_started = True
+                self._nursery.start_soon(self._control_writer)
+            await trio.lowlevel.checkpoint()
+            return
+        async with self._write_lock:
+            await self._flush_control_locked()
+            await self.secured_conn.write(data)
+        await trio.lowlevel.checkpoint()
+
+    async def _flush_control_locked(self) -> None:
+        if not self._control:
+            return
+        frames = b"".join(self._control)
+        self._control.clear()
+        await self.secured_conn.write(frames)
+
+    async def _control_writer(self) -> None:
+        while not self.event_shutting_down.is_set():
+            await self._control_ready.wait()
+            self._control_ready = trio.Event()
+            try:
+                async with self._write_lock:
+                    await self._flush_control_locked()
+            except Exception as exc:  # the connection is gone; its reader reports why
+                logger.debug("yamux %s: control writer stops: %r", self.peer_id, exc)
+                return
+
+
+def install_yamux() -> None:
+    """Make py-libp2p build :class:`NonBlockingReaderYamux` for every yamux connection of this
+    process (idempotent; raises ``RuntimeError`` if py-libp2p no longer builds yamux by name)."""
+    current = getattr(muxer_multistream, "Yamux", None)
+    if current is NonBlockingReaderYamux:
+        return
+    if current is not Yamux:
+        raise RuntimeError(
+            "libp2p.stream_muxer.muxer_multistream no longer builds Yamux by name; "
+            "echo.p2p.yamux needs updating for this py-libp2p version")
+    muxer_multistream.Yamux = NonBlockingReaderYamux

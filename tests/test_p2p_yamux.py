@@ -1,0 +1,79 @@
+"""Reading a yamux connection never waits for its writer (echo.p2p.yamux).
+
+A writer stuck on the connection's write lock is what a full send buffer on a shaped uplink
+looks like. Stock py-libp2p yamux then stops reading: the connection's reader waits to answer a
+ping, and ``stream.read`` waits to send its window update.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import trio
+from libp2p.custom_types import TProtocol
+from libp2p.stream_muxer.yamux.yamux import FLAG_SYN, TYPE_PING, YAMUX_HEADER_FORMAT
+
+from echo.p2p.host import open_host
+from echo.p2p.identity import Identity
+from echo.p2p.yamux import NonBlockingReaderYamux
+
+PROTO = TProtocol("/echo/test/sink/1")
+DEADLINE_S = 30.0
+
+
+def test_reads_and_pongs_do_not_wait_for_a_stuck_writer() -> None:
+    opened: list[object] = []
+    got: list[bytes] = []
+    arrived = trio.Event()
+
+    async def sink(stream) -> None:
+        opened.append(stream)
+        while data := await stream.read(1024):
+            got.append(data)
+            arrived.set()
+
+    async def body() -> None:
+        nonlocal arrived
+        async with open_host(Identity.generate(), pubsub=False) as a, open_host(
+            Identity.generate(), pubsub=False
+        ) as b:
+            a.libp2p.set_stream_handler(PROTO, sink)
+            await b.connect(a.listen_multiaddrs[0])
+            stream = await b.libp2p.new_stream(a.peer_id, [PROTO])
+            await stream.write(b"first")
+            await arrived.wait()
+            a_conn, b_conn = opened[0].muxed_conn, stream.muxed_conn
+            assert isinstance(a_conn, NonBlockingReaderYamux)
+
+            release = trio.Event()
+            held = trio.Event()
+
+            async def stuck_writer() -> None:
+                async with a_conn._write_lock:  # a data writer waiting on a full socket
+                    held.set()
+                    await release.wait()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(stuck_writer)
+                await held.wait()
+                # b pings a (a's reader must answer), then sends more data on the stream
+                # (a's stream.read sends a window update for it).
+                b_conn._ping_event = trio.Event()
+                await b_conn._write_frame(
+                    struct.pack(YAMUX_HEADER_FORMAT, 0, TYPE_PING, FLAG_SYN, 0, 7777))
+                arrived = trio.Event()
+                await stream.write(b"second")
+                with trio.fail_after(5):  # stock yamux: stuck behind the writer
+                    await arrived.wait()
+                assert got == [b"first", b"second"]
+                assert not b_conn._ping_event.is_set()  # the pong waits for the writer ...
+                release.set()
+                with trio.fail_after(5):
+                    await b_conn._ping_event.wait()  # ... and goes out once it is free
+            await stream.close()
+
+    async def main() -> None:
+        with trio.fail_after(DEADLINE_S):
+            await body()
+
+    trio.run(main)
