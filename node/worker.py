@@ -14,6 +14,7 @@ peers meanwhile; every network wait has a timeout.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from collections import Counter
@@ -48,6 +49,8 @@ NO_JOB_RETRY_S = 3.0
 # A learner restart takes a few seconds; a node waits this long for weights before giving up.
 SYNC_GIVE_UP_S = 300.0
 SOFTWARE = "echo-swarm/0.1.0"
+# Stopping an engine's worker processes (vLLM's shutdown waits up to 2 s per process).
+ENGINE_CLOSE_TIMEOUT_S = 10.0
 # A lease reply can announce a version before its plan arrives by gossip: wait this long for the
 # push to start before pulling, then this long for the relay (which pulls around stalls itself)
 # to complete the version before falling back to pulling it whole.
@@ -146,7 +149,15 @@ class Node:
                 ) from None
             self.coord_key = public_key_from_peer_id(self.coord)
             job = await self._register()
-            await self._serve_job(host, job)
+            try:
+                await self._serve_job(host, job)
+            finally:
+                # vLLM runs worker processes: stop them here rather than leave them to be
+                # force-killed at interpreter exit.
+                engine, self.engine = self.engine, None
+                if engine is not None:
+                    with trio.CancelScope(shield=True), trio.move_on_after(ENGINE_CLOSE_TIMEOUT_S):
+                        await trio.to_thread.run_sync(engine.close, abandon_on_cancel=True)
 
     def _register_record(self) -> m.Register:
         return m.Register(
@@ -340,16 +351,19 @@ class Node:
                 await sync.add_source_addrs(job.learner_addrs)
 
     def _save_weights(self, sync: WeightSync) -> None:
+        """--keep-weights: the version's tensors, and beside them the digest the engine computes
+        from the weights it actually holds (read back from vLLM's workers, llama.cpp's GGUF),
+        so a run can be checked bit for bit after the fact."""
         from echo.models.weights import state_to_bytes
 
+        assert self.engine is not None
         path = self.cfg.data_dir / "policy.safetensors"
         tmp = path.with_suffix(".tmp")
         tmp.write_bytes(state_to_bytes(sync.state))
         tmp.replace(path)
-        (self.cfg.data_dir / "policy.json").write_text(
-            f'{{"job_id": "{sync.job.job_id}", "version": {sync.version}, '
-            f'"state_digest": "{sync.digest}"}}\n'
-        )
+        meta = {"job_id": sync.job.job_id, "version": sync.version, "state_digest": sync.digest,
+                "engine": self.engine_name, "engine_state_digest": self.engine.state_digest()}
+        (self.cfg.data_dir / "policy.json").write_text(json.dumps(meta) + "\n")
 
     def _measure_upload(self) -> float:
         """Our push rate in the newest transfer where we pushed (kept from earlier ones)."""

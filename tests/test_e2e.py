@@ -20,6 +20,7 @@ from echo.protocol import signing
 from echo.protocol.jobspec import JobSpec
 
 ROOT = Path(__file__).resolve().parent.parent
+VLLM_READY = ROOT / ".venv-vllm" / ".echo-vllm-installed"
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
@@ -80,9 +81,15 @@ def test_summary_and_reward_rose(swarm_run: Path) -> None:
     last = max(sum(curve[i : i + 5]) / 5 for i in range(5, len(curve) - 4))
     assert last > first + 0.1, (first, last, curve)
     assert s["rollouts_rejected"] <= 0.005 * max(1, s["rollouts_accepted"]) + 1
-    # A mixed swarm where llama.cpp is installed (CI installs it): both engines served the job.
+    # A mixed swarm: one node per engine this machine has (CI installs llama.cpp, and vLLM in
+    # .venv-vllm), each of which served the job.
+    expected = {"torch"}
     if importlib.util.find_spec("llama_cpp") is not None:
-        assert set(s["engines"]) == {"torch", "llamacpp"}, s["engines"]
+        expected.add("llamacpp")
+    if VLLM_READY.exists():
+        expected.add("vllm")
+    assert set(s["engines"]) == expected, s["engines"]
+    assert all(s["accepted_by_engine"][e] > 0 for e in expected), s["accepted_by_engine"]
     # Versions went down the relay tree: the learner's uplink carried about one copy of each
     # version (the demo's plan: learner -> one node -> the other two), where a star needs three.
     assert s["source_copies_median"] is not None and s["source_copies_median"] < 2.0, s[
@@ -137,6 +144,9 @@ def test_node_weights_are_bit_identical_to_the_learner(swarm_run: Path) -> None:
         node_state = state_from_bytes((swarm_run / f"node-{i}" / "policy.safetensors").read_bytes())
         assert meta["version"] == final, (i, meta)
         assert state_digest(node_state) == meta["state_digest"] == published[final]
+        # ... and so do the weights inside its engine (torch, llama.cpp or vLLM), as the engine
+        # itself reads them back.
+        assert meta["engine_state_digest"] == published[final], meta
         node_bits = to_bits(node_state)
         assert node_bits.keys() == learner_bits.keys()
         for k in learner_bits:

@@ -79,6 +79,11 @@ class Engine(ABC):
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         """Replace the weights with ``state`` (an ``echo.models.weights`` state)."""
 
+    def close(self) -> None:
+        """Release what the engine holds outside this process's memory (worker processes,
+        temporary files). Idempotent; the default holds nothing of the kind."""
+        return None
+
     @abstractmethod
     def state_digest(self) -> str:
         """``echo.models.weights.state_digest`` of the weights the engine holds now, computed from
