@@ -35,13 +35,10 @@ them); and every task it starts, all inside the nursery of :meth:`Relay.run` /
 :func:`open_relay` (cancelled on exit). It does not own the host or the store; it never deletes
 chunks itself (:meth:`Relay.prune_store` asks ``ChunkStore.prune``, keeping versions in flight).
 
-Known limit (py-libp2p 0.8.1 yamux): the connection's reader task answers pings and stream opens
-by writing inline. When two peers push bulk data to each other over one connection (striped
-trees make interior nodes of different stripes do exactly that) and both send buffers are full,
-both readers can block on those writes and the connection stops both ways -- the symmetric
-back-pressure deadlock also reported for rust-yamux. The small per-child window makes it rare;
-when it happens both sides see a stall, report it and pull around it. The lasting fix is the bulk
-side channel REFERENCES.md describes (or a yamux whose reader never waits on the socket).
+Connections: py-libp2p 0.8.1's yamux made reads wait behind bulk writes on the same connection
+(window updates, pongs, stream ACKs), which stalled, and with pushes both ways deadlocked,
+connections that striped trees load in both directions; :mod:`echo.p2p.yamux` removes that. A
+stall that remains (a TCP flow that stops) is seen by the watchdog and pulled around.
 
 Errors: :meth:`Relay.start` raises :class:`ManifestError` (a ``ProtocolError``) for a manifest that
 is not signed by the job's learner key or breaks limits; :meth:`Relay.wait` raises
