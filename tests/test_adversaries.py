@@ -20,7 +20,7 @@ from tests.adversaries import EXPECTED
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-from local_swarm import JOB_TOML, Swarm  # noqa: E402
+from local_swarm import HEADS, JOB_TOML, Swarm  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 HONEST = 3
@@ -46,6 +46,7 @@ def adversarial_run(tmp_path_factory) -> Path:
                 max_operand=5,
                 lr=1e-3,
                 warmup=30,
+                heads=HEADS,
             )
         )
         for i in range(HONEST):
