@@ -174,8 +174,7 @@ class _Agent:
         st = t.stats
         _say_event(event="complete", version=version, done_at=t.done_at,
                    pulled=st.chunks_pulled, bad=st.bad_chunks,
-                   pushed_out=st.pushed_out_bytes, first_push_at=st.first_push_at,
-                   last_ack_at=st.last_ack_at,
+                   pushed_out=st.pushed_out_bytes, push_rate=st.push_rate_bps(),
                    lagging=sum(1 for s in t.child_state.values() if s == "lagging"))
 
     async def main(self) -> None:
@@ -515,10 +514,8 @@ class Bench:
         """One line per node, last finisher last: where a run lost time to the bound."""
         rows = []
         for name, a, d in zip(names, nodes, done, strict=True):
-            span = ((d["last_ack_at"] or 0.0) - (d["first_push_at"] or 0.0)) or 0.0
-            rate = d["pushed_out"] / span if span > 0 else 0.0
             rows.append((d["done_at"] - t0, name, self.ups[name], plan.fanout(a.peer_id),
-                         d["pushed_out"], rate, d["pulled"]))
+                         d["pushed_out"], d["push_rate"], d["pulled"]))
         for at, name, up, fan, pushed, rate, pulled in sorted(rows):
             say(f"      {name} up {up / MB:4.2f} MB/s  children {fan:2d}  done {at:6.2f} s  "
                 f"pushed {pushed / MB:6.2f} MB at {rate / MB:4.2f} MB/s "

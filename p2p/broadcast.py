@@ -787,21 +787,23 @@ class Relay:
             if feed.received > sent:
                 sent = feed.received
                 try:
-                    await stream.write(encode_frame(b.encode(b.PushAck(received=sent)),
-                                                    b.MAX_HEADER_BYTES))
+                    await stream.write(self._ack_frame(sent))
                 except (BaseLibp2pError, OSError):
                     return
             else:
                 await feed.ack_changed.wait()
 
     @staticmethod
-    async def _ack(stream: INetStream, received: int) -> bool:
+    def _ack_frame(received: int) -> bytes:
+        return encode_frame(b.encode(b.PushAck(received=received)), b.MAX_HEADER_BYTES)
+
+    @classmethod
+    async def _ack(cls, stream: INetStream, received: int) -> bool:
         """Tell the parent how many chunks arrived on this stream, once at the end (best effort:
         a parent that is gone or has closed its side just does not hear it)."""
         with trio.move_on_after(_ACK_TIMEOUT_S):
             with suppress(BaseLibp2pError, OSError):
-                await stream.write(encode_frame(b.encode(b.PushAck(received=received)),
-                                                b.MAX_HEADER_BYTES))
+                await stream.write(cls._ack_frame(received))
                 return True
         return False
 

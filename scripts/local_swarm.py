@@ -316,7 +316,8 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     console = Console()
     engines = node_engines(args.engines)
-    if "vllm" in engines[: args.nodes] and not VLLM_READY.exists():
+    with_vllm = "vllm" in engines[: args.nodes]  # nodes take engines in turn
+    if with_vllm and not VLLM_READY.exists():
         console.print("[red]vLLM nodes need .venv-vllm: run scripts/vllm_env.sh first[/red]")
         return 2
     t0 = time.time()
@@ -337,7 +338,7 @@ def main() -> int:
                 max_operand=args.max_operand,
                 lr=args.lr,
                 warmup=args.warmup,
-                heads=VLLM_HEADS if "vllm" in engines[: args.nodes] else HEADS,
+                heads=VLLM_HEADS if with_vllm else HEADS,
             )
         )
         console.print(f"submitted job {job_id}; starting {args.nodes} nodes "

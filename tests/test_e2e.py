@@ -3,7 +3,6 @@ three nodes), driven by scripts/local_swarm.py exactly as the demo runs them."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sqlite3
 import subprocess
@@ -20,7 +19,9 @@ from echo.protocol import signing
 from echo.protocol.jobspec import JobSpec
 
 ROOT = Path(__file__).resolve().parent.parent
-VLLM_READY = ROOT / ".venv-vllm" / ".echo-vllm-installed"
+sys.path.insert(0, str(ROOT / "scripts"))
+from local_swarm import node_engines  # noqa: E402
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
@@ -83,11 +84,7 @@ def test_summary_and_reward_rose(swarm_run: Path) -> None:
     assert s["rollouts_rejected"] <= 0.005 * max(1, s["rollouts_accepted"]) + 1
     # A mixed swarm: one node per engine this machine has (CI installs llama.cpp, and vLLM in
     # .venv-vllm), each of which served the job.
-    expected = {"torch"}
-    if importlib.util.find_spec("llama_cpp") is not None:
-        expected.add("llamacpp")
-    if VLLM_READY.exists():
-        expected.add("vllm")
+    expected = set(node_engines("mixed"))
     assert set(s["engines"]) == expected, s["engines"]
     assert all(s["accepted_by_engine"][e] > 0 for e in expected), s["accepted_by_engine"]
     # Versions went down the relay tree: the learner's uplink carried about one copy of each
