@@ -2,9 +2,11 @@
 
 Every host is a real process -- one EchoHost (TCP + Noise + yamux) and one Relay
 (``echo.p2p.broadcast``) -- in its own network namespace from ``scripts/netem.py``, its upload
-and download shaped by tc (htb with ACK priority by default, ``--shaper tbf`` for a plain token
-bucket). For each node count N and payload size M the source publishes a fresh signed version
-(128 KiB chunks) and pushes it along three plans from ``echo.p2p.tree``:
+and download shaped by tc: by default htb with ACK priority and one FIFO per peer served
+round-robin, as a router with per-flow fair queueing (fq_codel, cake) does (``--shaper htb``:
+one shared drop-tail FIFO; ``--shaper tbf``: a plain token bucket). For each node count N and
+payload size M the source publishes a fresh signed version (128 KiB chunks) and pushes it
+along three plans from ``echo.p2p.tree``:
 
 - ``star``: the source sends to every node itself (time grows linearly with N);
 - ``chain``: source -> fastest -> ... -> slowest;
@@ -172,7 +174,7 @@ class _Agent:
             _say_event(event="timeout", version=version, detail=str(exc), state=state)
             return
         st = t.stats
-        _say_event(event="complete", version=version, done_at=t.done_at,
+        _say_event(event="complete", version=version, done_at=t.done_at, **_timeline(t),
                    pulled=st.chunks_pulled, bad=st.bad_chunks,
                    pushed_out=st.pushed_out_bytes, push_rate=st.push_rate_bps(),
                    lagging=sum(1 for s in t.child_state.values() if s == "lagging"))
@@ -208,6 +210,10 @@ class _Agent:
                         _say_event(event="routed", version=route.version, t0=t0)
                         if cmd.get("watch", True):
                             nursery.start_soon(self._watch, route.version, cmd["timeout"])
+                    elif op == "timeline":
+                        assert self.relay is not None
+                        t = self.relay.transfer(JOB, cmd["version"])
+                        _say_event(event="timeline", **({} if t is None else _timeline(t)))
                     elif op == "verify":
                         assert self.relay is not None
                         t = self.relay.transfer(JOB, cmd["version"])
@@ -216,6 +222,17 @@ class _Agent:
                         self.store.prune()
                         _say_event(event="verified", version=cmd["version"], sha=sha)
                 nursery.cancel_scope.cancel()
+
+
+def _timeline(t) -> dict[str, Any]:
+    """When each stripe's first and last chunk arrived here, and when each child last
+    acknowledged (time.monotonic(), for --per-node)."""
+    stripes: dict[int, list[float]] = {}
+    for i, at in zip(t.order, t.arrived_at, strict=True):
+        first_last = stripes.setdefault(t.stripe_of(i), [at, at])
+        first_last[1] = at
+    return {"stripe_times": {str(s): v for s, v in sorted(stripes.items())},
+            "acked_at": [[s, c, at] for (s, c), at in t.acked_at.items()]}
 
 
 def agent_entry(argv: Sequence[str]) -> None:
@@ -504,14 +521,26 @@ class Bench:
             f"{'ok' if ok else 'BYTES DIFFER'}"
             f"{'  [in-process shaping]' if self.shaping == 'inproc' else ''}")
         if self.args.per_node:
-            self._say_per_node(plan, names, nodes, done, t0)
+            await src.send(cmd="timeline", version=v)
+            src_line = await src.expect("timeline", COMMAND_TIMEOUT_S)
+            self._say_per_node(plan, names, nodes, done, t0, src_line)
         if not ok:
             raise RuntimeError(f"{kind} N={n}: a node's bytes differ from the source's")
         return row
 
     def _say_per_node(self, plan: TreePlan, names: list[str], nodes: list[AgentProc],
-                      done: list[dict], t0: float) -> None:
-        """One line per node, last finisher last: where a run lost time to the bound."""
+                      done: list[dict], t0: float, src_line: dict) -> None:
+        """One line per node, last finisher last: where a run lost time to the bound; then
+        when each stripe's last chunk reached each node and each child's last acknowledgement
+        to the source."""
+        short = {a.peer_id: name for name, a in zip(names, nodes, strict=True)}
+        src_acks = sorted((at - t0, s, short.get(c, c[-6:]))
+                          for s, c, at in src_line.get("acked_at", []))
+        say("      source's children, last ack: " + "  ".join(
+            f"{c}/s{s} {at:5.1f}" for at, s, c in src_acks))
+        for name, d in zip(names, done, strict=True):
+            say(f"      {name} stripes (first-last chunk): " + "  ".join(
+                f"s{s} {a - t0:4.1f}-{z - t0:4.1f}" for s, (a, z) in d["stripe_times"].items()))
         rows = []
         for name, a, d in zip(names, nodes, done, strict=True):
             rows.append((d["done_at"] - t0, name, self.ups[name], plan.fanout(a.peer_id),
@@ -590,7 +619,8 @@ def summarize(args: argparse.Namespace, rows: list[dict[str, Any]], shaping: str
         cands = [r for r in cands if r["size_mb"] in common] or cands
         return max(cands, key=lambda r: r["size_mb"]) if cands else None
 
-    result: dict[str, Any] = {"shaping": shaping, "latency_emulated": False, "n": n_max}
+    result: dict[str, Any] = {"shaping": shaping, "shaper": args.shaper,
+                              "latency_emulated": False, "n": n_max}
     for kind in ("tree", "star", "chain"):
         r = at(kind)
         if r is not None:
@@ -634,8 +664,10 @@ def _setup(parser: argparse.ArgumentParser) -> None:
                         help="run the agents at this nice level (negative needs root): on a "
                              "machine shared with busy jobs, the agents otherwise wait for a "
                              "core far longer than they run (see runq-wait/cpu)")
-    parser.add_argument("--shaper", choices=netem.SHAPERS, default="htb",
-                        help="htb: rate + ACK priority + bulk FIFO; tbf: plain token bucket")
+    parser.add_argument("--shaper", choices=netem.SHAPERS, default="htb-fq",
+                        help="htb-fq: rate + ACK priority + a FIFO per peer, served round-robin "
+                             "(a router with per-flow fair queueing); htb: one shared bulk "
+                             "FIFO (drop-tail); tbf: plain token bucket")
     parser.add_argument("--stall-timeout", type=float, default=RelayConfig.stall_timeout_s,
                         help="seconds without data before a child pulls around its parent "
                              "(raise it on a machine shared with busy jobs)")

@@ -278,6 +278,9 @@ class Transfer:
         self.have = [False] * self.n
         self.n_have = 0
         self.order: list[int] = []  # indices in the order they became available here
+        self.arrived_at: list[float] = []  # time.monotonic() of each entry of ``order``
+        # Per push (stripe, child): when the child last acknowledged (time.monotonic()).
+        self.acked_at: dict[tuple[int, str], float] = {}
         self.done = trio.Event()
         self.dropped = trio.Event()
         self.created = time.monotonic()
@@ -322,6 +325,7 @@ class Transfer:
         self.bitmap[index >> 3] |= 1 << (index & 7)
         self.n_have += 1
         self.order.append(index)
+        self.arrived_at.append(time.monotonic())
         self.want.discard(index)
         self._changed.set()
         self._changed = trio.Event()
@@ -1007,7 +1011,7 @@ class Relay:
                 if ack.received > acks.count:
                     acks.acked(ack.received)
                     t.cursors[key] = ack.received
-                    t.stats.last_ack_at = time.monotonic()
+                    t.stats.last_ack_at = t.acked_at[key] = time.monotonic()
         except (ProtocolError, BaseLibp2pError, OSError):
             return
         except Exception:  # never let the reader take the sender down with it

@@ -10,14 +10,20 @@ one emulated host to another -- never off the machine.
 Shaping, per host and direction (rates in bytes per second), on the veth end where packets
 leave: the host's own end for upload, the bridge-side end for download.
 
-- ``htb`` (default): one HTB class at the link rate with two children: TCP packets under 128
+- ``htb``: one HTB class at the link rate with two children: TCP packets under 128
   bytes (ACKs, window updates) in a priority class, everything else in a bulk class whose FIFO
   holds about 100 ms (at least 256 KiB). Like a home router with upstream ACK priority: without
   it a saturated upload delays the ACKs of everything the host downloads by the whole queue,
   and TCP recovers from a loss at a crawl (bufferbloat), which is not what we mean to measure.
+- ``htb-fq`` (default): as ``htb``, but the bulk class is split into
+  one class per other host (by destination IP on upload, source IP on download), each with its
+  own FIFO, sharing the link round-robin -- like a router with per-flow fair queueing
+  (fq_codel, cake), which this kernel lacks as qdiscs. With one FIFO shared by a dozen flows,
+  drop-tail losses land on a few flows at a time and their retransmission timeouts back off
+  for seconds while the others take the link, so a parent's children start seconds apart.
 - ``tbf``: a plain token bucket (10 ms bucket, at least 128 KiB; 100 ms queue, at least
   256 KiB) -- simpler, and bufferbloat included.
-- Both: the veths' GSO packets are capped at 16 KiB so a queue of 100 ms still holds several of
+- All: the veths' GSO packets are capped at 16 KiB so a queue of 100 ms still holds several of
   them at the slowest rates.
 - Latency: netem as the leaf of the (upload) classes, *when the kernel has sch_netem*. If it
   does not, ``up`` says so on stderr and records ``delay_ms: "unsupported"``; nothing else
@@ -67,7 +73,10 @@ _HTB_MIN_QUEUE = 256 * 1024
 _GSO_MAX = 16 * 1024
 # u32 match: IPv4 protocol TCP and total length < 128 bytes (pure ACKs, small control frames).
 _SMALL_TCP = ["match", "ip", "protocol", "6", "0xff", "match", "u16", "0x0000", "0xff80", "at", "2"]
-SHAPERS = ("htb", "tbf")
+SHAPERS = ("htb", "htb-fq", "tbf")
+# htb-fq: every per-peer class gets the same quantum, so backlogged peers share the link equally;
+# above a veth GSO packet (16 KiB plus headers) so each turn sends at least one whole packet.
+_FQ_QUANTUM = 18000
 _CMD_TIMEOUT_S = 20.0
 _NAME_MAX = 15  # Linux interface names
 
@@ -137,8 +146,10 @@ def _tbf(rate_bps: float) -> list[str]:
 
 
 def _shape(tc: list[str], dev: str, rate_bps: float, shaper: str, delay_ms: float,
-           queue_s: float = _QUEUE_S) -> None:
-    """Shape egress of ``dev`` (``tc`` is the tc prefix, with ``-n NS`` for a namespace)."""
+           queue_s: float = _QUEUE_S, peers: Sequence[tuple[str, str]] = ()) -> None:
+    """Shape egress of ``dev`` (``tc`` is the tc prefix, with ``-n NS`` for a namespace).
+
+    ``peers`` (``htb-fq`` only): ``("dst" | "src", ip)`` per other host, one bulk class each."""
     rate = f"{int(rate_bps * 8)}bit"
     if shaper == "tbf":
         if delay_ms > 0:
@@ -156,19 +167,33 @@ def _shape(tc: list[str], dev: str, rate_bps: float, shaper: str, delay_ms: floa
           "rate", rate, "ceil", rate])
     _run([*tc, "class", "add", "dev", dev, "parent", "1:1", "classid", "1:10", "htb",
           "rate", small, "ceil", rate, "prio", "0"])
+    leaves = [("1:10", "10:", None), ("1:20", "20:", None)]
     _run([*tc, "class", "add", "dev", dev, "parent", "1:1", "classid", "1:20", "htb",
           "rate", bulk, "ceil", rate, "prio", "1"])
-    if delay_ms > 0:
-        for leaf, limit in (("10:", "1000"), ("20:", str(max(64, queue // 1500)))):
-            _run([*tc, "qdisc", "add", "dev", dev, "parent", f"1:{leaf[:-1]}", "handle", leaf,
+    if shaper == "htb-fq":
+        share = f"{max(8, int(rate_bps * 0.9 * 8 / max(1, len(peers))))}bit"
+        for j, (field_, ip) in enumerate(peers):
+            cls = f"1:{0x100 + j:x}"
+            _run([*tc, "class", "add", "dev", dev, "parent", "1:1", "classid", cls, "htb",
+                  "rate", share, "ceil", rate, "prio", "1", "quantum", str(_FQ_QUANTUM)])
+            leaves.append((cls, f"{0x100 + j:x}:", (field_, ip)))
+    for cls, handle, _ in leaves:
+        limit = "1000" if handle == "10:" else str(max(64, queue // 1500))
+        if delay_ms > 0:
+            _run([*tc, "qdisc", "add", "dev", dev, "parent", cls, "handle", handle,
                   "netem", "delay", f"{delay_ms}ms", "limit", limit])
-    else:
-        _run([*tc, "qdisc", "add", "dev", dev, "parent", "1:10", "handle", "10:", "pfifo",
-              "limit", "1000"])
-        _run([*tc, "qdisc", "add", "dev", dev, "parent", "1:20", "handle", "20:", "bfifo",
-              "limit", str(queue)])
+        elif handle == "10:":
+            _run([*tc, "qdisc", "add", "dev", dev, "parent", cls, "handle", handle, "pfifo",
+                  "limit", "1000"])
+        else:
+            _run([*tc, "qdisc", "add", "dev", dev, "parent", cls, "handle", handle, "bfifo",
+                  "limit", str(queue)])
     _run([*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
           "u32", *_SMALL_TCP, "flowid", "1:10"])
+    for cls, _, match in leaves:
+        if match is not None:
+            _run([*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio",
+                  "2", "u32", "match", "ip", match[0], f"{match[1]}/32", "flowid", cls])
 
 
 def available(prefix: str = "echk") -> tuple[bool, str]:
@@ -209,7 +234,7 @@ def up(
     subnet: str = DEFAULT_SUBNET,
     quiet: bool = False,
     sysctls: Sequence[str] = (),
-    shaper: str = "htb",
+    shaper: str = "htb-fq",
     queue_s: float = _QUEUE_S,
     gso_max: int = _GSO_MAX,
 ) -> list[HostInfo]:
@@ -261,8 +286,10 @@ def up(
                           f"({h.delay_ms} ms asked), bandwidth shaping only", file=sys.stderr)
             applied = h.delay_ms if delay_ok else 0.0
             # Upload where it leaves the host, download where the bridge hands it over.
-            _shape(["tc", "-n", ns], inner, h.up_bps, shaper, applied, queue_s)
-            _shape(["tc"], outer, h.down_bps, shaper, 0.0, queue_s)
+            others = [str(net.network_address + j + 2) for j in range(len(hosts)) if j != i]
+            _shape(["tc", "-n", ns], inner, h.up_bps, shaper, applied, queue_s,
+                   [("dst", o) for o in others])
+            _shape(["tc"], outer, h.down_bps, shaper, 0.0, queue_s, [("src", o) for o in others])
             infos.append(HostInfo(h.name, ns, ip, h.up_bps, h.down_bps, delay, inner, outer))
         _state_path(prefix).write_text(json.dumps([asdict(i) for i in infos], indent=1))
     except BaseException:
@@ -332,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p_up = sub.add_parser("up", help="create hosts")
     p_up.add_argument("--hosts", nargs="+", required=True, help="NAME:UP_BPS:DOWN_BPS[:DELAY_MS]")
     p_up.add_argument("--subnet", default=DEFAULT_SUBNET)
-    p_up.add_argument("--shaper", choices=SHAPERS, default="htb")
+    p_up.add_argument("--shaper", choices=SHAPERS, default="htb-fq")
     p_up.add_argument("--sysctl", nargs="*", default=[], help="key=value set in every host")
     sub.add_parser("down", help="remove hosts")
     sub.add_parser("status", help="show hosts and qdisc counters")
