@@ -5,7 +5,8 @@ Every host is a real process -- one EchoHost (TCP + Noise + yamux) and one Relay
 and download shaped by tc: by default htb with ACK priority and one FIFO per peer served
 round-robin, as a router with per-flow fair queueing (fq_codel, cake) does (``--shaper htb``:
 one shared drop-tail FIFO; ``--shaper tbf``: a plain token bucket). For each node count N and
-payload size M the source publishes a fresh signed version (128 KiB chunks) and pushes it
+payload size M the source publishes a fresh signed version (chunked as the learner does,
+``chunk_size_for``: 128 KiB up to 64 MB, 512 KiB at 256 MB; ``--chunk-kb`` fixes it) and pushes it
 along three plans from ``echo.p2p.tree``:
 
 - ``star``: the source sends to every node itself (time grows linearly with N);
@@ -62,7 +63,7 @@ import netem  # noqa: E402
 from _common import emit, parse_args, say  # noqa: E402
 
 from echo.p2p.broadcast import Relay, RelayConfig  # noqa: E402
-from echo.p2p.chunkstore import ChunkStore, split_chunks  # noqa: E402
+from echo.p2p.chunkstore import ChunkStore, chunk_size_for, split_chunks  # noqa: E402
 from echo.p2p.host import open_host  # noqa: E402
 from echo.p2p.identity import Identity  # noqa: E402
 from echo.p2p.tree import (  # noqa: E402
@@ -432,12 +433,15 @@ class Bench:
         if kind == "chain":
             return chain_plan(src, self.ups[SOURCE], ups, downs=downs)
         return best_plan(src, self.ups[SOURCE], ups, total_bytes=size,
-                         chunk_bytes=self.args.chunk_kb * 1024, downs=downs)
+                         chunk_bytes=self.chunk_bytes(size), downs=downs)
+
+    def chunk_bytes(self, size: int) -> int:
+        return self.args.chunk_kb * 1024 or chunk_size_for(size)
 
     async def one_run(self, kind: str, n: int, size: int) -> dict[str, Any]:
         self.version += 1
         v = self.version
-        chunk = self.args.chunk_kb * 1024
+        chunk = self.chunk_bytes(size)
         src = self.agents[SOURCE]
         names = [f"n{i:02d}" for i in range(n)]
         nodes = [self.agents[x] for x in names]
@@ -455,6 +459,9 @@ class Bench:
         max_sources = 32 if kind == "tree" else 0
         if self.shaping == "inproc":
             cfg_by = {x: {**cfg, "upload_limit_bps": self.ups[x]} for x in [SOURCE, *names]}
+        elif self.args.pace:
+            cfg_by = {x: {**cfg, "upload_limit_bps": self.args.pace * self.ups[x]}
+                      for x in [SOURCE, *names]}
         else:
             cfg_by = {x: cfg for x in [SOURCE, *names]}
         for x in [SOURCE, *names]:
@@ -504,6 +511,7 @@ class Bench:
         del by_peer
         row = {
             "topology": kind, "plan": plan.kind, "n": n, "size_mb": size / MB,
+            "chunk_kib": chunk // 1024,
             "time_s": round(elapsed, 3), "bound_s": round(bound, 3),
             "vs_bound": round(elapsed / bound, 3), "estimate_s": round(estimate, 3),
             "depth": plan.depth(), "stripes": len(plan.stripes),
@@ -652,7 +660,8 @@ def _setup(parser: argparse.ArgumentParser) -> None:
                         help="payloads above this run only the tree (star would take minutes)")
     parser.add_argument("--largest-n-only-mb", type=float, default=100.0,
                         help="payloads above this run only at the largest node count")
-    parser.add_argument("--chunk-kb", type=int, default=128)
+    parser.add_argument("--chunk-kb", type=int, default=0,
+                        help="chunk size (default: the learner's, chunk_size_for(payload))")
     parser.add_argument("--scale", type=float, default=0.2,
                         help="multiply every link rate (base: source 10 MB/s, nodes 1-10 MB/s, "
                              "downlinks 25 MB/s); 0.2 keeps py-libp2p's CPU cost (~15-30 ms per "
@@ -668,6 +677,9 @@ def _setup(parser: argparse.ArgumentParser) -> None:
                         help="htb-fq: rate + ACK priority + a FIFO per peer, served round-robin "
                              "(a router with per-flow fair queueing); htb: one shared bulk "
                              "FIFO (drop-tail); tbf: plain token bucket")
+    parser.add_argument("--pace", type=float, default=0.0,
+                        help="relays cap their own push upload at this fraction of their link's "
+                             "uplink (RelayConfig.upload_limit_bps; 0: no cap)")
     parser.add_argument("--stall-timeout", type=float, default=RelayConfig.stall_timeout_s,
                         help="seconds without data before a child pulls around its parent "
                              "(raise it on a machine shared with busy jobs)")
@@ -708,7 +720,8 @@ def main() -> None:
             f"downlinks {DOWN_MBPS * args.scale:g} MB/s); "
             + ("no added latency (this kernel lacks sch_netem)" if not netem.netem_supported()
                else "no added latency"))
-    say(f"chunks {args.chunk_kb} KiB; nodes {args.nodes}; sizes {args.sizes} MB; "
+    chunks = f"{args.chunk_kb} KiB" if args.chunk_kb else "as the learner cuts them"
+    say(f"chunks {chunks}; nodes {args.nodes}; sizes {args.sizes} MB; "
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} before we start")
     result = trio.run(orchestrate, args, shaping)
     emit(result)

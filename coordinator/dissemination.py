@@ -94,6 +94,7 @@ class Dissemination:
         manifest: bytes,
         total_bytes: int,
         *,
+        chunk_bytes: int = MAX_CHUNK_BYTES,
         source: str,
         source_addrs: Sequence[str],
         nodes: Sequence[str],
@@ -112,7 +113,7 @@ class Dissemination:
                 self.learner_upload_bps,
                 ups,
                 total_bytes=total_bytes,
-                chunk_bytes=MAX_CHUNK_BYTES,
+                chunk_bytes=chunk_bytes,
                 max_stripes=self.max_stripes,
                 max_fanout=self.max_fanout,
             )

@@ -497,6 +497,7 @@ class Coordinator:
             man.version,
             manifest_env,
             man.total_size,
+            chunk_bytes=max((c.size for c in man.chunks), default=1),
             source=row["learner_peer_id"],
             source_addrs=json.loads(row["learner_addrs_json"]),
             nodes=[n["node_id"] for n in self._active_nodes()],

@@ -17,7 +17,7 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from echo.models.weights import state_digest, state_digests, state_to_bytes, to_bits
-from echo.p2p.chunkstore import ChunkStore, split_chunks
+from echo.p2p.chunkstore import ChunkStore, chunk_size_for, split_chunks
 from echo.protocol import messages as m
 from echo.protocol import signing
 from echo.protocol.patch import encode_patch
@@ -67,7 +67,7 @@ class Publisher:
             kind, base = "patch", self._prev_version
         encode_s = time.perf_counter() - t0
         refs = []
-        for chunk in split_chunks(payload):
+        for chunk in split_chunks(payload, chunk_size_for(len(payload))):
             sha = self.store.put(version, chunk)
             refs.append(m.ChunkRef(sha256=sha, size=len(chunk)))
         manifest = m.Manifest(

@@ -31,6 +31,23 @@ class ChunkHashMismatch(ProtocolError):
     code = "bad_chunk"
 
 
+# chunk_size_for: a version is cut into about this many chunks, so that a broadcast tree's
+# pipeline fills in a small fraction of the transfer (each hop waits for one whole chunk)...
+TARGET_CHUNKS = 512
+# ...but no chunk is smaller than this: every chunk costs a header, an ack and a hash per hop,
+# which on a Python relay is a fixed CPU cost worth amortising over at least 128 KiB.
+MIN_CHUNK_BYTES = 128 * 1024
+
+
+def chunk_size_for(total_bytes: int) -> int:
+    """The chunk size to publish a version of ``total_bytes`` with: a power of two near
+    ``total_bytes / TARGET_CHUNKS``, within [``MIN_CHUNK_BYTES``, ``MAX_CHUNK_BYTES``]. Large
+    versions (a 14 GB anchor) get 4 MiB chunks and stay far below the manifest's chunk limit."""
+    want = max(1, total_bytes // TARGET_CHUNKS)
+    size = 1 << (want - 1).bit_length()
+    return max(MIN_CHUNK_BYTES, min(MAX_CHUNK_BYTES, size))
+
+
 def split_chunks(data: bytes, chunk_size: int = MAX_CHUNK_BYTES) -> list[bytes]:
     if chunk_size <= 0 or chunk_size > MAX_CHUNK_BYTES:
         raise ValueError(f"chunk size must be in (0, {MAX_CHUNK_BYTES}]")

@@ -177,3 +177,26 @@ def test_routes_and_plan_record() -> None:
     rec = b.decode(b.BroadcastPlan, b.encode(plan_record(plan, "job", 3)))
     for s, stripe in enumerate(plan.stripes):
         assert {e.parent: tuple(e.children) for e in rec.stripes[s]} == dict(stripe.children)
+
+
+def test_chunk_size_keeps_the_pipeline_short_and_manifests_small() -> None:
+    from echo.p2p.chunkstore import MIN_CHUNK_BYTES, chunk_size_for
+    from echo.protocol.limits import MAX_ARRAY_LEN, MAX_CHUNK_BYTES
+
+    assert chunk_size_for(0) == chunk_size_for(3_000_000) == MIN_CHUNK_BYTES
+    assert chunk_size_for(16_000_000) == 128 * 1024  # 122 chunks: depth-3 fill is a few %
+    assert chunk_size_for(64_000_000) == 128 * 1024
+    assert chunk_size_for(256_000_000) == 512 * 1024
+    assert chunk_size_for(14_000_000_000) == MAX_CHUNK_BYTES  # a 7B bf16 anchor
+    for total in (1, 5_000_000, 100_000_000, 2 * 10**9, 3 * 10**11):
+        size = chunk_size_for(total)
+        assert size & (size - 1) == 0
+        if total <= MAX_CHUNK_BYTES * MAX_ARRAY_LEN:
+            assert math.ceil(total / size) <= MAX_ARRAY_LEN
+    # For a planned payload the chosen size beats the old fixed 4 MiB on the planner's estimate.
+    nodes = {f"n{i:02d}": (1 + i % 10) * MB for i in range(16)}
+    for total in (16_000_000, 64_000_000):
+        fine = best_plan(SRC, 10 * MB, nodes, total_bytes=total, chunk_bytes=chunk_size_for(total))
+        coarse = best_plan(SRC, 10 * MB, nodes, total_bytes=total, chunk_bytes=MAX_CHUNK_BYTES)
+        assert (fine.estimate_s(total, chunk_size_for(total))
+                < 0.8 * coarse.estimate_s(total, MAX_CHUNK_BYTES))
