@@ -52,6 +52,11 @@ class BroadcastSection(BaseModel):
         default=2.5e6, gt=0,
         description="a node's uplink until it has measured its own push rate, bytes/s",
     )
+    learner_pace: float = Field(
+        default=0.0, ge=0, le=1,
+        description="the learner caps its pushes at this fraction of learner_upload_bps (0: no "
+        "cap); about 0.9 when its uplink is one drop-tail queue rather than fair-queued",
+    )
     max_fanout: int = Field(default=32, ge=1, description="children per relay, at most")
     max_stripes: int = Field(default=16, ge=1, le=64, description="striped trees, at most")
 

@@ -150,7 +150,7 @@ class Coordinator:
     def learner_command(self, job_id: str) -> list[str]:
         import sys
 
-        return [
+        cmd = [
             sys.executable,
             "-m",
             "echo.learner",
@@ -163,6 +163,10 @@ class Coordinator:
             "--threads",
             str(self.config.learner.torch_threads),
         ]
+        bc = self.config.broadcast
+        if bc.learner_pace > 0:
+            cmd += ["--upload-limit-bps", str(bc.learner_pace * bc.learner_upload_bps)]
+        return cmd
 
     # ------------------------------------------------------------------ handlers
 

@@ -30,7 +30,7 @@ from echo.learner.rescore import Rescorer, Verdict, token_stats
 from echo.learner.warmup import warmup
 from echo.models.spec import ModelSpec, build_model
 from echo.models.weights import export_state
-from echo.p2p.broadcast import Relay, open_relay
+from echo.p2p.broadcast import Relay, RelayConfig, open_relay
 from echo.p2p.chunkstore import ChunkStore, serve_chunks
 from echo.p2p.host import EchoHost, open_host
 from echo.p2p.identity import Identity, public_key_from_peer_id
@@ -56,8 +56,16 @@ FINAL_SERVE_MAX_S = 90.0
 
 
 class Learner:
-    def __init__(self, job_dir: Path, job_id: str, coordinator: str, threads: int) -> None:
+    def __init__(
+        self,
+        job_dir: Path,
+        job_id: str,
+        coordinator: str,
+        threads: int,
+        upload_limit_bps: float | None = None,
+    ) -> None:
         self.job_dir = job_dir
+        self.upload_limit_bps = upload_limit_bps
         self.job_id = job_id
         self.coordinator = coordinator
         self.spec = JobSpec.model_validate_json((job_dir / "job.json").read_text())
@@ -249,6 +257,7 @@ class Learner:
                 host,
                 self.chunks,
                 learner_keys={self.job_id: self.identity.public_key_bytes},
+                config=RelayConfig(upload_limit_bps=self.upload_limit_bps),
                 serve_pulls=False,
             ) as relay:
                 self.relay = relay
@@ -398,12 +407,17 @@ def main() -> None:
     ap.add_argument("--job-id", required=True)
     ap.add_argument("--coordinator", required=True, help="coordinator multiaddr")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--upload-limit-bps", type=float, default=None,
+                    help="cap on the learner's pushes to its relay children, bytes/s")
     args = ap.parse_args()
+    if args.upload_limit_bps is not None and args.upload_limit_bps <= 0:
+        ap.error("--upload-limit-bps must be positive")
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     for noisy in ("libp2p", "multiaddr", "async_service"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    learner = Learner(args.job_dir, args.job_id, args.coordinator, args.threads)
+    learner = Learner(args.job_dir, args.job_id, args.coordinator, args.threads,
+                      args.upload_limit_bps)
     # The coordinator stops us with SIGTERM (job cancelled, or it is shutting down).
     run_until_signalled(learner.run)

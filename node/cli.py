@@ -77,6 +77,13 @@ def join(
     leases_at_once: Annotated[
         int | None, typer.Option(help="GRPO groups generated together in one batch")
     ] = None,
+    max_upload_mbps: Annotated[
+        float | None,
+        typer.Option(
+            help="cap on the upload spent relaying weights, MB/s (unset: none); behind a router "
+            "without fair queueing, ~90% of your uplink avoids losses that stall transfers"
+        ),
+    ] = None,
     listen: Annotated[str | None, typer.Option(help="libp2p listen multiaddr")] = None,
     keep_weights: Annotated[
         bool | None,
@@ -108,6 +115,7 @@ def join(
         device=device,
         threads=threads,
         max_tokens_per_s=max_tokens_per_s,
+        max_upload_mbps=max_upload_mbps,
         schedule=schedule,
         gpu_memory_fraction=gpu_memory_fraction,
         leases_at_once=leases_at_once,

@@ -28,6 +28,13 @@ class NodeConfig(BaseModel):
         default=None, description="local hours to work, e.g. '22:00-07:00'; unset = always"
     )
     leases_at_once: int = Field(default=2, ge=1, le=64, description="groups generated per batch")
+    max_upload_mbps: float | None = Field(
+        default=None,
+        gt=0,
+        description="cap on the upload spent relaying weights to other nodes, MB/s (unset: no "
+        "cap); behind a router without fair queueing, about 90% of your uplink keeps its queue "
+        "from overflowing",
+    )
     listen: str = "/ip4/127.0.0.1/tcp/0"
     keep_weights: bool = Field(
         default=False, description="write the held policy to data_dir/policy.safetensors"

@@ -29,7 +29,7 @@ from echo.node.engines.base import Engine, GenRequest, SamplingParams
 from echo.node.engines.factory import make_engine
 from echo.node.probe import choose_engine, probe
 from echo.node.weights import WeightError, WeightSync
-from echo.p2p.broadcast import Relay
+from echo.p2p.broadcast import Relay, RelayConfig
 from echo.p2p.chunkstore import ChunkStore, serve_chunks
 from echo.p2p.host import EchoHost, open_host
 from echo.p2p.identity import Identity, public_key_from_peer_id
@@ -116,7 +116,10 @@ class Node:
         self.relay: Relay | None = None
         self._bar = None  # rich Progress of a large version being pulled
         self._bar_task = None
-        self.upload_bps = 0.0  # measured push rate to our relay children
+        # Our push rate to relay children as last measured; until then the volunteer's cap, which
+        # the coordinator plans with (0: it assumes its default).
+        self.upload_limit_bps = (cfg.max_upload_mbps or 0.0) * 1e6
+        self.upload_bps = self.upload_limit_bps
         self._bad_peers_in, self._bad_peers_out = trio.open_memory_channel[b.BadPeerReport](
             BAD_PEER_QUEUE
         )
@@ -226,6 +229,7 @@ class Node:
                 chunks,
                 learner_keys={job.job_id: job.learner_public_key},
                 on_bad_peer=self._queue_bad_peer,
+                config=RelayConfig(upload_limit_bps=self.upload_limit_bps or None),
                 serve_pulls=False,  # serve_chunks above already answers pulls from this store
             )
             self.relay = await nursery.start(relay.run)

@@ -20,7 +20,8 @@ def test_examples_validate() -> None:
     job = load_job_toml((EXAMPLES / "job.toml").read_text())
     assert job.steps == 200 and job.task.params == {"max_operand": 5}
     node = load_node_config(EXAMPLES / "node.toml", {})
-    assert node.schedule == "22:00-07:00"
+    assert node.schedule == "22:00-07:00" and node.max_upload_mbps is None
+    assert load_node_config(None, {"max_upload_mbps": 4.5}).max_upload_mbps == 4.5
     assert node.working_now(dt.datetime(2026, 1, 1, 23, 30))
     assert not node.working_now(dt.datetime(2026, 1, 1, 12, 0))
 
@@ -36,5 +37,10 @@ def test_bad_keys_are_named(tmp_path) -> None:
         load_config(bad)
     with pytest.raises(SpecError, match="schedule"):
         load_node_config(None, {"schedule": "nightly"})
+    with pytest.raises(SpecError, match="max_upload_mbps: Input should be greater than 0"):
+        load_node_config(None, {"max_upload_mbps": -2})
+    bad.write_text("[broadcast]\nlearner_pace=1.5\n")
+    with pytest.raises(SpecError, match=r"broadcast\.learner_pace: Input should be less than"):
+        load_config(bad)
     with pytest.raises(SpecError, match="does not exist"):
         load_config(tmp_path / "missing.toml")
