@@ -25,7 +25,11 @@ share of the machine, the machine's utilisation (includes other jobs), and the a
 wait per CPU-second (near 0 on an idle machine; well above 1 means they waited for a core longer
 than they ran, and the timings measure that contention as much as the links). Every node's bytes
 are checked against the source's. The bound uses nominal link rates; TCP/IP, Noise and yamux
-headers take ~4-5% of a shaped link, so ~1.05 is the practical floor.
+headers take ~4-5% of a shaped link, so ~1.05 is the practical floor. ``--per-node`` adds each
+node's finish time and push rate against its uplink, when each stripe's first and last chunk
+reached it, and when each of the source's children last acknowledged; ``--pace F`` has every
+relay cap its pushes at F times its uplink (what ``--max-upload-mbps`` does for a volunteer),
+which keeps a drop-tail queue (``--shaper htb``) from overflowing.
 
 Without root or network namespaces it falls back to in-process shaping (every relay's push
 upload throttled by a token bucket, no download shaping, loopback) and says so in every line and
