@@ -3,7 +3,7 @@
 A :class:`Relay` runs on every node and on the publisher, bound to an :class:`EchoHost` and a
 :class:`ChunkStore`. For each version it takes part in it keeps a :class:`Transfer`:
 
-- **push in** (``/echo/push/1.0.0``, see :mod:`echo.protocol.broadcast`): a parent opens one
+- **push in** (``/echo/push/1.1.0``, see :mod:`echo.protocol.broadcast`): a parent opens one
   stream per stripe and sends chunks, each behind a small header (job, version, index). Every
   chunk is checked against the learner-signed manifest (exact size, then SHA-256) *before* it is
   stored; the manifest itself is verified against the job's pinned learner key. Hashing and the
@@ -51,7 +51,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 
@@ -267,13 +267,14 @@ class _TokenBucket:
 class Transfer:
     """One version moving through this relay. Read-only for callers (``done``, ``stats``...)."""
 
-    def __init__(self, manifest: m.Manifest, envelope: bytes, stripes: int) -> None:
+    def __init__(self, manifest: m.Manifest, envelope: bytes, stripes: int,
+                 weights: Sequence[int] = ()) -> None:
         self.manifest = manifest
         self.envelope = envelope
         self.job_id = manifest.job_id
         self.version = manifest.version
         self.n = len(manifest.chunks)
-        self.stripes = stripes
+        self.set_stripes(stripes, weights)
         self.route: b.Route | None = None
         self.have = [False] * self.n
         self.n_have = 0
@@ -311,11 +312,18 @@ class Transfer:
     def missing(self) -> list[int]:
         return [i for i, h in enumerate(self.have) if not h]
 
+    def set_stripes(self, stripes: int, weights: Sequence[int] = ()) -> None:
+        """How the chunks are split into stripes (:func:`~echo.protocol.broadcast.stripe_table`);
+        the route's word wins over a hello that came first."""
+        self.stripes, self.weights = stripes, list(weights)
+        self._stripe = b.stripe_table(self.n, stripes, self.weights)
+        self._stripe_sizes = Counter(self._stripe)
+
     def stripe_of(self, index: int) -> int:
-        return index % self.stripes
+        return self._stripe[index]
 
     def stripe_size(self, stripe: int) -> int:
-        return len(range(stripe, self.n, self.stripes))
+        return self._stripe_sizes[stripe]
 
     def elapsed(self) -> float | None:
         return None if self.done_at is None else self.done_at - self.created
@@ -482,7 +490,7 @@ class Relay:
         man = verify_manifest(envelope, key, route.job_id, route.version)
         t = self.transfers.get((route.job_id, route.version))
         if t is None:
-            t = await self._launch(man, envelope, route.stripes)
+            t = await self._launch(man, envelope, route.stripes, route.weights)
         # A push that arrived first may have created the transfer and still be opening its
         # nursery (inside _launch, on another task): wait for it.
         with trio.move_on_after(self.config.hello_timeout_s):
@@ -492,7 +500,7 @@ class Relay:
                                 code="stale_version")
         if t.route is None:
             t.route = route
-            t.stripes = route.stripes
+            t.set_stripes(route.stripes, route.weights)
             self._remember_addrs(route)
             assert t.nursery is not None
             for s, kids in enumerate(route.children[: route.stripes]):
@@ -535,13 +543,14 @@ class Relay:
             raise ManifestError(f"no learner key pinned for job {job_id!r}")
         return key
 
-    async def _launch(self, man: m.Manifest, envelope: bytes, stripes: int) -> Transfer:
+    async def _launch(self, man: m.Manifest, envelope: bytes, stripes: int,
+                      weights: Sequence[int] = ()) -> Transfer:
         if self._nursery is None:
             raise RuntimeError("the relay is not running")
         if man.version <= self._floor.get(man.job_id, -1):
             raise ProtocolError(f"{man.job_id} v{man.version} is older than the versions kept",
                                 code="stale_version")
-        t = Transfer(man, envelope, stripes)
+        t = Transfer(man, envelope, stripes, weights)
         self.transfers[(t.job_id, t.version)] = t
         self._retire_old()
         if t.dropped.is_set():
@@ -675,7 +684,7 @@ class Relay:
         t = self.transfers.get((hello.job_id, hello.version))  # another stream may have won
         if t is not None:
             return t
-        return await self._launch(man, hello.manifest, hello.stripes)
+        return await self._launch(man, hello.manifest, hello.stripes, hello.weights)
 
     async def _on_push(self, stream: INetStream) -> None:
         peer = _pid(stream.muxed_conn.peer_id)
@@ -890,7 +899,7 @@ class Relay:
                     ID.from_base58(child.peer_id), [TProtocol(b.PROTO_PUSH)]
                 )
             hello = b.PushHello(job_id=t.job_id, version=t.version, stripe=stripe,
-                                stripes=t.stripes, manifest=t.envelope)
+                                stripes=t.stripes, manifest=t.envelope, weights=t.weights)
             await self._write(stream, encode_frame(b.encode(hello), b.MAX_HELLO_BYTES))
             t.child_state[key] = "pushing"
             acks = _Acks()
@@ -950,7 +959,7 @@ class Relay:
             while pos < len(t.order):
                 i = t.order[pos]
                 pos += 1
-                if i % t.stripes != stripe:
+                if t.stripe_of(i) != stripe:
                     continue
                 ref = t.manifest.chunks[i]
                 if not await self._window_open(t, stripe, key, acks, ref.size):

@@ -1,6 +1,8 @@
 """Broadcast tree planner: who pushes which stripe of a version to whom. Pure: no I/O, no clock.
 
-A plan is one or more *stripes*; chunk ``i`` of a version travels down stripe ``i % stripes``.
+A plan is one or more *stripes*; chunk ``i`` of a version travels down stripe ``i % stripes``,
+or, when the plan has ``weights``, down the stripe :func:`echo.protocol.broadcast.stripe_table`
+deals it to (stripes then carry shares of the chunks in proportion to their weights).
 Each stripe is a tree rooted at the source that reaches every node exactly once, given as a
 parent -> children map. Bandwidths are bytes per second.
 
@@ -18,6 +20,9 @@ parent -> children map. Bandwidths are bytes per second.
   plan approaches the bound ``N * M / (B_s + sum B_i)`` that a single tree (whose leaves never
   upload) cannot.
 
+:func:`plan_weighted` gives each stripe its own rate target and a share of the chunks in
+proportion to the rate its tree sustains, so a fast group is not held to a slow group's rate.
+
 :func:`best_plan` tries several stripe counts and keeps the one with the lowest
 :meth:`TreePlan.estimate_s`; :func:`star_plan` and :func:`chain_plan` build the two baselines;
 :func:`lower_bound_s` is the bound from REFERENCES.md.
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -46,6 +52,10 @@ DEFAULT_MAX_STRIPES = 16
 _SEARCH_STEPS = 30
 # best_plan also tries these fractions of the highest rate target (wider, shallower trees).
 _RATE_FRACTIONS = (0.75, 0.5)
+# plan_weighted: rounds of raising each stripe's rate in turn (the second rarely adds 1%).
+_WEIGHTED_ROUNDS = 3
+# Stripe weights are integers relative to the fastest stripe's 1000: finer than any estimate.
+_WEIGHT_SCALE = 1000
 
 
 @dataclass(frozen=True)
@@ -82,6 +92,8 @@ class TreePlan:
     ups: Mapping[str, float]
     downs: Mapping[str, float] = field(default_factory=dict)
     kind: str = "tree"
+    # Each stripe's share of the chunks (b.stripe_table); empty: equal shares.
+    weights: tuple[int, ...] = ()
 
     @property
     def nodes(self) -> list[str]:
@@ -120,10 +132,10 @@ class TreePlan:
             return 0.0
         chunk = max(1, min(chunk_bytes, total_bytes))
         n_chunks = math.ceil(total_bytes / chunk)
-        k = len(self.stripes)
+        sizes = Counter(b.stripe_table(n_chunks, len(self.stripes), self.weights))
         worst = 0.0
         for s, stripe in enumerate(self.stripes):
-            n_s = len(range(s, n_chunks, k))
+            n_s = sizes[s]
             if n_s == 0:
                 continue
             parents = stripe.parents()
@@ -141,6 +153,11 @@ class TreePlan:
                 worst = max(worst, t)
         return worst
 
+    def stripe_rate(self, stripe: int) -> float:
+        """The slowest edge of ``stripe``: the rate its chunks pipeline through the tree at."""
+        return min((self.edge_rate(p, c) for p, cs in self.stripes[stripe].children.items()
+                    for c in cs), default=0.0)
+
     def summary(self) -> dict[str, object]:
         return {
             "kind": self.kind,
@@ -148,6 +165,7 @@ class TreePlan:
             "depth": self.depth(),
             "max_fanout": max((self.fanout(n) for n in self.ups), default=0),
             "rate_bps": [s.rate_bps for s in self.stripes],
+            "weights": list(self.weights),
         }
 
 
@@ -289,6 +307,21 @@ def _groups(nodes: Mapping[str, float], k: int) -> list[list[str]]:
     return groups
 
 
+def _stripe_orders(
+    nodes: Mapping[str, float], k: int
+) -> tuple[list[list[str]], list[dict[str, float]]]:
+    """Per stripe: the placement order and the uplinks that count in it."""
+    fast_first = _by_uplink(nodes)
+    orders, caps = [], []
+    for group in _groups(nodes, k):
+        # Interior candidates (this stripe's group, fastest first), then everyone else as leaves
+        # (no capacity in this stripe: their uplink carries their own group's stripe).
+        members = set(group)
+        orders.append(group + [n for n in fast_first if n not in members])
+        caps.append({n: float(nodes[n]) for n in group})
+    return orders, caps
+
+
 def plan_tree(
     source: str,
     source_up_bps: float,
@@ -311,14 +344,7 @@ def plan_tree(
         raise ValueError("max_fanout must be at least 1")
     k = max(1, min(stripes, len(nodes)))
     ups = {source: float(source_up_bps), **{n: float(up) for n, up in nodes.items()}}
-    fast_first = _by_uplink(nodes)
-    orders, caps = [], []
-    for group in _groups(nodes, k):
-        # Interior candidates (this stripe's group, fastest first), then everyone else as leaves
-        # (no capacity in this stripe: their uplink carries their own group's stripe).
-        members = set(group)
-        orders.append(group + [n for n in fast_first if n not in members])
-        caps.append({n: float(nodes[n]) for n in group})
+    orders, caps = _stripe_orders(nodes, k)
     if rate_bps is not None:
         built = _stripes_at(source, source_up_bps, orders, caps, rate_bps, max_fanout)
         if built is None:
@@ -343,6 +369,75 @@ def plan_tree(
     return TreePlan(source, stripes_, ups, dict(downs or {}), kind=f"tree/{k}")
 
 
+def plan_weighted(
+    source: str,
+    source_up_bps: float,
+    nodes: Mapping[str, float],
+    *,
+    stripes: int,
+    downs: Mapping[str, float] | None = None,
+    max_fanout: int = DEFAULT_MAX_FANOUT,
+) -> TreePlan:
+    """Like :func:`plan_tree`, but every stripe gets its own rate target and a share of the
+    chunks in proportion to the rate it then sustains (``TreePlan.weights``).
+
+    One rate for all stripes leaves a fast group's uplinks partly idle whenever a slower group
+    sets the common rate (with few nodes, groups differ a lot). Starting from the common rate,
+    each stripe's rate is raised in turn as far as its group and the source's uplink allow
+    (the source's children, summed over stripes at their rates, within its uplink), a few rounds;
+    source slots left over go round-robin to the stripes that can afford them. The weights are
+    each stripe's slowest edge (:meth:`TreePlan.stripe_rate`), so shares follow what the trees
+    deliver, the source's uplink shared equally among its children as fair queueing does.
+    """
+    base = plan_tree(source, source_up_bps, nodes, stripes=stripes, downs=downs,
+                     max_fanout=max_fanout)
+    k = len(base.stripes)
+    if k == 1:
+        return base
+    orders, caps = _stripe_orders(nodes, k)
+
+    def slots(s: int, rate: float) -> int:
+        return _min_source_slots(source, caps[s], orders[s], rate, max_fanout)[0]
+
+    rates = [base.stripes[0].rate_bps] * k
+    used = [slots(s, r) for s, r in enumerate(rates)]
+    top = max(nodes.values(), default=0.0) + source_up_bps
+    for _ in range(_WEIGHTED_ROUNDS):
+        for s in range(k):
+            others = sum(used[j] * rates[j] for j in range(k) if j != s)
+            lo, hi = rates[s], top
+            for _ in range(_SEARCH_STEPS):
+                mid = (lo + hi) / 2
+                if others + slots(s, mid) * mid <= source_up_bps * (1 + 1e-9):
+                    lo = mid
+                else:
+                    hi = mid
+            rates[s], used[s] = lo, slots(s, lo)
+    spare = source_up_bps - sum(n * r for n, r in zip(used, rates, strict=True))
+    grew = True
+    while grew:
+        grew = False
+        for s in range(k):
+            if used[s] < len(orders[s]) and rates[s] <= spare * (1 + 1e-9):
+                used[s] += 1
+                spare -= rates[s]
+                grew = True
+    built = []
+    for s in range(k):
+        placed = _place(source, used[s], caps[s], orders[s], rates[s], max_fanout)
+        assert placed is not None  # more source slots than the minimum always place
+        built.append(Stripe({p: tuple(cs) for p, cs in placed.items() if cs}, rates[s]))
+    ups = {source: float(source_up_bps), **{n: float(up) for n, up in nodes.items()}}
+    shaped = TreePlan(source, tuple(built), ups, dict(downs or {}), kind=f"tree/{k}w")
+    thr = [shaped.stripe_rate(s) for s in range(k)]
+    peak = max(thr)
+    if peak <= 0:
+        return base
+    weights = tuple(max(1, round(_WEIGHT_SCALE * r / peak)) for r in thr)
+    return TreePlan(source, tuple(built), ups, dict(downs or {}), kind=f"tree/{k}w",
+                    weights=weights)
+
+
 def best_plan(
     source: str,
     source_up_bps: float,
@@ -356,7 +451,8 @@ def best_plan(
 ) -> TreePlan:
     """:func:`plan_tree` for 1..``max_stripes`` stripes, each at its highest rate target and a
     few lower ones (wider, shallower trees fill the pipeline sooner, which wins for payloads of
-    few chunks); the plan with the lowest :meth:`TreePlan.estimate_s`.
+    few chunks), and :func:`plan_weighted` for each stripe count above 1; the plan with the
+    lowest :meth:`TreePlan.estimate_s`.
 
     More stripes are also capped by the chunk count (a stripe without chunks is wasted).
     """
@@ -368,6 +464,9 @@ def best_plan(
         fastest = plan_tree(source, source_up_bps, nodes, stripes=k, downs=downs,
                             max_fanout=max_fanout)
         candidates = [fastest]
+        if k > 1:
+            candidates.append(plan_weighted(source, source_up_bps, nodes, stripes=k,
+                                            downs=downs, max_fanout=max_fanout))
         for f in _RATE_FRACTIONS:
             try:
                 candidates.append(plan_tree(source, source_up_bps, nodes, stripes=k,
@@ -427,6 +526,7 @@ def plan_record(plan: TreePlan, job_id: str, version: int) -> b.BroadcastPlan:
             [b.PlanEdge(parent=p, children=list(cs)) for p, cs in s.children.items()]
             for s in plan.stripes
         ],
+        weights=list(plan.weights),
     )
 
 
@@ -458,6 +558,7 @@ def route_for(
         children=[[peer(c) for c in kids] for kids in plan.children_of(node)],
         sources=[peer(n) for n in others[:max_sources]],
         origin=peer(plan.source) if node != plan.source else None,
+        weights=list(plan.weights),
     )
 
 
@@ -496,6 +597,7 @@ def route_from_record(
         children=[[peer(c) for c in kids] for kids in children],
         sources=[peer(n) for n in others[:max_sources]],
         origin=peer(plan.source) if node != plan.source else None,
+        weights=list(plan.weights),
     )
 
 
@@ -513,6 +615,7 @@ __all__ = [
     "lower_bound_s",
     "plan_record",
     "plan_tree",
+    "plan_weighted",
     "route_for",
     "route_from_announcement",
     "route_from_record",

@@ -1,4 +1,4 @@
-"""Wire records of the push broadcast (``/echo/push/1.0.0``) and of broadcast plans.
+"""Wire records of the push broadcast (``/echo/push/1.1.0``) and of broadcast plans.
 
 Push stream, parent -> child (one stream per version and stripe; frames per
 :mod:`echo.protocol.framing`):
@@ -31,13 +31,16 @@ Decoding raises :class:`~echo.protocol.errors.SchemaError` / ``DecodeError`` onl
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Sequence
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from echo.protocol.messages import Id, Record, ShortStr, Version, decode, encode, from_obj
 
-PROTO_PUSH = "/echo/push/1.0.0"
+# 1.1.0: stripes may carry unequal shares of the chunks (``weights``, see stripe_table).
+PROTO_PUSH = "/echo/push/1.1.0"
 PROTO_HAVE = "/echo/have/1.0.0"  # request/response: which chunks of a version a peer holds
 
 # Stripes per plan and peers per list: far above what a plan uses (16 stripes, ~100 nodes per
@@ -52,11 +55,46 @@ MAX_HELLO_BYTES = MAX_MANIFEST_ENVELOPE_BYTES + 1024
 MAX_HEADER_BYTES = 512
 MAX_HAVE_REQUEST_BYTES = 512
 MAX_HAVE_REPLY_BYTES = MAX_CHUNKS // 8 + 64
+# Stripe weights are relative shares; this resolution is far finer than bandwidth estimates.
+MAX_WEIGHT = 1 << 16
 
 PushOp = Literal["chunk", "idle", "end"]
 EndReason = Literal["done", "lagging", "shutdown"]
 BadReason = Literal["bad_chunk", "stalled", "protocol"]
 ChunkIndex = Annotated[int, Field(ge=0, lt=MAX_CHUNKS)]
+Weight = Annotated[int, Field(ge=1, le=MAX_WEIGHT)]
+Weights = Annotated[list[Weight], Field(default_factory=list, max_length=MAX_STRIPES)]
+
+
+def stripe_table(n_chunks: int, stripes: int, weights: Sequence[int] = ()) -> list[int]:
+    """The stripe of every chunk of a version: ``i % stripes`` when ``weights`` is empty or
+    uniform; otherwise chunks are dealt in index order, each to the stripe that is furthest
+    behind its share (the smallest ``(chunks so far + 1) / weight``, ties to the lower stripe),
+    so every prefix of the version is split in proportion to the weights (each stripe within
+    ``stripes`` chunks of its exact share). Every relay computes the same table from the same
+    plan (IEEE division is exact to the last bit everywhere).
+
+    :raises ValueError: ``weights`` not empty and not one per stripe.
+    """
+    if weights and len(weights) != stripes:
+        raise ValueError(f"{len(weights)} stripe weights for {stripes} stripes")
+    if not weights or len(set(weights)) == 1:
+        return [i % stripes for i in range(n_chunks)]
+    heap = [(1 / w, s) for s, w in enumerate(weights)]
+    heapq.heapify(heap)
+    counts = [0] * stripes
+    table = []
+    for _ in range(n_chunks):
+        _, s = heap[0]
+        table.append(s)
+        counts[s] += 1
+        heapq.heapreplace(heap, ((counts[s] + 1) / weights[s], s))
+    return table
+
+
+def _weights_match(stripes: int, weights: list[int]) -> None:
+    if weights and len(weights) != stripes:
+        raise ValueError(f"{len(weights)} stripe weights for {stripes} stripes")
 
 
 class PushHello(Record):
@@ -67,6 +105,14 @@ class PushHello(Record):
     stripe: int = Field(ge=0, lt=MAX_STRIPES)
     stripes: int = Field(ge=1, le=MAX_STRIPES)
     manifest: bytes = Field(max_length=MAX_MANIFEST_ENVELOPE_BYTES)  # learner-signed envelope
+    weights: Weights  # the stripes' shares of the chunks (empty: equal, chunk i in i % stripes)
+
+    @model_validator(mode="after")
+    def _check(self) -> PushHello:
+        _weights_match(self.stripes, self.weights)
+        if self.stripe >= self.stripes:
+            raise ValueError(f"stripe {self.stripe} of {self.stripes}")
+        return self
 
 
 class PushHeader(Record):
@@ -108,7 +154,8 @@ class Route(Record):
     """One node's part of a plan for one version: whom it pushes to and whom it may pull from.
 
     ``children[s]`` are the node's children in stripe ``s`` (chunk ``i`` belongs to stripe
-    ``i % stripes``); ``sources`` are other peers expected to hold the version (pulls rotate
+    ``stripe_table(chunks, stripes, weights)[i]``: ``i % stripes`` unless the stripes carry
+    unequal shares); ``sources`` are other peers expected to hold the version (pulls rotate
     among them); ``origin`` is the publisher, asked last so it is nobody's first fallback.
     """
 
@@ -118,6 +165,12 @@ class Route(Record):
     children: list[list[PeerAddr]] = Field(max_length=MAX_STRIPES)
     sources: list[PeerAddr] = Field(default_factory=list, max_length=MAX_PEERS)
     origin: PeerAddr | None = None
+    weights: Weights
+
+    @model_validator(mode="after")
+    def _check(self) -> Route:
+        _weights_match(self.stripes, self.weights)
+        return self
 
 
 class PlanEdge(Record):
@@ -132,6 +185,12 @@ class BroadcastPlan(Record):
     version: Version
     source: ShortStr
     stripes: list[list[PlanEdge]] = Field(min_length=1, max_length=MAX_STRIPES)
+    weights: Weights  # per stripe, as Route.weights
+
+    @model_validator(mode="after")
+    def _check(self) -> BroadcastPlan:
+        _weights_match(len(self.stripes), self.weights)
+        return self
 
 
 class PlanAnnouncement(Record):
@@ -158,6 +217,8 @@ class BadPeerReport(Record):
 
 __all__ = [
     "MAX_HAVE_REPLY_BYTES",
+    "MAX_WEIGHT",
+    "stripe_table",
     "MAX_HAVE_REQUEST_BYTES",
     "MAX_HEADER_BYTES",
     "MAX_HELLO_BYTES",

@@ -4,7 +4,9 @@
 # major version are refused at registration with a clear message.
 # 2: versions reach nodes down a coordinator-planned relay tree (Register.addrs, NodeStatus
 #    .upload_bps, StepAck.plan, broadcast.PlanAnnouncement on TOPIC_VERSIONS, PROTO_BAD_PEER).
-PROTOCOL_VERSION = 2
+# 3: stripes carry unequal shares of a version's chunks (broadcast.Route / BroadcastPlan /
+#    PushHello .weights, stripe_table; /echo/push/1.1.0).
+PROTOCOL_VERSION = 3
 
 # libp2p stream protocols (request/response, one frame each way).
 PROTO_REGISTER = "/echo/register/1.0.0"  # node -> coordinator

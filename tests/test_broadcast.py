@@ -115,7 +115,8 @@ def nodes_for(tmp: Path, count: int) -> list[Node]:
     return out
 
 
-def test_tree_delivers_every_chunk(tmp_path: Path) -> None:
+@pytest.mark.parametrize("weights", [(), (5, 1, 2)], ids=["equal-stripes", "weighted-stripes"])
+def test_tree_delivers_every_chunk(tmp_path: Path, weights: tuple[int, ...]) -> None:
     learner = Identity.generate()
     payload, man, env, src_store = make_version(tmp_path, learner, 1_000_000)
     keys = {JOB: learner.public_key_bytes}
@@ -128,7 +129,8 @@ def test_tree_delivers_every_chunk(tmp_path: Path) -> None:
         async with trio.open_nursery() as nursery:
             addrs = await start_swarm(nursery, [src, *nodes], keys, cfg)
             ups = {n.name: float(1 + i) for i, n in enumerate(nodes)}
-            plan = plan_tree(src.name, 4.0, ups, stripes=2)
+            plan = plan_tree(src.name, 4.0, ups, stripes=3 if weights else 2)
+            plan = dataclasses.replace(plan, weights=weights)
             # Nodes learn their routes first (as from the coordinator), then the source starts.
             for n in nodes:
                 await n.relay.start(env, route_for(plan, n.name, addrs, JOB, 1))
@@ -136,7 +138,10 @@ def test_tree_delivers_every_chunk(tmp_path: Path) -> None:
             for n in nodes:
                 t = await n.relay.wait(JOB, 1, timeout=20)
                 assert t.payload(n.store) == payload
+                # Every chunk came down its own stripe: none had to be pulled.
                 assert t.stats.chunks_pulled == 0 and not n.reports
+                assert [t.stripe_size(s) for s in range(t.stripes)] == (
+                    [10, 2, 4] if weights else [8, 8])
             nursery.cancel_scope.cancel()
 
     run(body)

@@ -16,7 +16,9 @@ from echo.p2p.tree import (
     lower_bound_s,
     plan_record,
     plan_tree,
+    plan_weighted,
     route_for,
+    route_from_record,
     star_plan,
 )
 from echo.protocol import broadcast as b
@@ -200,3 +202,63 @@ def test_chunk_size_keeps_the_pipeline_short_and_manifests_small() -> None:
         coarse = best_plan(SRC, 10 * MB, nodes, total_bytes=total, chunk_bytes=MAX_CHUNK_BYTES)
         assert (fine.estimate_s(total, chunk_size_for(total))
                 < 0.8 * coarse.estimate_s(total, MAX_CHUNK_BYTES))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 3000), st.lists(st.integers(1, b.MAX_WEIGHT), min_size=1, max_size=12))
+def test_stripe_table_splits_every_prefix_by_weight(n, weights) -> None:
+    k = len(weights)
+    table = b.stripe_table(n, k, weights)
+    assert len(table) == n and all(0 <= s < k for s in table)
+    assert b.stripe_table(n, k, weights) == table  # every relay computes the same
+    counts = [0] * k
+    total = sum(weights)
+    for i, s in enumerate(table):
+        counts[s] += 1
+        if i % 97 == 0 or i == n - 1:
+            for j in range(k):  # each stripe within k chunks of its share of the prefix
+                assert abs(counts[j] - (i + 1) * weights[j] / total) <= k + 1e-9
+    if len(set(weights)) == 1:
+        assert table == [i % k for i in range(n)]
+
+
+def test_weights_must_match_the_stripes() -> None:
+    with pytest.raises(ValueError, match="2 stripe weights for 3 stripes"):
+        b.stripe_table(10, 3, [1, 2])
+    bad = {"job_id": "j", "version": 1, "stripes": 3, "children": [[], [], []], "weights": [1, 2]}
+    with pytest.raises(Exception, match="stripe weights"):
+        b.from_obj(b.Route, bad)
+    with pytest.raises(Exception, match="stripe 3 of 3"):
+        b.from_obj(b.PushHello, {"job_id": "j", "version": 1, "stripe": 3, "stripes": 3,
+                                 "manifest": b""})
+    with pytest.raises(Exception, match="greater than or equal to 1"):
+        b.from_obj(b.Route, {**bad, "weights": [0, 1, 1]})
+
+
+def test_weighted_stripes_use_fast_groups_fully() -> None:
+    # The broadcast benchmark's first 8 uplinks: with one rate for all stripes the slowest group
+    # sets it; per-stripe rates and shares let the others run at theirs.
+    ups = [8, 2, 5, 1, 10, 3, 6, 1.5]
+    nodes = {f"n{i}": u * 0.2 * MB for i, u in enumerate(ups)}
+    total, chunk = 16_000_000, 128 * 1024
+    bound = lower_bound_s(total, 2 * MB, [5 * MB] * len(nodes), list(nodes.values()))
+    for k in (2, 3, 4):
+        equal = plan_tree(SRC, 2 * MB, nodes, stripes=k)
+        weighted = plan_weighted(SRC, 2 * MB, nodes, stripes=k)
+        assert len(weighted.weights) == k and min(weighted.weights) >= 1
+        assert weighted.estimate_s(total, chunk) <= equal.estimate_s(total, chunk) * (1 + 1e-9)
+        for stripe in weighted.stripes:  # still a tree to every node
+            assert sorted(stripe.parents()) == sorted(nodes)
+    best = best_plan(SRC, 2 * MB, nodes, total_bytes=total, chunk_bytes=chunk)
+    old = min(plan_tree(SRC, 2 * MB, nodes, stripes=k).estimate_s(total, chunk)
+              for k in range(1, 9))
+    assert best.weights and best.estimate_s(total, chunk) < 0.97 * old
+    assert best.estimate_s(total, chunk) < 1.15 * bound
+    # The shares travel with the plan: in every route and in the wire record.
+    addrs = {n: [f"/ip4/10.0.0.{i}/tcp/1"] for i, n in enumerate([SRC, *nodes])}
+    rec = b.decode(b.BroadcastPlan, b.encode(plan_record(best, "job", 1)))
+    assert rec.weights == list(best.weights)
+    for n in nodes:
+        route = route_for(best, n, addrs, "job", 1)
+        assert route.weights == list(best.weights)
+        assert route_from_record(rec, addrs, n).weights == route.weights
