@@ -12,6 +12,7 @@ status-1 reply with its reason code.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import secrets
@@ -491,20 +492,26 @@ class Coordinator:
         self.dissemination.reported(node_id, report)
         return m.encode(m.StepAck(ok=True))
 
-    def _plan_broadcast(self, man: m.Manifest, manifest_env: bytes) -> bytes:
-        """The signed PlanAnnouncement of a new version (empty when there is nobody to plan)."""
+    async def _plan_broadcast(self, man: m.Manifest, manifest_env: bytes) -> bytes:
+        """The signed PlanAnnouncement of a new version (empty when there is nobody to plan).
+
+        The planner is pure CPU (a second or more for a hundred nodes): it runs in a worker
+        thread on inputs read here, so the event loop keeps serving nodes meanwhile."""
         if not self.config.broadcast.enabled:
             return b""
         row = self.store.job(man.job_id)
-        ann = self.dissemination.plan(
-            man.job_id,
-            man.version,
-            manifest_env,
-            man.total_size,
-            chunk_bytes=max((c.size for c in man.chunks), default=1),
-            source=row["learner_peer_id"],
-            source_addrs=json.loads(row["learner_addrs_json"]),
-            nodes=[n["node_id"] for n in self._active_nodes()],
+        ann = await trio.to_thread.run_sync(
+            functools.partial(
+                self.dissemination.plan,
+                man.job_id,
+                man.version,
+                manifest_env,
+                man.total_size,
+                chunk_bytes=max((c.size for c in man.chunks), default=1),
+                source=row["learner_peer_id"],
+                source_addrs=json.loads(row["learner_addrs_json"]),
+                nodes=[n["node_id"] for n in self._active_nodes()],
+            )
         )
         if ann is None:
             return b""
@@ -625,7 +632,7 @@ class Coordinator:
             self.store.set_job_status(rep.job_id, "done")
             log.info("job %s done at v%d", rep.job_id, rep.version)
         assert self.host is not None
-        plan = self._plan_broadcast(man, rep.manifest)
+        plan = await self._plan_broadcast(man, rep.manifest)
         if plan:
             try:
                 await self.host.publish(ids.TOPIC_VERSIONS, plan)

@@ -37,6 +37,7 @@ stripe count below 1); nothing else.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections import Counter
@@ -52,8 +53,10 @@ DEFAULT_MAX_STRIPES = 16
 _SEARCH_STEPS = 30
 # best_plan also tries these fractions of the highest rate target (wider, shallower trees).
 _RATE_FRACTIONS = (0.75, 0.5)
-# plan_weighted: rounds of raising each stripe's rate in turn (the second rarely adds 1%).
-_WEIGHTED_ROUNDS = 3
+# plan_weighted: rounds of raising each stripe's rate in turn (a third rarely adds 1%), each a
+# binary search to 2**-14 of the range (far below what bandwidth measurements resolve).
+_WEIGHTED_ROUNDS = 2
+_WEIGHTED_SEARCH_STEPS = 14
 # Stripe weights are integers relative to the fastest stripe's 1000: finer than any estimate.
 _WEIGHT_SCALE = 1000
 
@@ -113,10 +116,22 @@ class TreePlan:
     def depth(self) -> int:
         return max((max(s.depths(self.source).values()) for s in self.stripes), default=0)
 
+    @functools.cached_property
+    def _links(self) -> dict[str, Counter[str]]:
+        """parent -> child -> in how many stripes the parent feeds that child."""
+        out: dict[str, Counter[str]] = {}
+        for stripe in self.stripes:
+            for p, cs in stripe.children.items():
+                out.setdefault(p, Counter()).update(cs)
+        return out
+
     def edge_rate(self, parent: str, child: str) -> float:
-        """Steady rate of one edge: the parent's uplink shared by all its children (in every
-        stripe), and the child's downlink shared by its parents (one per stripe)."""
-        up = self.ups.get(parent, 0.0) / max(1, self.fanout(parent))
+        """Steady rate of one edge: the parent's uplink shared equally by the distinct peers
+        it feeds (as a fair-queueing link shares it: per connection, not per stream), then by
+        the stripes it feeds this child in; and the child's downlink shared by its parents
+        (one per stripe)."""
+        links = self._links.get(parent, Counter())
+        up = self.ups.get(parent, 0.0) / max(1, len(links)) / max(1, links[child])
         down = self.downs.get(child, math.inf) / len(self.stripes)
         return min(up, down)
 
@@ -315,9 +330,11 @@ def _stripe_orders(
     orders, caps = [], []
     for group in _groups(nodes, k):
         # Interior candidates (this stripe's group, fastest first), then everyone else as leaves
-        # (no capacity in this stripe: their uplink carries their own group's stripe).
+        # (no capacity in this stripe: their uplink carries their own group's stripe), slowest
+        # first: source slots beyond the group then go to nodes the source does not already
+        # feed in their own stripe (a fair-queued uplink shares per peer, not per stream).
         members = set(group)
-        orders.append(group + [n for n in fast_first if n not in members])
+        orders.append(group + [n for n in reversed(fast_first) if n not in members])
         caps.append({n: float(nodes[n]) for n in group})
     return orders, caps
 
@@ -395,18 +412,49 @@ def plan_weighted(
     if k == 1:
         return base
     orders, caps = _stripe_orders(nodes, k)
+    ups = {source: float(source_up_bps), **{n: float(up) for n, up in nodes.items()}}
+    best: TreePlan | None = None
+    best_rate = 0.0
+    # Raising one stripe takes source budget from the next, so the order matters: try both ways
+    # and keep the plan that delivers more in all (sum of the stripes' sustained rates).
+    for order in (range(k), range(k - 1, -1, -1)):
+        built = _raise_stripes(source, source_up_bps, orders, caps, base.stripes[0].rate_bps,
+                               list(order), max_fanout)
+        shaped = TreePlan(source, built, ups, dict(downs or {}), kind=f"tree/{k}w")
+        thr = [shaped.stripe_rate(s) for s in range(k)]
+        if min(thr) <= 0 or sum(thr) <= best_rate:
+            continue
+        weights = tuple(max(1, round(_WEIGHT_SCALE * r / max(thr))) for r in thr)
+        best = TreePlan(source, built, ups, dict(downs or {}), kind=f"tree/{k}w",
+                        weights=weights)
+        best_rate = sum(thr)
+    return best if best is not None else base
 
-    def slots(s: int, rate: float) -> int:
-        return _min_source_slots(source, caps[s], orders[s], rate, max_fanout)[0]
 
-    rates = [base.stripes[0].rate_bps] * k
-    used = [slots(s, r) for s, r in enumerate(rates)]
-    top = max(nodes.values(), default=0.0) + source_up_bps
+def _raise_stripes(
+    source: str,
+    source_up_bps: float,
+    orders: Sequence[Sequence[str]],
+    caps: Sequence[Mapping[str, float]],
+    rate: float,
+    order: Sequence[int],
+    max_fanout: int,
+) -> tuple[Stripe, ...]:
+    """From a common ``rate``, raise each stripe's rate in turn (``order``) as far as its group
+    and the source's remaining uplink allow; spare source slots then go round-robin."""
+    k = len(orders)
+
+    def slots(s: int, r: float) -> int:
+        return _min_source_slots(source, caps[s], orders[s], r, max_fanout)[0]
+
+    rates = [rate] * k
+    used = [slots(s, rate) for s in range(k)]
+    top = max((max(c.values(), default=0.0) for c in caps), default=0.0) + source_up_bps
     for _ in range(_WEIGHTED_ROUNDS):
-        for s in range(k):
+        for s in order:
             others = sum(used[j] * rates[j] for j in range(k) if j != s)
             lo, hi = rates[s], top
-            for _ in range(_SEARCH_STEPS):
+            for _ in range(_WEIGHTED_SEARCH_STEPS):
                 mid = (lo + hi) / 2
                 if others + slots(s, mid) * mid <= source_up_bps * (1 + 1e-9):
                     lo = mid
@@ -417,7 +465,7 @@ def plan_weighted(
     grew = True
     while grew:
         grew = False
-        for s in range(k):
+        for s in order:
             if used[s] < len(orders[s]) and rates[s] <= spare * (1 + 1e-9):
                 used[s] += 1
                 spare -= rates[s]
@@ -427,15 +475,7 @@ def plan_weighted(
         placed = _place(source, used[s], caps[s], orders[s], rates[s], max_fanout)
         assert placed is not None  # more source slots than the minimum always place
         built.append(Stripe({p: tuple(cs) for p, cs in placed.items() if cs}, rates[s]))
-    ups = {source: float(source_up_bps), **{n: float(up) for n, up in nodes.items()}}
-    shaped = TreePlan(source, tuple(built), ups, dict(downs or {}), kind=f"tree/{k}w")
-    thr = [shaped.stripe_rate(s) for s in range(k)]
-    peak = max(thr)
-    if peak <= 0:
-        return base
-    weights = tuple(max(1, round(_WEIGHT_SCALE * r / peak)) for r in thr)
-    return TreePlan(source, tuple(built), ups, dict(downs or {}), kind=f"tree/{k}w",
-                    weights=weights)
+    return tuple(built)
 
 
 def best_plan(
