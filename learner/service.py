@@ -297,7 +297,9 @@ class Learner:
     async def _serve_final(self) -> None:
         start = time.monotonic()
         log.info("serving the final version v%d until nodes stop asking", self.version)
-        self.chunks.last_read = max(self.chunks.last_read, start)
+        if self.relay is not None:  # first let the push down the tree finish
+            await self.relay.wait_forwarded(self.job_id, self.version, FINAL_SERVE_MAX_S / 3)
+        self.chunks.last_read = max(self.chunks.last_read, time.monotonic())
         while time.monotonic() - self.chunks.last_read < FINAL_IDLE_S:
             if time.monotonic() - start > FINAL_SERVE_MAX_S:
                 log.info("served the final version for %.0f s; exiting", FINAL_SERVE_MAX_S)

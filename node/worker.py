@@ -56,6 +56,9 @@ ENGINE_CLOSE_TIMEOUT_S = 10.0
 # to complete the version before falling back to pulling it whole.
 PLAN_WAIT_S = 1.0
 BROADCAST_WAIT_S = 30.0
+# When the job ends, a node finishes relaying the last version to its children (for at most
+# this long) before it leaves: its subtree may have nobody else to get it from.
+FINAL_FORWARD_S = 30.0
 # Bad-relay reports queued for the coordinator; beyond this they are dropped (a node under
 # attack reports the first ones, the rest add nothing).
 BAD_PEER_QUEUE = 32
@@ -456,6 +459,11 @@ class Node:
                 await self._sync(sync, reply.current_version)
             if not reply.leases:
                 if reply.message.startswith("job is") and "running" not in reply.message:
+                    if self.relay is not None and not await self.relay.wait_forwarded(
+                        job.job_id, sync.version, FINAL_FORWARD_S
+                    ):
+                        self.say(f"[yellow]still relaying v{sync.version} after "
+                                 f"{FINAL_FORWARD_S:.0f} s; leaving anyway[/yellow]")
                     self.say(f"{reply.message} at v{sync.version}; leaving")
                     return
                 await trio.sleep(max(reply.retry_after_s, 0.05))

@@ -105,6 +105,8 @@ _PAUSE_SLACK_S = 1.0
 # Concurrent pulls from one peer, and how often an idle pull worker looks again.
 _PULLS_PER_PEER = 2
 _PULL_IDLE_S = 0.2
+# wait_forwarded checks the pushes this often (it runs once, when a node leaves).
+_FORWARD_POLL_S = 0.1
 # A peer that failed to answer at all is skipped by pulls for this long.
 _UNREACHABLE_S = 5.0
 
@@ -529,6 +531,19 @@ class Relay:
 
     def transfer(self, job_id: str, version: int) -> Transfer | None:
         return self.transfers.get((job_id, version))
+
+    async def wait_forwarded(self, job_id: str, version: int, timeout: float) -> bool:
+        """Wait until no push of ``version`` to a child is still connecting or sending (so that
+        a node leaving after the last version does not cut its subtree off mid-version); False
+        if some still were after ``timeout``. Pushes end on their own: done, lagging, failed."""
+        t = self.transfers.get((job_id, version))
+        if t is None:
+            return True
+        with trio.move_on_after(timeout):
+            while any(st in ("connecting", "pushing") for st in t.child_state.values()):
+                await trio.sleep(_FORWARD_POLL_S)
+            return True
+        return False
 
     def prune_store(self) -> None:
         """Drop stored versions beyond the store's ``keep_versions``, keeping those in flight."""

@@ -142,6 +142,12 @@ def test_tree_delivers_every_chunk(tmp_path: Path, weights: tuple[int, ...]) -> 
                 assert t.stats.chunks_pulled == 0 and not n.reports
                 assert [t.stripe_size(s) for s in range(t.stripes)] == (
                     [10, 2, 4] if weights else [8, 8])
+            # Every relay's pushes end once its children hold the version (what a node leaving
+            # after the last version waits for).
+            for n in [src, *nodes]:
+                assert await n.relay.wait_forwarded(JOB, 1, timeout=10)
+                states = set(n.relay.transfer(JOB, 1).child_state.values())
+                assert not states & {"connecting", "pushing"}, states
             nursery.cancel_scope.cancel()
 
     run(body)
