@@ -42,7 +42,7 @@ import hashlib
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from echo.protocol import broadcast as b
 
@@ -412,7 +412,6 @@ def plan_weighted(
     if k == 1:
         return base
     orders, caps = _stripe_orders(nodes, k)
-    ups = {source: float(source_up_bps), **{n: float(up) for n, up in nodes.items()}}
     best: TreePlan | None = None
     best_rate = 0.0
     # Raising one stripe takes source budget from the next, so the order matters: try both ways
@@ -420,13 +419,12 @@ def plan_weighted(
     for order in (range(k), range(k - 1, -1, -1)):
         built = _raise_stripes(source, source_up_bps, orders, caps, base.stripes[0].rate_bps,
                                list(order), max_fanout)
-        shaped = TreePlan(source, built, ups, dict(downs or {}), kind=f"tree/{k}w")
+        shaped = replace(base, stripes=built, kind=f"tree/{k}w")
         thr = [shaped.stripe_rate(s) for s in range(k)]
         if min(thr) <= 0 or sum(thr) <= best_rate:
             continue
         weights = tuple(max(1, round(_WEIGHT_SCALE * r / max(thr))) for r in thr)
-        best = TreePlan(source, built, ups, dict(downs or {}), kind=f"tree/{k}w",
-                        weights=weights)
+        best = replace(shaped, weights=weights)
         best_rate = sum(thr)
     return best if best is not None else base
 

@@ -66,6 +66,11 @@ Weight = Annotated[int, Field(ge=1, le=MAX_WEIGHT)]
 Weights = Annotated[list[Weight], Field(default_factory=list, max_length=MAX_STRIPES)]
 
 
+def _weights_match(stripes: int, weights: Sequence[int]) -> None:
+    if weights and len(weights) != stripes:
+        raise ValueError(f"{len(weights)} stripe weights for {stripes} stripes")
+
+
 def stripe_table(n_chunks: int, stripes: int, weights: Sequence[int] = ()) -> list[int]:
     """The stripe of every chunk of a version: ``i % stripes`` when ``weights`` is empty or
     uniform; otherwise chunks are dealt in index order, each to the stripe that is furthest
@@ -76,8 +81,7 @@ def stripe_table(n_chunks: int, stripes: int, weights: Sequence[int] = ()) -> li
 
     :raises ValueError: ``weights`` not empty and not one per stripe.
     """
-    if weights and len(weights) != stripes:
-        raise ValueError(f"{len(weights)} stripe weights for {stripes} stripes")
+    _weights_match(stripes, weights)
     if not weights or len(set(weights)) == 1:
         return [i % stripes for i in range(n_chunks)]
     heap = [(1 / w, s) for s, w in enumerate(weights)]
@@ -91,10 +95,6 @@ def stripe_table(n_chunks: int, stripes: int, weights: Sequence[int] = ()) -> li
         heapq.heapreplace(heap, ((counts[s] + 1) / weights[s], s))
     return table
 
-
-def _weights_match(stripes: int, weights: list[int]) -> None:
-    if weights and len(weights) != stripes:
-        raise ValueError(f"{len(weights)} stripe weights for {stripes} stripes")
 
 
 class PushHello(Record):
