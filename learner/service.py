@@ -24,11 +24,12 @@ import torch
 import trio
 
 from echo.learner import checkpoint
-from echo.learner.grpo import GRPOConfig, GRPOLearner, TrainGroup
+from echo.learner.evaluate import greedy_accuracy
+from echo.learner.grpo import GRPOLearner, TrainGroup
 from echo.learner.publish import Publisher
 from echo.learner.rescore import Rescorer, Verdict, token_stats
 from echo.learner.warmup import warmup
-from echo.models.spec import ModelSpec, build_model
+from echo.models.spec import ModelSpec, build_model, load_tokenizer
 from echo.models.weights import export_state
 from echo.p2p.broadcast import Relay, RelayConfig, open_relay
 from echo.p2p.chunkstore import ChunkStore, serve_chunks
@@ -90,16 +91,9 @@ class Learner:
         spec = self.spec
         model = build_model(self.model_spec, seed=spec.model.seed)
         ckpt = checkpoint.latest(self.job_dir / "checkpoints")
-        cfg = GRPOConfig(
-            lr=spec.grpo.lr,
-            clip_eps=spec.grpo.clip_eps,
-            tis_cap=spec.grpo.tis_cap,
-            max_grad_norm=spec.grpo.max_grad_norm,
-            weight_decay=spec.grpo.weight_decay,
-            temperature=spec.sampling.temperature,
-        )
+        self.task = task = make_task(spec.task.name, dict(spec.task.params))
+        self.tokenizer = load_tokenizer(self.model_spec) if self.model_spec.kind == "hf" else None
         if ckpt is None:
-            task = make_task(spec.task.name, dict(spec.task.params))
             if spec.warmup.steps and self.model_spec.kind == "tiny":
                 t0 = time.perf_counter()
                 warmup(
@@ -112,10 +106,10 @@ class Learner:
                     cache_dir=self.job_dir.parent.parent / "cache",
                 )
                 log.info("format warm-up done in %.1f s", time.perf_counter() - t0)
-            self.learner = GRPOLearner(model, cfg)
+            self.learner = GRPOLearner(model, spec.grpo, spec.sampling.temperature)
         else:
             model.load_state_dict(ckpt.model_state)
-            self.learner = GRPOLearner(model, cfg)
+            self.learner = GRPOLearner(model, spec.grpo, spec.sampling.temperature)
             self.learner.opt.load_state_dict(ckpt.optim_state)
             self.learner.version = ckpt.version
             self.version = ckpt.version
@@ -126,6 +120,18 @@ class Learner:
             self.model_spec, keep=spec.staleness + 1, temperature=spec.sampling.temperature
         )
         self.rescorer.remember(self.version, self.published_state())
+
+    def _evaluate(self, force: bool = False) -> dict[str, float]:
+        """Held-out greedy accuracy every ``eval.every`` versions (and at the last step)."""
+        every = self.spec.eval.every
+        if not every:
+            return {}
+        if not (force or self.version % every == 0 or self.version == self.spec.steps):
+            return {}
+        t0 = time.perf_counter()
+        acc = greedy_accuracy(self.learner.model, self.model_spec, self.task,
+                              n=self.spec.eval.prompts, tokenizer=self.tokenizer)
+        return {"eval_accuracy": acc, "eval_s": time.perf_counter() - t0}
 
     def published_state(self) -> dict[str, torch.Tensor]:
         return export_state(self.learner.model, self.spec.publish_dtype)
@@ -288,7 +294,8 @@ class Learner:
         if hello.current_version < self.version and self.pending_report is not None:
             await self._send_report(self.pending_report)  # crashed before reporting
         elif hello.current_version < 0:
-            sealed = await trio.to_thread.run_sync(self._publish, [], [], {})
+            sealed = await trio.to_thread.run_sync(
+                lambda: self._publish([], [], self._evaluate(force=True)))
             await self._send_report(sealed)
             log.info("published v0 (base policy)")
         if await self._train_loop():
@@ -330,6 +337,9 @@ class Learner:
             # coordinator returns whatever a report does not name to the buffer.
             batch, pending = pending[: spec.batch_groups], []
             sealed, metrics = await trio.to_thread.run_sync(self._step, batch)
+            if "eval_accuracy" in metrics:
+                log.info("v%d held-out greedy accuracy %.3f", self.version,
+                         metrics["eval_accuracy"])
             await self._send_report(sealed)
             log.info(
                 "v%d reward %.3f loss %.4f mismatch %.2e groups %d rejected %d step %.2fs",
@@ -397,6 +407,7 @@ class Learner:
                 ids_ok.append(g.rollout_id)
         metrics["rejected"] = float(sum(1 for v in verdicts if not v.ok))
         metrics["rescore_s"] = rescore_s
+        metrics.update(self._evaluate())
         return self._publish(ids_ok, verdicts, metrics), metrics
 
 

@@ -39,13 +39,30 @@ class TaskSection(BaseModel):
     params: dict[str, int | float | str | bool] = Field(default_factory=dict)
 
 
-class GRPOSection(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    lr: float = Field(default=1e-3, gt=0, le=1)
-    clip_eps: float = Field(default=0.2, gt=0, le=1)
-    tis_cap: float = Field(default=2.0, ge=1)
-    max_grad_norm: float = Field(default=1.0, gt=0)
+class GRPOParams(BaseModel):
+    """GRPO's hyper-parameters, the ``[job.grpo]`` table: defined once, here, and read by the
+    learner as they are (``echo.learner.grpo``, whose docstring gives the objective)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    lr: float = Field(default=1e-3, gt=0, le=1, description="AdamW learning rate")
+    betas: tuple[float, float] = Field(default=(0.9, 0.99), description="AdamW betas")
     weight_decay: float = Field(default=0.0, ge=0)
+    max_grad_norm: float = Field(default=1.0, gt=0, description="gradient norm clip")
+    clip_eps: float = Field(
+        default=0.2, gt=0, le=1,
+        description="PPO trust region around the behaviour policy: ratio in [1-eps, 1+eps]",
+    )
+    dual_clip: float = Field(
+        default=2.0, ge=1, description="a negative advantage's ratio counts at most this much"
+    )
+    ppo_epochs: int = Field(default=1, ge=1, le=64, description="optimizer steps per batch")
+    adv_eps: float = Field(default=1e-6, gt=0, description="added to the group's reward std")
+
+    @model_validator(mode="after")
+    def _betas_in_range(self) -> GRPOParams:
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError("betas must be in [0, 1)")
+        return self
 
 
 class SamplingSection(BaseModel):
@@ -61,18 +78,31 @@ class WarmupSection(BaseModel):
     lr: float = Field(default=3e-3, gt=0)
 
 
+class EvalSection(BaseModel):
+    """Held-out greedy accuracy, measured by the learner (``echo.learner.evaluate``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    every: int = Field(default=10, ge=0, description="versions between evaluations; 0 = never")
+    prompts: int = Field(default=256, ge=1, le=100_000, description="held-out prompts")
+
+
 class JobSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(min_length=1, max_length=128)
     model: ModelSection = Field(default_factory=ModelSection)
     task: TaskSection = Field(default_factory=TaskSection)
-    grpo: GRPOSection = Field(default_factory=GRPOSection)
+    grpo: GRPOParams = Field(default_factory=GRPOParams)
     sampling: SamplingSection = Field(default_factory=SamplingSection)
     warmup: WarmupSection = Field(default_factory=WarmupSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
     steps: int = Field(default=60, ge=1, le=10_000_000, description="policy versions to train")
     group_size: int = Field(default=16, ge=2, le=256)
     batch_groups: int = Field(default=8, ge=1, le=4096, description="GRPO groups per step")
-    staleness: int = Field(default=2, ge=1, le=64, description="max versions a rollout may lag")
+    staleness: int = Field(
+        default=2, ge=0, le=64,
+        description="max versions a rollout may lag; 0 = synchronous (train only on groups "
+        "sampled from the current version)",
+    )
     anchor_every: int = Field(default=10, ge=1, description="full anchor every K versions")
     publish_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     learner_public_key: str | None = Field(

@@ -17,13 +17,14 @@ from pathlib import Path
 
 import torch
 
+from echo.learner.evaluate import greedy_accuracy
 from echo.learner.grpo import GRPOConfig, GRPOLearner, TrainGroup
 from echo.learner.warmup import warmup
 from echo.models.spec import ModelSpec, build_model, decode_completion, encode_prompt
 from echo.models.weights import export_state
 from echo.node.engines.base import GenRequest, SamplingParams
 from echo.node.engines.torch_engine import TorchEngine
-from echo.tasks import Task, make_task
+from echo.tasks import make_task
 
 
 @dataclass
@@ -40,22 +41,15 @@ class LocalConfig:
     warmup_lr: float = 3e-3
     cache_dir: str | None = str(Path.home() / ".cache" / "echo-swarm" / "warmup")
     threads: int | None = None
+    temperature: float = 1.0
+    lag: int = 0  # sample from the weights of this many versions ago (the swarm's staleness)
     eval_every: int = 50  # greedy accuracy on held-out prompts every this many steps (0: never)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
 
-def greedy_accuracy(engine: TorchEngine, spec: ModelSpec, task: Task, n: int = 256) -> float:
-    """Mean reward of greedy answers on prompt ids 10**9 .. 10**9 + n (disjoint from training)."""
-    ids = range(10**9, 10**9 + n)
-    params = SamplingParams(max_new_tokens=task.max_new_tokens, temperature=0.0)
-    reqs = [GenRequest(encode_prompt(spec, task.prompt(i)), 1, params) for i in ids]
-    out = engine.generate(reqs)
-    texts = [decode_completion(spec, c[0].token_ids) for c in out]
-    return sum(task.reward(i, t) for i, t in zip(ids, texts, strict=True)) / n
-
-
-def run(cfg: LocalConfig, log: bool = True) -> list[dict[str, float]]:
-    """Warm up, then GRPO for ``cfg.steps`` steps; returns per-step metrics."""
+def run(cfg: LocalConfig, log: bool = True) -> tuple[list[dict[str, float]], float]:
+    """Warm up, then GRPO for ``cfg.steps`` steps; returns per-step metrics and the final
+    held-out greedy accuracy."""
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     if cfg.spec.kind != "tiny":
@@ -67,20 +61,21 @@ def run(cfg: LocalConfig, log: bool = True) -> list[dict[str, float]]:
         model, cfg.spec, task,
         steps=cfg.warmup_steps, lr=cfg.warmup_lr, seed=cfg.seed, cache_dir=cfg.cache_dir,
     )  # fmt: skip
-    learner = GRPOLearner(model, cfg.grpo)
+    learner = GRPOLearner(model, cfg.grpo, cfg.temperature)
     engine = TorchEngine(cfg.spec)
     engine.load_state(export_state(learner.model))
     if log:
-        acc = greedy_accuracy(engine, cfg.spec, task)
+        acc = greedy_accuracy(learner.model, cfg.spec, task)
         print(f"warm-up done in {time.perf_counter() - t0:.1f}s, greedy accuracy {acc:.3f}")
 
     rng = random.Random(cfg.seed)
     history: list[dict[str, float]] = []
+    published = [export_state(learner.model)]  # the last lag + 1 versions, oldest first
     t_start = time.perf_counter()
     for step in range(cfg.steps):
         prompt_ids = [rng.randrange(10**9) for _ in range(cfg.prompts_per_step)]
         params = SamplingParams(
-            max_new_tokens=task.max_new_tokens, temperature=cfg.grpo.temperature, top_p=1.0
+            max_new_tokens=task.max_new_tokens, temperature=cfg.temperature, top_p=1.0
         )
         reqs = [
             GenRequest(
@@ -99,17 +94,19 @@ def run(cfg: LocalConfig, log: bool = True) -> list[dict[str, float]]:
                 completions=[c.token_ids for c in cs],
                 behaviour_logprobs=[c.logprobs for c in cs],
                 rewards=[task.reward(pid, decode_completion(cfg.spec, c.token_ids)) for c in cs],
-                version=learner.version,
+                version=learner.version - min(cfg.lag, len(published) - 1),
             )
             for pid, r, cs in zip(prompt_ids, reqs, out, strict=True)
         ]
         m = learner.step(groups)
-        # What a node gets: the published state, copied exactly into its own model.
-        engine.load_state(export_state(learner.model))
+        # What a node gets: the published state, copied exactly into its own model (with a lag,
+        # the state published that many versions ago, as a node that has not caught up holds).
+        published = (published + [export_state(learner.model)])[-(cfg.lag + 1):]
+        engine.load_state(published[0])
         m.update(step=step, gen_s=gen_s, tok_s=engine.tokens_per_s,
                  elapsed=time.perf_counter() - t_start)  # fmt: skip
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
-            m["greedy"] = greedy_accuracy(engine, cfg.spec, task)
+            m["greedy"] = greedy_accuracy(learner.model, cfg.spec, task)
         history.append(m)
         if log:
             greedy = f"  greedy {m['greedy']:.3f}" if "greedy" in m else ""
@@ -118,15 +115,15 @@ def run(cfg: LocalConfig, log: bool = True) -> list[dict[str, float]]:
                 f"gen {gen_s * 1e3:5.1f}ms ({m['tok_s']:6.0f} tok/s)  "
                 f"train {m['step_s'] * 1e3:5.1f}ms  t {m['elapsed']:5.1f}s{greedy}"
             )
+    acc = greedy_accuracy(learner.model, cfg.spec, task)
     if log:
-        acc = greedy_accuracy(engine, cfg.spec, task)
         first = sum(h["reward"] for h in history[:10]) / min(10, len(history))
         last = sum(h["reward"] for h in history[-10:]) / min(10, len(history))
         print(
             f"done: {cfg.steps} steps in {time.perf_counter() - t_start:.1f}s; sampled reward "
             f"first 10 steps {first:.3f} -> last 10 steps {last:.3f}; greedy accuracy {acc:.3f}"
         )
-    return history
+    return history, acc
 
 
 def main() -> None:
@@ -134,10 +131,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=LocalConfig.steps)
     ap.add_argument("--task", default="addition")
     ap.add_argument("--max-operand", type=int, default=5, help="addition only")
-    ap.add_argument("--lr", type=float, default=GRPOConfig.lr)
+    ap.add_argument("--lr", type=float, default=GRPOConfig.model_fields["lr"].default)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lag", type=int, default=0,
+                    help="sample from the weights of this many versions ago (swarm staleness)")
     ap.add_argument("--warmup-steps", type=int, default=LocalConfig.warmup_steps)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-cache", action="store_true", help="do not read or write the warm-up")
@@ -148,6 +147,7 @@ def main() -> None:
         spec=ModelSpec(hidden=args.hidden, layers=args.layers),
         steps=args.steps,
         seed=args.seed,
+        lag=args.lag,
         warmup_steps=args.warmup_steps,
         threads=args.threads,
         grpo=GRPOConfig(lr=args.lr),

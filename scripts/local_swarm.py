@@ -45,6 +45,7 @@ kind = "tiny"
 hidden = 64
 layers = 2
 heads = {heads}
+seed = {seed}
 
 [job.task]
 name = "{task}"
@@ -59,6 +60,9 @@ max_new_tokens = 4
 
 [job.warmup]
 steps = {warmup}
+
+[job.eval]
+every = {eval_every}
 """
 
 
@@ -143,9 +147,15 @@ def summarize(st: dict, nodes: list[dict], wall: float) -> dict:
     curve = st["reward_by_version"]
     versions = st["versions"]
     tta = [v["time_to_all_s"] for v in versions if v["time_to_all_s"] is not None]
+    evals = [(v["version"], v["metrics"]["eval_accuracy"]) for v in versions
+             if "eval_accuracy" in v["metrics"]]
     return {
         "job_id": st["job_id"],
         "status": st["status"],
+        "eval_first": evals[0][1] if evals else None,
+        "eval_last": evals[-1][1] if evals else None,
+        "eval_by_version": [{"version": v, "accuracy": a} for v, a in evals],
+        "learner_by_version": [{"version": v["version"], **v["metrics"]} for v in versions],
         "versions": st["current_version"],
         "reward_first": curve[0]["mean_reward"] if curve else None,
         "reward_last": curve[-1]["mean_reward"] if curve else None,
@@ -305,6 +315,9 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=30,
                     help="supervised format warm-up steps (a short one leaves room to learn)")
+    ap.add_argument("--seed", type=int, default=0, help="model initialisation and warm-up seed")
+    ap.add_argument("--eval-every", type=int, default=10,
+                    help="held-out greedy accuracy every this many versions (0: never)")
     ap.add_argument("--timeout", type=float, default=280.0, help="give up after this many s")
     ap.add_argument("--node-args", default="", help="extra arguments for every echo-node join")
     ap.add_argument("--quiet", action="store_true", help="no live table (for tests)")
@@ -339,6 +352,8 @@ def main() -> int:
                 lr=args.lr,
                 warmup=args.warmup,
                 heads=VLLM_HEADS if with_vllm else HEADS,
+                seed=args.seed,
+                eval_every=args.eval_every,
             )
         )
         console.print(f"submitted job {job_id}; starting {args.nodes} nodes "

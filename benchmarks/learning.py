@@ -1,0 +1,179 @@
+"""Learning under asynchrony: the swarm against a synchronous trainer of the same recipe.
+
+One recipe (the tiny model, ``a+b=`` with operands below 5, 16 groups of 16 per step, the job's
+default GRPO settings, the same number of versions and so the same rollouts trained) runs as:
+
+- ``sync``: on-policy GRPO in one process (``scripts/grpo_local.py``'s loop), the baseline;
+- ``torch/S``: a real local swarm (coordinator, learner and three node processes on loopback,
+  as ``scripts/demo`` runs them) of torch nodes at staleness S;
+- ``mixed/S``: the same with llama.cpp nodes beside the torch ones (and a vLLM node with
+  ``--vllm``, when ``.venv-vllm`` exists; every configuration then uses the 2-head model vLLM's
+  CPU attention needs, so that all compare the same model).
+
+Per configuration, over seeds (model initialisation and warm-up; the swarm's sampling seeds are
+random by design): the held-out greedy accuracy at the end (``echo.learner.evaluate``, the same
+function in both), reward per rollout consumed (the mean of each version's trained-batch reward,
+the area under the curve), collapses (10 versions in a row with mean reward under 0.02 after the
+reward first passed 0.1) and wall time. The baseline is measured in the same run.
+
+    python benchmarks/learning.py            # 5 seeds, S = 1, 2, 4, torch and mixed (hours)
+    python benchmarks/learning.py --quick    # 2 seeds, S = 2, torch and mixed (~20 min on 2 cores)
+
+The JSON line: ``swarm_vs_sync`` (the worst swarm configuration's mean final accuracy over the
+synchronous one's), ``mixed_vs_torch`` (the worst staleness's mixed over torch), and
+``collapses_total`` over every swarm and synchronous run.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from _common import emit, parse_args, say  # noqa: E402
+
+# A collapse: this many versions in a row under COLLAPSE_REWARD once the reward has passed
+# COLLAPSE_AFTER (before that, a low reward is a slow start, not a collapse).
+COLLAPSE_RUN = 10
+COLLAPSE_REWARD = 0.02
+COLLAPSE_AFTER = 0.1
+
+
+def collapses(rewards: list[float]) -> int:
+    """Count maximal runs of at least COLLAPSE_RUN versions under COLLAPSE_REWARD that start
+    after the reward first exceeded COLLAPSE_AFTER."""
+    count, run, armed = 0, 0, False
+    for r in rewards:
+        armed = armed or r > COLLAPSE_AFTER
+        if armed and r < COLLAPSE_REWARD:
+            run += 1
+            if run == COLLAPSE_RUN:
+                count += 1
+        else:
+            run = 0
+    return count
+
+
+def run_sync(seed: int, steps: int, heads: int) -> dict:
+    """The synchronous baseline in this process."""
+    from grpo_local import LocalConfig, run
+
+    from echo.models.spec import ModelSpec
+
+    t0 = time.perf_counter()
+    cfg = LocalConfig(seed=seed, steps=steps, threads=1, eval_every=0,
+                      spec=ModelSpec(hidden=64, layers=2, heads=heads))
+    history, final = run(cfg, log=False)
+    rewards = [h["reward"] for h in history]
+    return {"eval_last": final, "rewards": rewards, "wall_s": time.perf_counter() - t0}
+
+
+def run_swarm(seed: int, steps: int, staleness: int, engines: str, out: Path) -> dict:
+    """One local swarm (real processes) through scripts/local_swarm.py; its summary."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "local_swarm.py"), "--quiet",
+           "--engines", engines, "--staleness", str(staleness), "--steps", str(steps),
+           "--seed", str(seed), "--out", str(out), "--timeout", str(max(600, 6 * steps))]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    summary_path = out / "summary.json"
+    if not summary_path.exists():
+        raise RuntimeError(f"swarm run failed (exit {proc.returncode}): {proc.stdout[-2000:]}"
+                           f"{proc.stderr[-2000:]}")
+    s = json.loads(summary_path.read_text())
+    if s["status"] != "done":
+        raise RuntimeError(f"swarm run ended {s['status']}; logs in {out}")
+    rewards = [v["reward"] for v in s["learner_by_version"] if v["version"] > 0]
+    return {"eval_last": s["eval_last"], "eval_first": s["eval_first"], "rewards": rewards,
+            "wall_s": wall}
+
+
+def summarize(runs: list[dict]) -> dict:
+    accs = [r["eval_last"] for r in runs]
+    return {
+        "eval_last_mean": statistics.fmean(accs),
+        "eval_last_min": min(accs),
+        "eval_last": accs,
+        "reward_per_rollout": statistics.fmean(statistics.fmean(r["rewards"]) for r in runs),
+        "collapses": sum(collapses(r["rewards"]) for r in runs),
+        "wall_s_mean": statistics.fmean(r["wall_s"] for r in runs),
+    }
+
+
+def main() -> None:
+    def setup(ap) -> None:
+        ap.add_argument("--seeds", type=int, default=None, help="seeds per configuration")
+        ap.add_argument("--steps", type=int, default=200, help="versions per run")
+        ap.add_argument("--staleness", type=int, nargs="+", default=None)
+        ap.add_argument("--configs", nargs="+", default=["torch", "mixed"],
+                        choices=["torch", "mixed"], help="swarm engine sets")
+        ap.add_argument("--vllm", action="store_true", help="a vLLM node in the mixed swarms")
+        ap.add_argument("--out", type=Path, default=ROOT / "runs" / "learning")
+
+    args = parse_args(__doc__, setup=setup)
+    seeds = args.seeds or (2 if args.quick else 5)
+    stalenesses = args.staleness or ([2] if args.quick else [1, 2, 4])
+    mixed = "llamacpp,torch,vllm" if args.vllm else "llamacpp,torch"
+    heads = 2 if args.vllm else 4
+    if args.vllm and "mixed" in args.configs:
+        say("note: --vllm gives every configuration the 2-head model (vLLM on CPU needs it);"
+            " the swarm's job template must match")
+    results: dict[str, dict] = {}
+
+    say(f"sync baseline: {seeds} seeds x {args.steps} steps")
+    runs = []
+    for seed in range(seeds):
+        runs.append(run_sync(seed, args.steps, heads))
+        say(f"  seed {seed}: final greedy accuracy {runs[-1]['eval_last']:.3f}, "
+            f"{runs[-1]['wall_s']:.0f} s")
+    results["sync"] = summarize(runs)
+
+    for engines in args.configs:
+        for s in stalenesses:
+            name = f"{engines}/S{s}"
+            say(f"{name}: {seeds} seeds x {args.steps} versions")
+            runs = []
+            for seed in range(seeds):
+                out = args.out / time.strftime("%Y%m%d-%H%M%S") / f"{engines}-S{s}-seed{seed}"
+                r = run_swarm(seed, args.steps, s, mixed if engines == "mixed" else "torch", out)
+                runs.append(r)
+                say(f"  seed {seed}: final greedy accuracy {r['eval_last']:.3f} "
+                    f"(from {r['eval_first']:.3f}), collapses {collapses(r['rewards'])}, "
+                    f"{r['wall_s']:.0f} s")
+            results[name] = summarize(runs)
+
+    base = results["sync"]["eval_last_mean"]
+    say("")
+    say(f"{'configuration':<14} {'final acc':>9} {'min':>6} {'vs sync':>8} "
+        f"{'reward/rollout':>14} {'collapses':>9} {'wall s':>7}")
+    for name, r in results.items():
+        say(f"{name:<14} {r['eval_last_mean']:9.3f} {r['eval_last_min']:6.3f} "
+            f"{r['eval_last_mean'] / base:8.2f} {r['reward_per_rollout']:14.3f} "
+            f"{r['collapses']:9d} {r['wall_s_mean']:7.0f}")
+    swarm = {k: v for k, v in results.items() if k != "sync"}
+    ratio = {k: v["eval_last_mean"] / base for k, v in swarm.items()}
+    mixed_vs_torch = [results[f"mixed/S{s}"]["eval_last_mean"]
+                      / results[f"torch/S{s}"]["eval_last_mean"]
+                      for s in stalenesses if f"mixed/S{s}" in results and f"torch/S{s}" in results]
+    emit({
+        "swarm_vs_sync": min(ratio.values()) if ratio else None,
+        "swarm_vs_sync_by_config": ratio,
+        "mixed_vs_torch": min(mixed_vs_torch) if mixed_vs_torch else None,
+        "collapses_total": sum(r["collapses"] for r in results.values()),
+        "sync_eval_last": base,
+        "configs": results,
+        "seeds": seeds,
+        "steps": args.steps,
+        "quick": args.quick,
+    })
+
+
+if __name__ == "__main__":
+    main()

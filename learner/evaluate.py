@@ -1,0 +1,81 @@
+"""Held-out greedy accuracy: whether the policy has learned the task, not just its samples.
+
+Sampled reward mixes what the policy knows with how much it still explores; greedy accuracy on
+prompts it never trained on is the figure a researcher watches. Prompt ids from
+:data:`EVAL_PROMPT_BASE` on are never leased (the coordinator numbers training prompts from 0),
+so the evaluation set is disjoint from the training stream and the same on every run of a task.
+The synchronous baseline (``scripts/grpo_local.py``) and the swarm's learner both call
+:func:`greedy_accuracy`, so their figures are comparable.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from echo.models.spec import ModelSpec, decode_completion, encode_prompt, eos_token_id
+from echo.tasks.base import Task
+
+# Far above any prompt id a job leases (one id per group: 10**9 groups is beyond any run).
+EVAL_PROMPT_BASE = 10**9
+# Prompts per forward: bounds memory on real models while keeping the tiny model's calls few.
+EVAL_BATCH = 64
+
+
+@torch.no_grad()
+def greedy_completions(
+    model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, eos_id: int
+) -> list[list[int]]:
+    """Greedy continuation of each prompt (token ids), cut after the first EOS (kept out).
+
+    Prompts are left-padded so every row's next token is predicted from the last column; the
+    attention mask and explicit positions make each row independent of its neighbours' lengths.
+    The model is only read; its mode is left as it was.
+    """
+    out: list[list[int]] = []
+    dev = next(model.parameters()).device
+    for at in range(0, len(prompts), EVAL_BATCH):
+        chunk = prompts[at : at + EVAL_BATCH]
+        width = max(len(p) for p in chunk)
+        ids = torch.full((len(chunk), width), eos_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(chunk):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        done = torch.zeros(len(chunk), dtype=torch.bool, device=dev)
+        gen: list[torch.Tensor] = []
+        for _ in range(max_new_tokens):
+            # No KV cache: completions here are a few tokens, and a full forward is the same
+            # function the learner trains (no cache-path differences to reason about).
+            pos = (mask.cumsum(1) - 1).clamp(min=0)
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -1]
+            tok = torch.where(done, eos_id, logits.argmax(-1))
+            gen.append(tok)
+            done |= tok == eos_id
+            if bool(done.all()):
+                break
+            ids = torch.cat([ids, tok.unsqueeze(1)], 1)
+            mask = torch.cat([mask, torch.ones_like(tok).unsqueeze(1)], 1)
+        rows = torch.stack(gen, 1).cpu().tolist()
+        for row in rows:
+            out.append(row[: row.index(eos_id)] if eos_id in row else row)
+    return out
+
+
+def greedy_accuracy(
+    model: torch.nn.Module, spec: ModelSpec, task: Task, n: int = 256, tokenizer: Any = None
+) -> float:
+    """Mean reward of greedy answers to held-out prompts ``EVAL_PROMPT_BASE .. + n``.
+
+    :raises ValueError: if ``n`` is not positive, or an ``hf`` spec comes without its tokenizer.
+    """
+    if n <= 0:
+        raise ValueError("need at least one evaluation prompt")
+    pids = range(EVAL_PROMPT_BASE, EVAL_PROMPT_BASE + n)
+    prompts = [encode_prompt(spec, task.prompt(i), tokenizer) for i in pids]
+    eos = eos_token_id(spec)
+    comps = greedy_completions(model, prompts, task.max_new_tokens, eos)
+    texts = [decode_completion(spec, c, tokenizer) for c in comps]
+    return sum(task.reward(i, t) for i, t in zip(pids, texts, strict=True)) / n
