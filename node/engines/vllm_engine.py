@@ -63,6 +63,7 @@ _EXTENSION = "echo.node.engines.vllm_worker.EchoWorkerExtension"
 
 
 def vllm_available() -> bool:
+    """Whether the vllm package can be imported here (without importing it)."""
     import importlib.util
 
     return importlib.util.find_spec("vllm") is not None
@@ -379,6 +380,7 @@ class VLLMEngine(Engine):
 
 
 def install_hint() -> str:
+    """How to get vLLM where it is missing: the message of the RuntimeError the engine raises."""
     return (
         "engine 'vllm' needs the vllm package: on a machine with an NVIDIA GPU "
         "`pip install 'echo-swarm[vllm]'` (or `pip install vllm`); on a CPU run "
