@@ -1,7 +1,7 @@
 """Benchmark weight dissemination: time until every node holds a version, star vs chain vs tree.
 
 Every host is a real process -- one EchoHost (TCP + Noise + yamux) and one Relay
-(``echo.p2p.broadcast``) -- in its own network namespace from ``scripts/netem.py``, its upload
+(``echo.p2p.relay``) -- in its own network namespace from ``scripts/netem.py``, its upload
 and download shaped by tc: by default htb with ACK priority and one FIFO per peer served
 round-robin, as a router with per-flow fair queueing (fq_codel, cake) does (``--shaper htb``:
 one shared drop-tail FIFO; ``--shaper tbf``: a plain token bucket). For each node count N and
@@ -66,18 +66,12 @@ sys.path.insert(0, str(HERE.parent / "scripts"))
 import netem  # noqa: E402
 from _common import emit, parse_args, say  # noqa: E402
 
-from echo.p2p.broadcast import Relay, RelayConfig  # noqa: E402
 from echo.p2p.chunkstore import ChunkStore, chunk_size_for, split_chunks  # noqa: E402
 from echo.p2p.host import open_host  # noqa: E402
 from echo.p2p.identity import Identity  # noqa: E402
-from echo.p2p.tree import (  # noqa: E402
-    TreePlan,
-    best_plan,
-    chain_plan,
-    lower_bound_s,
-    route_for,
-    star_plan,
-)
+from echo.p2p.relay import Relay, RelayConfig  # noqa: E402
+from echo.p2p.tree import best_plan, chain_plan, route_for, star_plan  # noqa: E402
+from echo.p2p.tree_plan import TreePlan, lower_bound_s  # noqa: E402
 from echo.protocol import broadcast as b  # noqa: E402
 from echo.protocol import messages as m  # noqa: E402
 from echo.protocol import signing  # noqa: E402

@@ -44,7 +44,8 @@ from echo.node.engines.factory import make_engine  # noqa: E402
 from echo.node.worker import lease_request  # noqa: E402
 from echo.protocol import codec, signing  # noqa: E402
 from echo.protocol import messages as m  # noqa: E402
-from echo.protocol.patch import apply_patch, encode_patch  # noqa: E402
+from echo.protocol.patch import encode_patch  # noqa: E402
+from echo.protocol.patch_apply import apply_patch  # noqa: E402
 from echo.tasks.registry import make_task  # noqa: E402
 
 # The first AdamW step moves every weight by about lr; 1e-6 is an RL-sized learning rate.

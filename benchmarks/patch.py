@@ -25,12 +25,9 @@ import zstandard
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import emit, median, parse_args, say, timed  # noqa: E402
 
-from echo.protocol.patch import (  # noqa: E402
-    apply_patch,
-    apply_patch_inplace,
-    encode_patch,
-    patch_stats,
-)
+from echo.protocol.patch import encode_patch  # noqa: E402
+from echo.protocol.patch_apply import apply_patch, apply_patch_inplace  # noqa: E402
+from echo.protocol.patch_format import patch_stats  # noqa: E402
 
 LEVEL = 3  # the codec's default zstd level; the baseline uses the same one
 # Encode and apply are timed best-of-N: the first call in a process pays page faults for fresh

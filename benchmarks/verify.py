@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from _common import emit, median, parse_args, say  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey  # noqa: E402
 
-from echo.coordinator.store import LeaseRow  # noqa: E402
+from echo.coordinator.rows import LeaseRow  # noqa: E402
 from echo.coordinator.verify import JobContext, check_submission  # noqa: E402
 from echo.learner.grpo import GRPOConfig, GRPOLearner, TrainGroup  # noqa: E402
 from echo.learner.rescore import Rescorer, token_stats  # noqa: E402

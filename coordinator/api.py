@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from html import escape
+from typing import Any
 
 import trio
 from hypercorn.config import Config as HyperConfig
@@ -21,102 +23,111 @@ from starlette.routing import Route
 
 from echo.coordinator.capacity import NodeRate, plan
 from echo.coordinator.learners import tail
+from echo.coordinator.ports import ApiBackend
 from echo.protocol.jobspec import SpecError, load_job_toml, parse_job
 
-if TYPE_CHECKING:
-    from echo.coordinator.service import Coordinator
-
+# A job spec is a few KB; anything much larger is not one.
 MAX_BODY = 256 * 1024
+# Nodes heard from within this long count towards a job's capacity plan.
+PLAN_NODE_ACTIVE_S = 120
 
 
-def job_status(coord: Coordinator, job_id: str) -> dict[str, Any] | None:
+def job_status(coord: ApiBackend, job_id: str) -> dict[str, Any] | None:
+    """The job as ``GET /v1/jobs/{id}`` shows it: status, versions, rewards (None if unknown)."""
     row = coord.store.job(job_id)
     if row is None:
         return None
-    spec = json.loads(row["spec_json"])
+    spec = row.spec
     versions = []
     for v in coord.store.versions(job_id):
         versions.append(
             {
-                "version": v["version"],
-                "kind": v["kind"],
-                "bytes": v["total_size"],
-                "trained_groups": v["trained_count"],
-                "published_at": v["published_at"],
-                "time_to_all_s": (v["all_nodes_at"] - v["published_at"])
-                if v["all_nodes_at"]
-                else None,
-                "metrics": json.loads(v["metrics_json"]),
+                "version": v.version,
+                "kind": v.kind,
+                "bytes": v.total_size,
+                "trained_groups": v.trained_count,
+                "published_at": v.published_at,
+                "time_to_all_s": (v.all_nodes_at - v.published_at) if v.all_nodes_at else None,
+                "metrics": v.metrics,
             }
         )
     return {
         "job_id": job_id,
-        "name": row["name"],
-        "status": row["status"],
-        "error": row["error"],
-        "current_version": row["current_version"],
+        "name": row.name,
+        "status": row.status,
+        "error": row.error,
+        "current_version": row.current_version,
         "steps": spec.get("steps"),
         "task": spec.get("task"),
-        "learner_peer_id": row["learner_peer_id"],
+        "learner_peer_id": row.learner_peer_id,
         "rollouts": coord.store.rollout_counts(job_id),
         "reward_by_version": [
             {"version": v, "mean_reward": r, "groups": n}
             for v, r, n in coord.store.reward_by_version(job_id)
         ],
         "versions": versions,
-        "created_at": row["created_at"],
-        "updated_at": row["updated_at"],
+        "created_at": row.created_at,
+        "updated_at": row.updated_at,
     }
 
 
-def job_plan(coord: Coordinator, job_id: str) -> dict[str, Any] | None:
-    """The capacity model's terms as measured so far (medians over the published versions)."""
+def job_plan(coord: ApiBackend, job_id: str) -> dict[str, Any] | None:
+    """The capacity model's terms as measured so far (medians over the published versions);
+    None for an unknown job."""
     row = coord.store.job(job_id)
     if row is None:
         return None
-    spec = json.loads(row["spec_json"])
+    spec = row.spec
     versions = coord.store.versions(job_id)
-    steps = [json.loads(v["metrics_json"]).get("step_s") for v in versions]
-    steps = sorted(s for s in steps if s)
-    tta = sorted(v["all_nodes_at"] - v["published_at"] for v in versions if v["all_nodes_at"])
+    steps = sorted(s for s in (v.metrics.get("step_s") for v in versions) if s)
+    tta = sorted(v.all_nodes_at - v.published_at for v in versions if v.all_nodes_at)
     tokens_per_rollout = coord.store.mean_tokens_per_rollout(job_id) or 1.0
     now = time.time()
-    rates = [NodeRate(n["node_id"], n["tokens_per_s"] / tokens_per_rollout)
+    rates = [NodeRate(n.node_id, n.tokens_per_s / tokens_per_rollout)
              for n in coord.store.nodes()
-             if not n["excluded"] and now - n["last_seen"] < 120 and n["tokens_per_s"] > 0]
+             if not n.excluded and now - n.last_seen < PLAN_NODE_ACTIVE_S and n.tokens_per_s > 0]
     p = plan(spec["batch_groups"] * spec["group_size"], steps[len(steps) // 2] if steps else 0.0,
              tta[len(tta) // 2] if tta else 0.0, spec["staleness"], rates)
     return {**p.to_dict(), "tokens_per_rollout": tokens_per_rollout,
             "measured_versions": len(versions)}
 
 
-def node_list(coord: Coordinator) -> list[dict[str, Any]]:
+def node_list(coord: ApiBackend) -> list[dict[str, Any]]:
+    """Every registered node as ``GET /v1/nodes`` shows it."""
     out = []
     for n in coord.store.nodes():
         out.append(
             {
-                "node_id": n["node_id"],
-                "engine": n["engine"],
-                "tokens_per_s": n["tokens_per_s"],
-                "accepted": n["accepted"],
-                "rejected": n["rejected"],
-                "streak": n["streak"],
-                "excluded": bool(n["excluded"]),
-                "version": n["version"],
-                "rejected_by_reason": coord.store.rejection_counts(n["node_id"]),
-                "hardware": json.loads(n["hardware_json"]),
-                "last_seen": n["last_seen"],
-                "upload_bps": n["upload_bps"],
+                "node_id": n.node_id,
+                "engine": n.engine,
+                "tokens_per_s": n.tokens_per_s,
+                "accepted": n.accepted,
+                "rejected": n.rejected,
+                "streak": n.streak,
+                "excluded": n.excluded,
+                "version": n.version,
+                "rejected_by_reason": coord.store.rejection_counts(n.node_id),
+                "hardware": n.hardware,
+                "last_seen": n.last_seen,
+                "upload_bps": n.upload_bps,
             }
         )
     return out
 
 
-def build_app(coord: Coordinator) -> Starlette:
+def build_app(coord: ApiBackend) -> Starlette:
+    """The Starlette app of the API, the dashboard and /metrics over ``coord``.
+
+    Handlers answer errors as JSON (400 bad spec, 401 bad token, 404 unknown job, 413 too large);
+    they raise nothing for bad requests.
+    """
+
     def authorized(request: Request) -> bool:
         return request.headers.get("authorization", "") == f"Bearer {coord.token}"
 
-    def guard(fn):
+    def guard(
+        fn: Callable[[Request], Awaitable[Response]],
+    ) -> Callable[[Request], Awaitable[Response]]:
         async def wrapper(request: Request) -> Response:
             if not authorized(request):
                 return JSONResponse({"error": "missing or wrong bearer token"}, status_code=401)
@@ -145,10 +156,10 @@ def build_app(coord: Coordinator) -> Starlette:
         return JSONResponse(
             [
                 {
-                    "job_id": r["job_id"],
-                    "name": r["name"],
-                    "status": r["status"],
-                    "current_version": r["current_version"],
+                    "job_id": r.job_id,
+                    "name": r.name,
+                    "status": r.status,
+                    "current_version": r.current_version,
                 }
                 for r in coord.store.jobs()
             ]
@@ -216,23 +227,23 @@ def build_app(coord: Coordinator) -> Starlette:
             Route("/v1/jobs/{job_id}/cancel", cancel, methods=["POST"]),
             Route("/v1/jobs/{job_id}/logs", logs),
             Route("/v1/jobs/{job_id}/plan", capacity),
-        Route("/v1/nodes", nodes),
+            Route("/v1/nodes", nodes),
         ]
     )
 
 
-def render_dashboard(coord: Coordinator) -> str:
-    from html import escape
+def render_dashboard(coord: ApiBackend) -> str:
+    """The read-only HTML dashboard: jobs with their reward curve's ends, and nodes."""
 
     rows = []
     for r in coord.store.jobs():
-        st = job_status(coord, r["job_id"]) or {}
+        st = job_status(coord, r.job_id) or {}
         curve = st.get("reward_by_version", [])
         last = f"{curve[-1]['mean_reward']:.3f}" if curve else "-"
         first = f"{curve[0]['mean_reward']:.3f}" if curve else "-"
         rows.append(
-            f"<tr><td>{escape(r['job_id'])}</td><td>{escape(r['status'])}</td>"
-            f"<td>{r['current_version']}</td><td>{first} → {last}</td>"
+            f"<tr><td>{escape(r.job_id)}</td><td>{escape(r.status)}</td>"
+            f"<td>{r.current_version}</td><td>{first} → {last}</td>"
             f"<td>{st.get('rollouts', {}).get('trained', 0)}</td></tr>"
         )
     nrows = "".join(
@@ -254,8 +265,13 @@ def render_dashboard(coord: Coordinator) -> str:
     )
 
 
-async def serve_http(coord: Coordinator, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Serve the API until cancelled; reports the bound addresses through ``task_status``."""
+async def serve_http(
+    coord: ApiBackend, *, task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Serve the API until cancelled; reports the bound addresses through ``task_status``.
+
+    Raises OSError if ``http_host:http_port`` cannot be bound.
+    """
     cfg = HyperConfig()
     cfg.bind = [f"{coord.config.http_host}:{coord.config.http_port}"]
     cfg.accesslog = None

@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass(frozen=True)
 class NodeRate:
+    """A node's measured throughput in rollouts/s, and what an hour of it costs."""
+
     node_id: str
     rollouts_per_s: float
     cost_per_hour: float = 1.0  # unknown costs count equally
@@ -22,6 +24,8 @@ class NodeRate:
 
 @dataclass
 class Plan:
+    """The model's verdict: the terms it used, the throughput needed and had, which nodes."""
+
     R: int
     T_train_s: float
     T_bcast_s: float
@@ -49,6 +53,10 @@ def required_throughput(R: int, t_train: float, t_bcast: float, kappa: int) -> f
 
 def plan(R: int, t_train: float, t_bcast: float, staleness: int,
          nodes: list[NodeRate]) -> Plan:
+    """Activate the cheapest nodes per rollout/s until the rule holds; the rest stand by.
+
+    Pure; raises nothing (an unreachable requirement is an infeasible plan with a note).
+    """
     kappa = max(1, staleness - 1)
     need = required_throughput(R, t_train, t_bcast, kappa)
     total = sum(n.rollouts_per_s for n in nodes)

@@ -12,6 +12,8 @@ from echo.protocol.jobspec import explain_validation, read_toml
 
 
 class VerificationSection(BaseModel):
+    """``[verification]``: lease timing and quotas, the buffer target, rate limit, exclusion."""
+
     model_config = ConfigDict(extra="forbid")
     lease_timeout_s: float = Field(
         default=30.0, gt=0, description="time a node has per lease before it goes to another"
@@ -34,12 +36,16 @@ class VerificationSection(BaseModel):
 
 
 class LearnerSection(BaseModel):
+    """``[learner]``: whether the coordinator runs each job's learner, and its torch threads."""
+
     model_config = ConfigDict(extra="forbid")
     local: bool = Field(default=True, description="start a learner subprocess per job")
     torch_threads: int = Field(default=1, ge=1)
 
 
 class BroadcastSection(BaseModel):
+    """``[broadcast]``: relay-tree planning and the uplinks it plans with."""
+
     model_config = ConfigDict(extra="forbid")
     enabled: bool = Field(
         default=True, description="plan a relay tree per version (false: every node pulls)"
@@ -62,6 +68,8 @@ class BroadcastSection(BaseModel):
 
 
 class CoordinatorConfig(BaseModel):
+    """The whole ``coordinator.toml``: data dir, listen addresses, HTTP API, the sections."""
+
     model_config = ConfigDict(extra="forbid")
     data_dir: Path = Field(
         default_factory=lambda: Path(platformdirs.user_data_dir("echo-swarm")) / "coordinator"

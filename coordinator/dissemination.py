@@ -34,6 +34,8 @@ UPLOAD_EWMA = 0.3
 
 @dataclass
 class NodeLink:
+    """What a plan knows of one node's link: addresses, declared and measured uplink, demotion."""
+
     addrs: list[str] = field(default_factory=list)
     declared_bps: float = 0.0
     measured_bps: float = 0.0
@@ -58,11 +60,13 @@ class Dissemination:
         self.links: dict[str, NodeLink] = {}
 
     def registered(self, node_id: str, addrs: Sequence[str], declared_bps: float) -> None:
+        """A node (re)registered: where it listens and the uplink it declared."""
         link = self.links.setdefault(node_id, NodeLink())
         link.addrs = [a for a in addrs if a][: b.MAX_ADDRS]
         link.declared_bps = declared_bps
 
     def measured(self, node_id: str, upload_bps: float) -> None:
+        """A node's measured push rate (0: none yet), smoothed; unknown nodes are ignored."""
         link = self.links.get(node_id)
         if link is None or upload_bps <= 0:
             return
@@ -82,6 +86,7 @@ class Dissemination:
             )
 
     def upload_of(self, node_id: str) -> float:
+        """The uplink a plan gives the node (0 when demoted); KeyError if it never registered."""
         link = self.links[node_id]
         if link.demoted:
             return 0.0

@@ -163,6 +163,7 @@ def cancel(job_id: str, url: UrlOpt = "http://127.0.0.1:8080", token: TokenOpt =
 
 
 def token_from_dir(data_dir: Path) -> str:
+    """The API token a coordinator keeps in ``data_dir``, else ``$ECHO_API_TOKEN``, else ""."""
     p = data_dir / "api_token"
     return p.read_text().strip() if p.exists() else os.environ.get("ECHO_API_TOKEN", "")
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import logging
 import subprocess
-from typing import TYPE_CHECKING
+from pathlib import Path
 
 import trio
 
-if TYPE_CHECKING:
-    from echo.coordinator.service import Coordinator
+from echo.coordinator.ports import LearnerHost
 
 log = logging.getLogger("echo.coordinator.learners")
 
@@ -26,25 +25,33 @@ MAX_RESTARTS = 3
 RESTART_DELAY_S = 2.0
 
 
-def tail(path, n: int = 20) -> str:
+def tail(path: Path, n: int = 20) -> str:
+    """The last ``n`` lines of the text file at ``path`` ("" if it does not exist yet)."""
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
     except FileNotFoundError:
         return ""
 
 
-async def supervise_learner(coord: Coordinator, job_id: str, scope: trio.CancelScope) -> None:
-    log_path = coord.job_dir(job_id) / "learner.log"
+async def supervise_learner(host: LearnerHost, job_id: str, scope: trio.CancelScope) -> None:
+    """Run the job's learner until it exits cleanly, the job ends, or ``scope`` is cancelled.
+
+    A crash is retried :data:`MAX_RESTARTS` times, then the job is marked failed with the log's
+    tail. Raises OSError if the log cannot be opened or the learner cannot be started.
+    """
+    log_path = host.job_dir(job_id) / "learner.log"
     with scope:
         for attempt in range(MAX_RESTARTS + 1):
             with open(log_path, "ab") as out:
                 proc = await trio.run_process(
-                    coord.learner_command(job_id),
+                    host.learner_command(job_id),
                     check=False,
                     stdout=out,
                     stderr=subprocess.STDOUT,
                 )
-            status = coord.store.job(job_id)["status"]
+            row = host.store.job(job_id)
+            assert row is not None  # jobs are never deleted
+            status = row.status
             if proc.returncode == 0 or status in ("done", "cancelled"):
                 log.info("learner of %s exited (%s)", job_id, status)
                 return
@@ -56,6 +63,6 @@ async def supervise_learner(coord: Coordinator, job_id: str, scope: trio.CancelS
                 tail(log_path, 8),
             )
             await trio.sleep(RESTART_DELAY_S)
-        coord.store.set_job_status(
+        host.store.set_job_status(
             job_id, "failed", f"learner crashed {MAX_RESTARTS + 1} times:\n" + tail(log_path)
         )

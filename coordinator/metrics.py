@@ -6,6 +6,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
 class Metrics:
+    """Every counter, gauge and histogram the coordinator exports, in its own registry."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry

@@ -6,8 +6,8 @@ recomputed here from the lease's prompt. A node's claimed reward is never used; 
 differs from the recomputed reward rejects the submission. Re-scoring
 under the claimed version (step 5) happens at the learner, which computes those log-probs anyway.
 
-:func:`check_submission` is pure over a :class:`VerifyContext` and the store lookups passed in,
-so it is benchmarked without a network (``benchmarks/verify.py``).
+:func:`check_submission` is pure over the jobs' :class:`JobContext` and the lease lookup passed
+in, so it is benchmarked without a network (``benchmarks/verify.py``).
 """
 
 from __future__ import annotations
@@ -18,16 +18,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from echo.coordinator import reasons as R
-from echo.coordinator.store import LeaseRow
+from echo.coordinator.rows import LeaseRow
 from echo.protocol import messages as m
 from echo.protocol import signing
 from echo.protocol.errors import ProtocolError, SchemaError, SignatureError
 from echo.tasks.base import Task
 
+# The envelope kind a node signs its submissions with.
 SUBMISSION_KIND = "submission"
 
 
 class Rejected(Exception):
+    """A submission failed verification: ``reason`` is a code of :mod:`~echo.coordinator.reasons`,
+    ``detail`` says what was wrong for the node's operator."""
+
     def __init__(self, reason: str, detail: str = "") -> None:
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
@@ -50,6 +54,8 @@ class JobContext:
 
 @dataclass(frozen=True)
 class Accepted:
+    """A submission that passed steps 1-4: the group, its lease, and what was recomputed here."""
+
     submission: m.Submission
     lease: LeaseRow
     rewards: list[float]

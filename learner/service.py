@@ -31,13 +31,11 @@ from echo.learner.rescore import Rescorer, Verdict, token_stats
 from echo.learner.warmup import warmup
 from echo.models.spec import ModelSpec, build_model, load_tokenizer
 from echo.models.weights import export_state
-from echo.p2p.broadcast import Relay, RelayConfig, open_relay
 from echo.p2p.chunkstore import ChunkStore, serve_chunks
 from echo.p2p.host import EchoHost, open_host
 from echo.p2p.identity import Identity, public_key_from_peer_id
 from echo.p2p.lifecycle import run_until_signalled
-from echo.p2p.tree import route_from_announcement
-from echo.protocol import broadcast as b
+from echo.p2p.relay import Relay, RelayConfig, open_relay
 from echo.protocol import ids, signing
 from echo.protocol import messages as m
 from echo.protocol.errors import ProtocolError
@@ -204,16 +202,8 @@ class Learner:
         not reach pull from us instead, so a bad plan only costs time."""
         assert self.host is not None and self.relay is not None
         try:
-            env = signing.open_envelope(
-                sealed_plan,
-                kind="broadcast_plan",
-                max_bytes=8 << 20,
-                expected_signer=public_key_from_peer_id(self.coord_peer),
-            )
-            ann = b.from_obj(b.PlanAnnouncement, env.decode_body())
-            route = route_from_announcement(ann, str(self.host.peer_id))
-            if route is not None:
-                await self.relay.start(ann.manifest, route)
+            await self.relay.join_plan(
+                sealed_plan, public_key_from_peer_id(self.coord_peer), self.job_id)
         except ProtocolError as exc:
             log.warning("cannot push v%d down the plan: %s", self.version, exc)
 

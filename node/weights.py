@@ -1,10 +1,13 @@
 """Bringing the node's policy to a target version, verified against the learner's signature.
 
-:class:`WeightSync` owns the node's copy of the published state and its chunk store. It fetches
-signed manifests, checks the signer is the learner key the job pins and that versions only move
-forward, fetches each chunk from the peers that may hold it (hash-checked against the manifest,
-so a relay cannot corrupt a byte unnoticed), applies the anchor or patch, and checks every tensor
-hash and the state digest before the engine sees the weights.
+:class:`WeightSync` owns the node's copy of the published state and its chunk store. It takes each
+version's signed manifest from the node's relay when the relay carries that version (the relay
+verified it), else asks the coordinator and verifies it (:func:`echo.protocol.manifest.
+verify_manifest`, the check relays run too: the learner key the job pins, the job, the version,
+the sizes); it makes versions only move forward, fetches each chunk from the peers that may hold
+it (hash-checked against the manifest, so a relay cannot corrupt a byte unnoticed), applies the
+anchor or patch, and checks every tensor hash and the state digest before the engine sees the
+weights.
 """
 
 from __future__ import annotations
@@ -19,21 +22,25 @@ import trio
 from echo.models.weights import from_bits, state_digest, state_digests, state_from_bytes, to_bits
 from echo.p2p.chunkstore import ChunkHashMismatch, ChunkStore, fetch_chunk
 from echo.p2p.host import EchoHost
+from echo.p2p.relay import Relay
 from echo.p2p.rpc import RpcError
-from echo.protocol import ids, signing
+from echo.protocol import ids
 from echo.protocol import messages as m
 from echo.protocol.errors import ProtocolError
-from echo.protocol.patch import apply_patch
+from echo.protocol.limits import MAX_STATE_BYTES
+from echo.protocol.manifest import verify_manifest
+from echo.protocol.patch_apply import apply_patch
 
 log = logging.getLogger("echo.node.weights")
 
 CHUNK_TIMEOUT_S = 60.0
 MANIFEST_TIMEOUT_S = 15.0
-# A patch or anchor never decodes to more than this; a bigger claim is refused before work.
-MAX_STATE_BYTES = 64 << 30
 
 
 class WeightError(ProtocolError):
+    """A version that cannot be built: a missing base, a chunk no peer provides, or a state whose
+    hashes differ from its signed manifest."""
+
     code = "weights"
 
 
@@ -41,6 +48,10 @@ ProgressFn = Callable[[int, int, int], None]  # (version, bytes done, bytes tota
 
 
 class WeightSync:
+    """The node's state of ``job`` and the fetching that moves it forward (see the module
+    docstring). ``coordinator`` is the coordinator's peer id; ``on_progress`` is called after
+    each chunk of a version that is fetched."""
+
     def __init__(
         self,
         host: EchoHost,
@@ -61,10 +72,13 @@ class WeightSync:
         self.download_bps = 0.0
         self.sources: list = []  # peer ids to fetch chunks from, best first
         self.bad_peers: set = set()
-        # Versions the store must keep besides the held one (e.g. those a relay is carrying).
-        self.keep_also: Callable[[], set[int]] = set
+        # The node's relay: its transfers hold verified manifests, and the versions it is still
+        # carrying stay in the store when a sync prunes it.
+        self.relay: Relay | None = None
 
     async def add_source_addrs(self, addrs: list[str]) -> None:
+        """Add the first of ``addrs`` that can be dialled to the peers chunks are fetched from
+        (none when none can)."""
         for addr in addrs:
             try:
                 peer = await self.host.connect(addr)
@@ -76,6 +90,17 @@ class WeightSync:
             return
 
     async def manifest(self, version: int) -> tuple[m.Manifest, bytes]:
+        """The verified manifest of ``version`` (-1: the job's current one) and its envelope:
+        the relay's when it carries that version, else the coordinator's.
+
+        :raises ManifestError: the coordinator's envelope does not verify (see
+            :meth:`check_manifest`).
+        :raises RpcError: the coordinator cannot be asked or has no such version.
+        """
+        if version >= 0 and self.relay is not None:
+            t = self.relay.transfer(self.job.job_id, version)
+            if t is not None:
+                return t.manifest, t.envelope
         data = await self.host.request(
             self.coordinator,
             ids.PROTO_MANIFEST,
@@ -83,22 +108,20 @@ class WeightSync:
             timeout=MANIFEST_TIMEOUT_S,
             max_response=16 << 20,
         )
-        return self.check_manifest(data), data
+        return self.check_manifest(data, None if version < 0 else version), data
 
-    def check_manifest(self, data: bytes) -> m.Manifest:
-        """Verify a manifest envelope: the job's learner key, this job, a forward version."""
-        env = signing.open_envelope(
-            data, kind="manifest", max_bytes=16 << 20, expected_signer=self.job.learner_public_key
-        )
-        man = m.from_obj(m.Manifest, env.decode_body())
-        if man.job_id != self.job.job_id:
-            raise WeightError(f"manifest is for job {man.job_id}")
-        if man.total_size > MAX_STATE_BYTES or sum(c.size for c in man.chunks) != man.total_size:
-            raise WeightError("manifest sizes are inconsistent")
-        return man
+    def check_manifest(self, data: bytes, version: int | None = None) -> m.Manifest:
+        """Verify a manifest envelope of this job (and of ``version``, unless None).
+
+        :raises ManifestError: see :func:`echo.protocol.manifest.verify_manifest`.
+        """
+        return verify_manifest(data, self.job.learner_public_key, self.job.job_id, version)
 
     async def latest_version(self) -> int:
-        """The newest version the coordinator has a manifest for."""
+        """The newest version the coordinator has a manifest for.
+
+        :raises ManifestError, RpcError: as :meth:`manifest`.
+        """
         return (await self.manifest(-1))[0].version
 
     async def sync_to(self, target: int, *, rebase: bool = False) -> bool:
@@ -108,6 +131,9 @@ class WeightSync:
         (after a patch it could not get), starts again from the newest anchor at or before
         ``target``. The state is built aside and installed only when it reaches ``target``, so
         the held version never goes backwards and a failure changes nothing.
+
+        :raises WeightError: a version cannot be built or does not match its manifest.
+        :raises ManifestError, RpcError: as :meth:`manifest`.
         """
         if target <= self.version:
             return False
@@ -129,7 +155,8 @@ class WeightSync:
         self.state, self.version, self.digest = state, latest.version, latest.state_digest
         elapsed = time.perf_counter() - t0
         self.download_bps = received / max(elapsed, 1e-6)
-        self.store.prune(keep={latest.version, latest.anchor_version} | self.keep_also())
+        carried = {t.version for t in self.relay.transfers.values()} if self.relay else set()
+        self.store.prune(keep={latest.version, latest.anchor_version} | carried)
         log.info("holding v%d (%d version(s), %.1f kB in %.2f s)", latest.version, len(plan),
                  received / 1e3, elapsed)
         return True

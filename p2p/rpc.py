@@ -26,7 +26,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.exceptions import BaseLibp2pError
 from libp2p.peer.id import ID
 
-from echo.p2p.streams import read_exactly, read_frame, write_frame
+from echo.p2p.streams import end_stream, read_exactly, read_frame, write_frame
 from echo.protocol.errors import FrameError, ProtocolError
 from echo.protocol.framing import HEADER_LEN, decode_length
 from echo.protocol.limits import MAX_FRAME_BYTES
@@ -49,8 +49,6 @@ MIN_TRANSFER_RATE = 64 * 1024
 # How long a handler may run before the server answers "timed out" (the client usually gives up
 # earlier with its own timeout). Generous: handlers may do real work (verification, disk).
 DEFAULT_HANDLER_TIMEOUT = 120.0
-# Bound on closing/resetting a stream we are done with (shielded from cancellation).
-STREAM_CLOSE_TIMEOUT = 1.0
 # Generic text for handler crashes: internal details stay in our logs, not on the wire.
 INTERNAL_ERROR_MESSAGE = "internal: the handler failed"
 
@@ -121,22 +119,6 @@ def _error_payload(message: str) -> bytes:
     return bytes([STATUS_ERROR]) + data
 
 
-async def _reset_quietly(stream: INetStream) -> None:
-    with trio.CancelScope(shield=True), trio.move_on_after(STREAM_CLOSE_TIMEOUT):
-        try:
-            await stream.reset()
-        except Exception:  # the stream is being dropped anyway
-            logger.debug("stream reset failed", exc_info=True)
-
-
-async def _close_quietly(stream: INetStream) -> None:
-    with trio.CancelScope(shield=True), trio.move_on_after(STREAM_CLOSE_TIMEOUT):
-        try:
-            await stream.close()
-        except Exception:
-            logger.debug("stream close failed", exc_info=True)
-
-
 async def _read_request(stream: INetStream, max_request: int) -> bytes:
     """Read the request frame under the slow-loris deadlines; FrameError on any failure."""
     with trio.move_on_after(REQUEST_HEADER_TIMEOUT) as scope:
@@ -202,10 +184,7 @@ async def serve_stream(stream: INetStream, spec: HandlerSpec, violations: Violat
     except Exception:
         logger.exception("unexpected error serving %s for %s", protocol, peer_id)
     finally:
-        if ok:
-            await _close_quietly(stream)
-        else:
-            await _reset_quietly(stream)
+        await end_stream(stream, clean=ok)
 
 
 async def call(
@@ -253,10 +232,7 @@ async def call(
         raise RpcTimeout(f"{protocol_id} to {peer_id} timed out after {timeout} s") from None
     finally:
         if stream is not None:
-            if ok:
-                await _close_quietly(stream)
-            else:
-                await _reset_quietly(stream)
+            await end_stream(stream, clean=ok)
     if not response:
         exc = FrameError("empty response frame (no status byte)", code="frame_status")
         if violations is not None:

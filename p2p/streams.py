@@ -1,7 +1,9 @@
-"""Exact reads and length-prefixed frames over a libp2p stream.
+"""Exact reads and length-prefixed frames over a libp2p stream, and closing one quietly.
 
-Owns no stream: callers open, close and reset the streams they pass in, and wrap calls in their
-own ``trio`` deadlines (nothing here waits without the caller's timeout around it).
+Owns no stream: callers open the streams they pass in and decide when to close or reset them,
+and wrap reads and writes in their own ``trio`` deadlines (nothing here waits without the
+caller's timeout around it, except :func:`close_quietly` / :func:`reset_quietly`, which bound
+themselves by :data:`STREAM_CLOSE_TIMEOUT`).
 
 py-libp2p quirks handled here: yamux ``read(n)`` returns *up to* n bytes (partial reads are
 normal), and a read at end of stream may either return ``b""`` or raise ``StreamEOF``; both mean
@@ -14,6 +16,10 @@ through unchanged (a reset is the peer giving up, not a framing violation).
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
+import trio
 from libp2p.abc import INetStream
 from libp2p.network.stream.exceptions import StreamEOF
 
@@ -23,10 +29,18 @@ from echo.protocol.framing import HEADER_LEN, decode_length, encode_frame
 # Upper bound on one read() call. yamux hands back whatever its buffer holds anyway; capping the
 # request keeps a single call from asking the muxer for an arbitrarily large slice.
 _READ_CHUNK = 1 << 20
+# Bound on closing / resetting a stream we are done with: a peer that stopped reading must not
+# hold the task that drops its stream (shielded from cancellation, so it runs even then).
+STREAM_CLOSE_TIMEOUT = 1.0
+
+log = logging.getLogger(__name__)
 
 
-async def read_exactly(stream: INetStream, n: int) -> bytes:
-    """Read exactly ``n`` bytes.
+async def read_exactly(
+    stream: INetStream, n: int, on_progress: Callable[[], None] | None = None
+) -> bytes:
+    """Read exactly ``n`` bytes; ``on_progress`` (if given) is called after every read that
+    returned data, so a caller can tell a slow peer from a silent one.
 
     Memory grows with the bytes actually received, not with ``n``, so a peer that announces a
     large frame and sends nothing costs nothing.
@@ -44,6 +58,8 @@ async def read_exactly(stream: INetStream, n: int) -> bytes:
         if not data:
             raise FrameError(f"stream ended after {len(buf)} of {n} bytes", code="frame_truncated")
         buf += data
+        if on_progress is not None:
+            on_progress()
     return bytes(buf)
 
 
@@ -65,3 +81,32 @@ async def write_frame(stream: INetStream, payload: bytes, max_len: int) -> None:
     :raises FrameError: ``payload`` is longer than ``max_len`` (nothing is written).
     """
     await stream.write(encode_frame(payload, max_len))
+
+
+async def reset_quietly(stream: INetStream) -> None:
+    """Reset ``stream`` (the peer sees an error), within :data:`STREAM_CLOSE_TIMEOUT`, even when
+    cancelled. Never raises: the stream is being dropped anyway."""
+    with trio.CancelScope(shield=True), trio.move_on_after(STREAM_CLOSE_TIMEOUT):
+        try:
+            await stream.reset()
+        except Exception:
+            log.debug("stream reset failed", exc_info=True)
+
+
+async def close_quietly(stream: INetStream) -> None:
+    """Close ``stream`` cleanly, within :data:`STREAM_CLOSE_TIMEOUT`, even when cancelled. Never
+    raises: the stream is being dropped anyway."""
+    with trio.CancelScope(shield=True), trio.move_on_after(STREAM_CLOSE_TIMEOUT):
+        try:
+            await stream.close()
+        except Exception:
+            log.debug("stream close failed", exc_info=True)
+
+
+async def end_stream(stream: INetStream, *, clean: bool) -> None:
+    """Done with ``stream``: close it if the exchange ended ``clean``, else reset it (so the peer
+    sees an error); quietly and bounded, as :func:`close_quietly` / :func:`reset_quietly`."""
+    if clean:
+        await close_quietly(stream)
+    else:
+        await reset_quietly(stream)

@@ -37,6 +37,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
+from echo.protocol.limits import MAX_MANIFEST_ENVELOPE_BYTES
 from echo.protocol.messages import Id, Record, ShortStr, Version, decode, encode, from_obj
 
 # 1.1.0: stripes may carry unequal shares of the chunks (``weights``, see stripe_table).
@@ -49,9 +50,10 @@ MAX_STRIPES = 64
 MAX_CHUNKS = 65536  # as echo.protocol.messages.Manifest.chunks
 MAX_PEERS = 4096
 MAX_ADDRS = 8
-# A signed manifest of 65536 chunks is ~3 MiB; the hello carries one plus a few fields.
-MAX_MANIFEST_ENVELOPE_BYTES = 4 * 1024 * 1024
+# The hello carries a signed manifest plus a few fields.
 MAX_HELLO_BYTES = MAX_MANIFEST_ENVELOPE_BYTES + 1024
+# A sealed plan announcement: a manifest envelope plus up to MAX_PEERS addressed peers.
+MAX_PLAN_ENVELOPE_BYTES = 8 * 1024 * 1024
 MAX_HEADER_BYTES = 512
 MAX_HAVE_REQUEST_BYTES = 512
 MAX_HAVE_REPLY_BYTES = MAX_CHUNKS // 8 + 64
@@ -222,6 +224,7 @@ __all__ = [
     "MAX_HAVE_REQUEST_BYTES",
     "MAX_HEADER_BYTES",
     "MAX_HELLO_BYTES",
+    "MAX_PLAN_ENVELOPE_BYTES",
     "PROTO_HAVE",
     "PROTO_PUSH",
     "BadPeerReport",

@@ -6,7 +6,9 @@
 #    .upload_bps, StepAck.plan, broadcast.PlanAnnouncement on TOPIC_VERSIONS, PROTO_BAD_PEER).
 # 3: stripes carry unequal shares of a version's chunks (broadcast.Route / BroadcastPlan /
 #    PushHello .weights, stripe_table; /echo/push/1.1.0).
-PROTOCOL_VERSION = 3
+# 4: messages.TrainingGroup no longer carries the node's signed envelope (the learner never read
+#    it; the coordinator builds batches from the groups it stored decoded).
+PROTOCOL_VERSION = 4
 
 # libp2p stream protocols (request/response, one frame each way).
 PROTO_REGISTER = "/echo/register/1.0.0"  # node -> coordinator

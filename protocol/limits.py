@@ -12,6 +12,13 @@ MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 # while staying far from yamux's window sizes mattering.
 MAX_CHUNK_BYTES = 4 * 1024 * 1024
 
+# A learner-signed manifest of 65536 chunks (messages.Manifest's limit) is ~3 MiB.
+MAX_MANIFEST_ENVELOPE_BYTES = 4 * 1024 * 1024
+
+# A patch or anchor never decodes to more than this (64 GiB, above any model a volunteer serves);
+# a manifest or patch claiming more is refused before any work.
+MAX_STATE_BYTES = 64 << 30
+
 # A frame carries one message or one chunk plus a small header.
 MAX_FRAME_BYTES = MAX_CHUNK_BYTES + 64 * 1024
 

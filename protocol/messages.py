@@ -250,6 +250,12 @@ class BatchRequest(Record):
 
 
 class TrainingGroup(Record):
+    """One accepted group as the learner trains on it, rebuilt from the coordinator's ledger.
+
+    Protocol 4 dropped ``envelope`` (the node's whole signed Submission, sent again with every
+    group and never read by the learner); the coordinator keeps it for audit.
+    """
+
     rollout_id: Id
     node_id: Id
     prompt_id: int = Field(ge=0)
@@ -258,7 +264,6 @@ class TrainingGroup(Record):
     engine: ShortStr
     rewards: list[float] = Field(max_length=MAX_GROUP_SIZE)
     completions: list[CompletionRecord] = Field(max_length=MAX_GROUP_SIZE)
-    envelope: bytes  # the node's signed Submission, for audit
 
 
 class BatchReply(Record):

@@ -16,14 +16,16 @@ from pathlib import Path
 import pytest
 import trio
 
-from echo.p2p.broadcast import BroadcastTimeout, ManifestError, Relay, RelayConfig, open_relay
 from echo.p2p.chunkstore import ChunkStore, split_chunks
 from echo.p2p.host import EchoHost, open_host
 from echo.p2p.identity import Identity
-from echo.p2p.tree import plan_tree, route_for
+from echo.p2p.relay import BroadcastTimeout, ManifestError, Relay, RelayConfig, open_relay
+from echo.p2p.tree import plan_record, route_for
+from echo.p2p.tree_equal import plan_tree
 from echo.protocol import broadcast as b
 from echo.protocol import messages as m
 from echo.protocol import signing
+from echo.protocol.errors import ProtocolError
 from echo.protocol.framing import encode_frame
 
 JOB = "job-bcast"
@@ -328,6 +330,44 @@ def test_forged_manifest_and_unknown_job_are_refused(tmp_path: Path) -> None:
                 await node.relay.start(env, route.model_copy(update={"version": 2}))
             with pytest.raises(BroadcastTimeout):
                 await node.relay.wait(JOB, 1, timeout=0.2)
+            nursery.cancel_scope.cancel()
+
+    run(body)
+
+
+def test_join_plan_takes_this_hosts_place_in_a_sealed_plan(tmp_path: Path) -> None:
+    """join_plan opens the coordinator's sealed plan and starts the transfer where the plan
+    reaches this host; it ignores another job's plan and refuses one the coordinator did not
+    sign."""
+    learner, coord, other = Identity.generate(), Identity.generate(), Identity.generate()
+    payload, man, env, src_store = make_version(tmp_path, learner, 300_000)
+    keys = {JOB: learner.public_key_bytes}
+
+    async def body() -> None:
+        src = Node(learner.peer_id_str, learner, src_store)
+        nodes = nodes_for(tmp_path, 2)
+        outsider = nodes_for(tmp_path / "outsider", 1)[0]
+        async with trio.open_nursery() as nursery:
+            addrs = await start_swarm(nursery, [src, *nodes, outsider], keys, RelayConfig())
+            plan = plan_tree(src.name, 1.0, {n.name: 1.0 for n in nodes})
+            peers = [b.PeerAddr(peer_id=n.name, addrs=addrs[n.name]) for n in [src, *nodes]]
+            ann = b.PlanAnnouncement(job_id=JOB, version=1, manifest=env,
+                                     plan=plan_record(plan, JOB, 1), peers=peers)
+            sealed = signing.seal(coord.private_key, "broadcast_plan", ann.to_obj())
+            key = coord.public_key_bytes
+            assert await nodes[0].relay.join_plan(sealed, key, job_id="other-job") is None
+            assert nodes[0].relay.transfer(JOB, 1) is None
+            forged = signing.seal(other.private_key, "broadcast_plan", ann.to_obj())
+            with pytest.raises(ProtocolError):
+                await nodes[0].relay.join_plan(forged, key, JOB)
+            # A host the plan does not reach learns of the version and starts nothing.
+            assert await outsider.relay.join_plan(sealed, key, JOB) == ann
+            assert outsider.relay.transfer(JOB, 1) is None
+            for n in [*nodes, src]:
+                assert await n.relay.join_plan(sealed, key) == ann
+            for n in nodes:
+                t = await n.relay.wait(JOB, 1, timeout=20)
+                assert t.payload(n.store) == payload and t.route is not None
             nursery.cancel_scope.cancel()
 
     run(body)

@@ -3,6 +3,7 @@ protocol, and bad input that must leave it running."""
 
 from __future__ import annotations
 
+import sqlite3
 import time
 
 import pytest
@@ -11,7 +12,9 @@ import zstandard
 from libp2p.custom_types import TProtocol
 
 from echo.coordinator import reasons as R
+from echo.coordinator.store import Store
 from echo.models.tokenizer import EOS_ID, encode
+from echo.p2p.identity import Identity
 from echo.p2p.rpc import RemoteError
 from echo.protocol import codec, ids, signing
 from echo.protocol import messages as m
@@ -141,8 +144,8 @@ def test_register_lease_submit_and_batch(tmp_path) -> None:
         )
         assert ack.ok
         trained = coord.store.trained_rollouts(job_id)
-        assert {r["rollout_id"] for r in trained} == {lease.lease_id, lease2.lease_id}
-        assert all(r["trained_version"] == 1 for r in trained)
+        assert {r.rollout_id for r in trained} == {lease.lease_id, lease2.lease_id}
+        assert all(r.trained_version == 1 for r in trained)
         again = m.decode(
             m.StepAck,
             await learner.call(ids.PROTO_LEARNER_REPORT, learner.seal("step_report", rep)),
@@ -246,7 +249,7 @@ def test_bad_input_penalizes_and_coordinator_keeps_running(tmp_path) -> None:
             await node.call(ids.PROTO_REGISTER, b"\x91" * 50 + b"\x00")
         # The node was penalized; the coordinator still serves it and others.
         row = coord.store.node(me)
-        assert row["failures"] >= 4 and row["streak"] == 0
+        assert row.failures >= 4 and row.streak == 0
         fresh = await client()
         assert (await fresh.register()).jobs
 
@@ -264,7 +267,7 @@ def test_repeated_failures_exclude_node_and_drop_its_buffer(tmp_path) -> None:
             r = await node.submit(node.seal("submission", group_for(lease, n=1)))
             assert r.reason == R.INCOMPLETE_GROUP
         row = coord.store.node(str(node.host.peer_id))
-        assert row["excluded"] == 1
+        assert row.excluded == 1
         status = coord.store._db.execute(
             "SELECT status, reason FROM rollouts WHERE rollout_id=?", (leases[0].lease_id,)
         ).fetchone()
@@ -293,3 +296,53 @@ def test_lease_quota_grows_with_a_run_of_valid_results(tmp_path) -> None:
 
     run_with_coordinator(tmp_path, body, lease_quota_ramp=3, exclude_after_failures=100,
                          buffer_groups=100)
+
+
+def test_a_schema_1_database_keeps_its_buffer_trainable(tmp_path) -> None:
+    """Schema 2 stores each group decoded; opening a schema-1 file decodes the buffered ones."""
+    ident = Identity.generate()
+    lease = m.Lease(
+        lease_id="r1",
+        job_id="job",
+        node_id=ident.peer_id_str,
+        prompt_id=3,
+        group_size=2,
+        sampling=m.SamplingSpec(max_new_tokens=8, temperature=1.0, top_p=1.0, seed=1),
+        min_version=0,
+        issued_at=0.0,
+        deadline=1.0,
+    )
+    sub = group_for(lease)
+    envelope = signing.seal(ident.private_key, "submission", sub.to_obj())
+    path = tmp_path / "v1.sqlite"
+    db = sqlite3.connect(path)
+    db.executescript(
+        """
+        CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+        INSERT INTO meta VALUES ('schema_version', '1');
+        CREATE TABLE rollouts (
+            rollout_id TEXT PRIMARY KEY, job_id TEXT NOT NULL, node_id TEXT NOT NULL,
+            version INTEGER NOT NULL, prompt_id INTEGER NOT NULL, status TEXT NOT NULL,
+            reason TEXT NOT NULL DEFAULT '', rewards_json TEXT NOT NULL, mean_reward REAL NOT NULL,
+            tokens INTEGER NOT NULL, content_hash BLOB NOT NULL, envelope BLOB NOT NULL,
+            created_at REAL NOT NULL, batch_at REAL, trained_version INTEGER
+        );
+        """
+    )
+    for rid, status in (("r1", "accepted"), ("r0", "trained")):
+        db.execute(
+            "INSERT INTO rollouts VALUES (?, 'job', ?, 0, 3, ?, '', '[1.0, 1.0]', 1.0, 4, ?, ?,"
+            " 0, NULL, NULL)",
+            (rid, ident.peer_id_str, status, rid.encode(), envelope),
+        )
+    db.commit()
+    db.close()
+    store = Store.open(path)
+    try:
+        [group] = store.take_batch("job", 8, 0)
+        assert group.rollout.rollout_id == "r1" and group.rollout.engine == sub.engine
+        assert list(group.completions) == sub.completions
+        assert store.take_batch("job", 8, 0) == []
+        assert store._db.execute("SELECT value FROM meta").fetchone()[0] == "2"
+    finally:
+        store.close()

@@ -184,7 +184,7 @@ def test_gguf_rejects_bad_states(tmp_path: Path) -> None:
 
 @needs_gguf
 def test_read_tensor_infos_refuses_garbage(tmp_path: Path) -> None:
-    from echo.node.engines.gguf_export import read_tensor_infos
+    from echo.node.engines.gguf_file import read_tensor_infos
 
     p = tmp_path / "x.gguf"
     p.write_bytes(b"not a gguf at all, clearly")

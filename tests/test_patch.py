@@ -1,5 +1,6 @@
-"""Tests for ``echo.protocol.patch``: exact round trips, compression, and a decoder that fails
-closed (only ProtocolError subclasses, before allocating) on truncated, forged and fuzzed input."""
+"""Tests for the weight patch codec (``echo.protocol.patch``, ``patch_apply``, ``patch_format``):
+exact round trips, compression, and a decoder that fails closed (only ProtocolError subclasses,
+before allocating) on truncated, forged and fuzzed input."""
 
 from __future__ import annotations
 
@@ -14,16 +15,11 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from echo.protocol import patch as P
+from echo.protocol import patch_format as P
 from echo.protocol.errors import DecodeError, ProtocolError
-from echo.protocol.patch import (
-    MAX_PATCH_TENSORS,
-    MAX_TENSOR_ELEMENTS,
-    apply_patch,
-    apply_patch_inplace,
-    encode_patch,
-    patch_stats,
-)
+from echo.protocol.patch import encode_patch
+from echo.protocol.patch_apply import apply_patch, apply_patch_inplace
+from echo.protocol.patch_format import MAX_PATCH_TENSORS, MAX_TENSOR_ELEMENTS, patch_stats
 
 BIG = 1 << 30  # max_output_bytes for tests that are not about the limit
 

@@ -1,5 +1,6 @@
-"""Broadcast planner (echo.p2p.tree): every node reached once per stripe, fan-out within upload
-capacity, fast uploaders nearer the root, striping using more uplinks, bound and estimate."""
+"""Broadcast planner (echo.p2p.tree and its tree_* modules): every node reached once per stripe,
+fan-out within upload capacity, fast uploaders nearer the root, striping using more uplinks, bound
+and estimate."""
 
 from __future__ import annotations
 
@@ -10,17 +11,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from echo.p2p.tree import (
-    TreePlan,
     best_plan,
     chain_plan,
-    lower_bound_s,
     plan_record,
-    plan_tree,
-    plan_weighted,
     route_for,
     route_from_record,
     star_plan,
 )
+from echo.p2p.tree_equal import plan_tree
+from echo.p2p.tree_plan import TreePlan, lower_bound_s
+from echo.p2p.tree_weighted import plan_weighted
 from echo.protocol import broadcast as b
 
 MB = 1e6

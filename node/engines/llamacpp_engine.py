@@ -12,73 +12,45 @@ Generation. llama-cpp-python's high-level ``Llama`` holds one sequence per conte
 drives the C API directly (``llama_batch`` / ``llama_decode``) with a context of ``max_seqs``
 sequences: each request's prompt is prefilled once and its KV cells copied to the other samples of
 the group (``llama_memory_seq_cp``), then every step decodes one token for every unfinished
-sample in a single batch. Logits of each step come back to Python (only the rows asked for, so
-``logits_all`` is not needed), and the engine samples itself: temperature, top-p and a per-sample
-random stream, reporting ``log_softmax(logits / temperature)`` of the sampled token over the full
-vocabulary before top-p truncation (the convention of :mod:`echo.node.engines.base`). Token ids go
-in and out directly; llama.cpp's tokenizer is never used.
+sample in a single batch (:mod:`echo.node.engines.llamacpp_context` holds llama.cpp's handles).
+Logits of each step come back to Python (only the rows asked for, so ``logits_all`` is not
+needed), and the engine samples itself (:mod:`echo.node.engines.llamacpp_sampler`): temperature,
+top-p and a per-sample random stream, reporting ``log_softmax(logits / temperature)`` of the
+sampled token over the full vocabulary before top-p truncation (the convention of
+:mod:`echo.node.engines.base`). Token ids go in and out directly; llama.cpp's tokenizer is never
+used.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import math
 import os
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from echo.models.spec import ModelSpec, eos_token_id
 from echo.models.weights import state_digest as digest_of
-from echo.node.engines.base import Completion, Engine, GenRequest, SamplingParams
-from echo.node.engines.gguf_export import (
-    GGUFFile,
-    GGUFVocab,
-    LlamaLayout,
-    check_state,
-    expected_tensors,
-    layout_of,
-    vocab_for,
-    write_gguf,
+from echo.node.engines.base import Completion, Engine, GenRequest
+from echo.node.engines.gguf_export import write_gguf
+from echo.node.engines.gguf_file import GGUFFile
+from echo.node.engines.gguf_layout import LlamaLayout, check_state, expected_tensors, layout_of
+from echo.node.engines.gguf_vocab import GGUFVocab, vocab_for
+from echo.node.engines.llamacpp_context import (
+    KV_PAD,
+    KV_TYPES,
+    LlamaContext,
+    maps_shared,
+    pad_cells,
+    route_llama_log,
 )
-
-# ggml_type ids for the KV cache.
-_KV_TYPES = {"float32": 0, "float16": 1}
-# llama.cpp pads the KV cells of each sequence to a multiple of this.
-_KV_PAD = 256
-# ggml_log_level of the bundled llama.cpp (NONE 0, DEBUG 1, INFO 2, WARN 3, ERROR 4, CONT 5).
-# llama-cpp-python 0.3.36's own log callback still maps the older numbering, which shows
-# warnings as errors and hides errors, so the engine installs its own filter.
-_LOG_ERROR, _LOG_CONT = 4, 5
-_log = {"verbose": False, "last": 0}
-_log_callback: Any = None
-
-
-def _route_llama_log(ll: Any, verbose: bool) -> None:
-    """Send llama.cpp's log to stderr: everything when ``verbose``, else errors only. The
-    setting is process-wide (llama.cpp has one log callback); the last engine built decides."""
-    global _log_callback
-    _log["verbose"] = verbose
-    if _log_callback is not None:
-        return
-
-    @ll.llama_log_callback
-    def callback(level: int, text: bytes, _user: Any) -> None:
-        if level != _LOG_CONT:
-            _log["last"] = level
-        if _log["verbose"] or _log["last"] == _LOG_ERROR:
-            sys.stderr.write(text.decode("utf-8", errors="replace"))
-
-    _log_callback = callback  # llama.cpp keeps only the pointer: the object must stay alive
-    ll.llama_log_set(callback, ctypes.c_void_p(0))
+from echo.node.engines.llamacpp_sampler import sample, sample_rng
 
 
 @dataclass
@@ -139,7 +111,6 @@ class LlamaCppEngine(Engine):
     """
 
     name = "llamacpp"
-    _backend_ready = False  # llama_backend_init runs once per process
 
     def __init__(
         self,
@@ -166,13 +137,13 @@ class LlamaCppEngine(Engine):
             ) from exc
         if dtype is not None and dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, not {dtype!r}")
-        if kv_dtype not in _KV_TYPES:
-            raise ValueError(f"kv_dtype must be one of {sorted(_KV_TYPES)}, not {kv_dtype!r}")
+        if kv_dtype not in KV_TYPES:
+            raise ValueError(f"kv_dtype must be one of {sorted(KV_TYPES)}, not {kv_dtype!r}")
         max_parallel = int(llama_cpp.llama_max_parallel_sequences())
         if not 1 <= max_seqs <= max_parallel:
             raise ValueError(f"max_seqs must be in [1, {max_parallel}], not {max_seqs}")
         self._ll = llama_cpp
-        _route_llama_log(llama_cpp, verbose)
+        route_llama_log(llama_cpp, verbose)
         self.spec = spec
         self.layout = layout_of(spec)
         self.vocab = vocab if vocab is not None else vocab_for(spec)
@@ -181,7 +152,7 @@ class LlamaCppEngine(Engine):
         self.dtype = dtype
         self.threads = threads or _default_threads(self.layout)
         self.max_seq_len = max(self.layout.context_length, seq_len or 0)
-        self.seq_len = _pad(seq_len or min(self.max_seq_len, _KV_PAD))
+        self.seq_len = pad_cells(seq_len or min(self.max_seq_len, KV_PAD))
         self.max_seqs = max_seqs
         self.kv_dtype = kv_dtype
         self.flash_attn = flash_attn
@@ -194,15 +165,18 @@ class LlamaCppEngine(Engine):
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.gguf_path = self.workdir / "policy.gguf"
         self._file: GGUFFile | None = None
-        self._model: Any = None
-        self._ctx: Any = None
-        self._batch: Any = None
-        self._batch_size = 0
+        self._llama = LlamaContext(
+            llama_cpp,
+            vocab_size=self.vocab_size,
+            threads=self.threads,
+            max_seqs=max_seqs,
+            kv_dtype=kv_dtype,
+            flash_attn=flash_attn,
+            kv_unified=kv_unified,
+            gpu_layers=gpu_layers,
+        )
         self.last_stats: dict[str, float] = {"tokens": 0, "seconds": 0.0, "tokens_per_s": 0.0}
         self.last_load = LoadStats()
-        if not LlamaCppEngine._backend_ready:
-            llama_cpp.llama_backend_init()
-            LlamaCppEngine._backend_ready = True
 
     # -- weights ------------------------------------------------------------------------------
 
@@ -220,7 +194,7 @@ class LlamaCppEngine(Engine):
         stats = LoadStats()
         t0 = time.perf_counter()
         held = self._file
-        if held is not None and self._live and self._model is not None and held.fits(state):
+        if held is not None and self._live and self._llama.model is not None and held.fits(state):
             try:
                 up = held.update(state)
             except BaseException:
@@ -248,107 +222,35 @@ class LlamaCppEngine(Engine):
             self._file = None
             raise
         t1 = time.perf_counter()
-        self._load()
+        expected = sum(e.count for e in self._file.entries.values())
+        self._llama.load(self.gguf_path, expected, self.seq_len)
+        self._live = self._mapped_live()
         stats.write_seconds, stats.load_seconds = t1 - t0, time.perf_counter() - t1
         self.last_load = stats
 
     def _mapped_live(self) -> bool:
         """Whether writes into the GGUF are the weights the loaded model computes on: llama.cpp
-        maps it MAP_SHARED (checked in ``/proc/self/maps``, so Linux only), on the CPU with no
-        repacked copies. The KV cache of old weights is dropped by every generate call anyway."""
-        if not self.live_patch or self.gpu_layers or self._model is None:
+        maps it MAP_SHARED (:func:`maps_shared`), on the CPU with no repacked copies. The KV
+        cache of old weights is dropped by every generate call anyway."""
+        if not self.live_patch or self.gpu_layers or self._llama.model is None:
             return False
-        try:
-            maps = Path("/proc/self/maps").read_text()
-        except OSError:
-            return False
-        target = str(self.gguf_path.resolve())
-        for line in maps.splitlines():
-            parts = line.split(None, 5)
-            if len(parts) == 6 and parts[5] == target and parts[1].endswith("s"):
-                return True
-        return False
+        return maps_shared(self.gguf_path)
 
     def state_digest(self) -> str:
         """Digest of the weights read back from the GGUF llama.cpp has mapped (unpermuted, in the
         published dtypes); RuntimeError before the first :meth:`load_state`."""
-        if self._file is None or self._model is None:
-            raise RuntimeError("the llamacpp engine holds no weights yet: call load_state first")
-        return digest_of(self._file.read_state())
+        return digest_of(self.held_state())
 
     def held_state(self) -> dict[str, torch.Tensor]:
-        """The state as read back from the GGUF (what :meth:`state_digest` hashes)."""
-        if self._file is None or self._model is None:
+        """The state as read back from the GGUF (what :meth:`state_digest` hashes);
+        RuntimeError before the first :meth:`load_state`."""
+        if self._file is None or self._llama.model is None:
             raise RuntimeError("the llamacpp engine holds no weights yet: call load_state first")
         return self._file.read_state()
 
-    def _load(self) -> None:
-        ll = self._ll
-        mparams = ll.llama_model_default_params()
-        mparams.n_gpu_layers = self.gpu_layers
-        mparams.load_mode = ll.LLAMA_LOAD_MODE_MMAP
-        # No repacked copies: the weights computed on must be the file's pages (see the digest).
-        mparams.use_extra_bufts = False
-        model = ll.llama_model_load_from_file(str(self.gguf_path).encode(), mparams)
-        if not model:
-            raise RuntimeError(f"llama.cpp could not load {self.gguf_path}")
-        self._model = model
-        self._live = self._mapped_live()
-        expected = sum(e.count for e in self._file.entries.values()) if self._file else 0
-        n_params = int(ll.llama_model_n_params(model))
-        if n_params != expected:
-            self._unload()
-            raise RuntimeError(f"llama.cpp loaded {n_params} parameters, the GGUF holds {expected}")
-        self._make_context()
-
-    def _make_context(self) -> None:
-        """(Re)create the context and batch for ``max_seqs`` sequences of ``seq_len`` tokens."""
-        ll = self._ll
-        self._free_context()
-        cparams = ll.llama_context_default_params()
-        cparams.n_ctx = self.seq_len * self.max_seqs
-        cparams.n_seq_max = self.max_seqs
-        cparams.n_batch = max(512, self.max_seqs)
-        cparams.n_ubatch = cparams.n_batch
-        # Only the last prompt token of each group and one token per sample per step need
-        # logits: bounding the outputs keeps the logits buffer small for large vocabularies.
-        cparams.n_outputs_max = self.max_seqs
-        cparams.n_threads = self.threads
-        cparams.n_threads_batch = self.threads
-        cparams.type_k = cparams.type_v = _KV_TYPES[self.kv_dtype]
-        # Off unless asked: llama.cpp's CPU flash attention rounds Q to F16, which moved
-        # log-probs by ~3e-3 on the tiny model, against ~2e-6 with it off and an F32 KV cache.
-        cparams.flash_attn_type = (
-            ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
-            if self.flash_attn
-            else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
-        )
-        cparams.kv_unified = self.kv_unified
-        cparams.no_perf = True
-        ctx = ll.llama_init_from_model(self._model, cparams)
-        if not ctx:
-            self._unload()
-            raise RuntimeError("llama.cpp could not create a context (out of memory?)")
-        self._ctx = ctx
-        self._batch_size = int(cparams.n_batch)
-        self._batch = ll.llama_batch_init(self._batch_size, 0, 1)
-
-    def _free_context(self) -> None:
-        ll = self._ll
-        if self._batch is not None:
-            ll.llama_batch_free(self._batch)
-            self._batch = None
-        if self._ctx is not None:
-            ll.llama_free(self._ctx)
-            self._ctx = None
-
     def _unload(self) -> None:
-        self._free_context()
+        self._llama.unload()
         self._live = False
-        if self._model is not None:
-            ll = self._ll
-            ll.llama_model_free(self._model)
-            self._model = None
 
     def close(self) -> None:
         """Free llama.cpp's model and context and remove a temporary workdir. Idempotent."""
@@ -373,7 +275,7 @@ class LlamaCppEngine(Engine):
         """
         if not requests:
             return []
-        if self._ctx is None:
+        if self._llama.ctx is None:
             raise RuntimeError("the llamacpp engine holds no weights yet: call load_state first")
         for r in requests:
             if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= self.vocab_size:
@@ -385,11 +287,11 @@ class LlamaCppEngine(Engine):
                 )
         need = max(len(r.prompt_ids) + r.params.max_new_tokens for r in requests)
         if need > self.seq_len:
-            self.seq_len = _pad(need)
-            self._make_context()
+            self.seq_len = pad_cells(need)
+            self._llama.make_context(self.seq_len)
         start = time.perf_counter()
         rows = [
-            _Row(req=i, slot=-1, rng=_rng(r.params, j), pos=0, tokens=[], logprobs=[])
+            _Row(req=i, slot=-1, rng=sample_rng(r.params, j), pos=0, tokens=[], logprobs=[])
             for i, r in enumerate(requests)
             for j in range(r.n)
         ]
@@ -416,7 +318,7 @@ class LlamaCppEngine(Engine):
     def _run_chunk(self, requests: list[GenRequest], rows: list[_Row]) -> None:
         """Generate ``rows`` (at most ``max_seqs``, one KV sequence each) to completion."""
         ll = self._ll
-        mem = ll.llama_get_memory(self._ctx)
+        mem = ll.llama_get_memory(self._llama.ctx)
         ll.llama_memory_clear(mem, True)
         for slot, row in enumerate(rows):
             row.slot = slot
@@ -429,7 +331,7 @@ class LlamaCppEngine(Engine):
             for req, g in groups.items()
             for pos, tok in enumerate(requests[req].prompt_ids)
         ]
-        logits = self._decode(prefill)
+        logits = self._llama.decode(prefill)
         for (req, g), lg in zip(groups.items(), logits, strict=True):
             plen = len(requests[req].prompt_ids)
             for row in g[1:]:
@@ -441,7 +343,7 @@ class LlamaCppEngine(Engine):
             self._step(requests, g, lg.unsqueeze(0).expand(len(g), -1))
         active = [r for r in rows if r.finish is None]
         while active:
-            logits = self._decode([(r.slot, r.tokens[-1], r.pos, True) for r in active])
+            logits = self._llama.decode([(r.slot, r.tokens[-1], r.pos, True) for r in active])
             for r in active:
                 r.pos += 1
             self._step(requests, active, logits)
@@ -450,41 +352,6 @@ class LlamaCppEngine(Engine):
                     # Frees its cells (matters for a unified cache; cheap otherwise).
                     ll.llama_memory_seq_rm(mem, r.slot, -1, -1)
             active = [r for r in active if r.finish is None]
-
-    def _decode(self, items: list[tuple[int, int, int, bool]]) -> torch.Tensor:
-        """Decode ``(seq, token, pos, wants_logits)`` items in batches of at most ``n_batch``;
-        return the logits of the items that asked for them, in order, as float32 (k, vocab)."""
-        ll = self._ll
-        b = self._batch
-        out: list[np.ndarray] = []
-        for lo in range(0, len(items), self._batch_size):
-            part = items[lo : lo + self._batch_size]
-            n = len(part)
-            tok = np.ctypeslib.as_array(b.token, shape=(self._batch_size,))
-            pos = np.ctypeslib.as_array(b.pos, shape=(self._batch_size,))
-            nseq = np.ctypeslib.as_array(b.n_seq_id, shape=(self._batch_size,))
-            want = np.ctypeslib.as_array(b.logits, shape=(self._batch_size,))
-            seq, toks, poss, wants = zip(*part, strict=True)
-            tok[:n] = toks
-            pos[:n] = poss
-            nseq[:n] = 1
-            want[:n] = wants
-            for i, s in enumerate(seq):
-                b.seq_id[i][0] = s
-            b.n_tokens = n
-            rc = ll.llama_decode(self._ctx, b)
-            if rc != 0:
-                raise RuntimeError(f"llama_decode failed with code {rc}")
-            k = int(sum(wants))
-            if k:
-                ptr = ll.llama_get_logits(self._ctx)
-                arr = np.ctypeslib.as_array(
-                    ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(k, self.vocab_size)
-                )
-                out.append(arr.copy())
-        if not out:
-            return torch.empty((0, self.vocab_size))
-        return torch.from_numpy(np.concatenate(out))
 
     def _step(self, requests: list[GenRequest], rows: list[_Row], logits: torch.Tensor) -> None:
         """Sample one token for each of ``rows`` from its logits row; mark finished rows."""
@@ -511,54 +378,3 @@ def _default_threads(layout: LlamaLayout) -> int:
     thread, ~0.9k on two."""
     params = sum(math.prod(slot.shape) for slot in expected_tensors(layout).values())
     return 1 if params < SMALL_MODEL_PARAMS else os.cpu_count() or 1
-
-
-def _pad(cells: int) -> int:
-    """``cells`` rounded up to the granularity llama.cpp gives each sequence."""
-    return -(-cells // _KV_PAD) * _KV_PAD
-
-
-def _rng(params: SamplingParams, sample: int) -> np.random.Generator | None:
-    """Sample ``sample``'s own random stream: from (seed, sample index), so it does not depend on
-    batching; None for greedy."""
-    if params.temperature == 0:
-        return None
-    seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
-    return np.random.default_rng([seed, sample])
-
-
-def sample(
-    logits: torch.Tensor,
-    params: list[SamplingParams],
-    rngs: list[np.random.Generator | None],
-) -> tuple[list[int], list[float]]:
-    """One token per row of ``logits`` (rows, vocab) and its log-prob under the engine convention.
-
-    The log-prob is ``log_softmax(logits / temperature)`` over the full vocabulary, before top-p
-    (temperature 0: greedy argmax and the raw ``log_softmax``). Top-p keeps the smallest prefix of
-    the sorted distribution whose mass reaches ``top_p`` (the top token always stays) and samples
-    from it by inverse CDF with one uniform draw from the row's generator.
-    """
-    logits = logits.float()
-    temps = torch.tensor([p.temperature or 1.0 for p in params]).unsqueeze(1)
-    logp = torch.log_softmax(logits / temps, dim=-1)
-    toks = logits.argmax(-1)
-    sampled = [i for i, p in enumerate(params) if p.temperature != 0]
-    if sampled:
-        idx = torch.tensor(sampled)
-        lp = logp[idx].double()
-        probs = lp.exp()
-        top_p = torch.tensor([params[i].top_p for i in sampled], dtype=torch.float64)
-        if bool((top_p < 1).any()):
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            mass_before = sorted_p.cumsum(-1) - sorted_p
-            drop = torch.zeros_like(mass_before, dtype=torch.bool).scatter(
-                1, order, mass_before >= top_p.unsqueeze(1)
-            )
-            probs = probs.masked_fill(drop, 0.0)
-        cdf = probs.cumsum(-1)
-        u = torch.tensor([rngs[i].random() for i in sampled], dtype=torch.float64)  # type: ignore[union-attr]
-        draw = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
-        toks[idx] = draw.clamp(max=logits.shape[1] - 1)
-    chosen = logp.gather(1, toks.unsqueeze(1)).squeeze(1)
-    return toks.tolist(), chosen.tolist()

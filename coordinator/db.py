@@ -1,0 +1,225 @@
+"""The coordinator's SQLite file: its schema, its migrations, and the transaction of each write.
+
+:class:`Database` owns the connection. :meth:`Database.open` sets the pragmas that make an
+acknowledged write durable (WAL, ``synchronous=FULL``), creates the tables, and brings a database
+of an older schema up to :data:`SCHEMA_VERSION` in one transaction (or refuses a newer one with
+:class:`StoreError`). The table methods of :class:`~echo.coordinator.store.Store` derive from it
+and run each write in :meth:`Database._tx`: ``BEGIN IMMEDIATE`` ... ``COMMIT``, rolled back on any
+exception, so a crash leaves the old state or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Self
+
+from echo.protocol import messages as m
+from echo.protocol import signing
+from echo.protocol.errors import ProtocolError
+
+# 2: a rollout keeps its decoded group (rollouts.engine, the completions table), so a batch is
+#    built from rows; the node's envelope stays for audit only.
+SCHEMA_VERSION = 2
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    spec_json TEXT NOT NULL,
+    status TEXT NOT NULL,               -- pending | running | done | cancelled | failed
+    error TEXT NOT NULL DEFAULT '',
+    learner_pubkey BLOB,
+    learner_peer_id TEXT NOT NULL DEFAULT '',
+    learner_addrs_json TEXT NOT NULL DEFAULT '[]',
+    current_version INTEGER NOT NULL DEFAULT -1,
+    next_prompt_id INTEGER NOT NULL DEFAULT 0,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS nodes (
+    node_id TEXT PRIMARY KEY,
+    public_key BLOB NOT NULL,
+    engine TEXT NOT NULL,
+    hardware_json TEXT NOT NULL,
+    tokens_per_s REAL NOT NULL DEFAULT 0,
+    upload_bps REAL NOT NULL DEFAULT 0,
+    download_bps REAL NOT NULL DEFAULT 0,
+    accepted INTEGER NOT NULL DEFAULT 0,
+    rejected INTEGER NOT NULL DEFAULT 0,
+    streak INTEGER NOT NULL DEFAULT 0,   -- consecutive valid results (reputation)
+    failures INTEGER NOT NULL DEFAULT 0, -- verification failures (not transport noise)
+    excluded INTEGER NOT NULL DEFAULT 0,
+    version INTEGER NOT NULL DEFAULT -1,
+    state_digest TEXT NOT NULL DEFAULT '',
+    first_seen REAL NOT NULL,
+    last_seen REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS leases (
+    lease_id TEXT PRIMARY KEY,
+    job_id TEXT NOT NULL,
+    node_id TEXT NOT NULL,
+    prompt_id INTEGER NOT NULL,
+    group_size INTEGER NOT NULL,
+    max_new_tokens INTEGER NOT NULL,
+    seed INTEGER NOT NULL,
+    min_version INTEGER NOT NULL,
+    issued_at REAL NOT NULL,
+    deadline REAL NOT NULL,
+    status TEXT NOT NULL                 -- open | submitted | expired
+);
+CREATE INDEX IF NOT EXISTS leases_open ON leases (job_id, status);
+CREATE TABLE IF NOT EXISTS rollouts (
+    rollout_id TEXT PRIMARY KEY,          -- = lease_id: one submission per lease
+    job_id TEXT NOT NULL,
+    node_id TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    prompt_id INTEGER NOT NULL,
+    status TEXT NOT NULL,                 -- accepted | in_batch | trained | rejected | dropped
+    reason TEXT NOT NULL DEFAULT '',
+    rewards_json TEXT NOT NULL,
+    mean_reward REAL NOT NULL,
+    tokens INTEGER NOT NULL,
+    content_hash BLOB NOT NULL,
+    envelope BLOB NOT NULL,               -- the node's signed Submission, for audit
+    created_at REAL NOT NULL,
+    batch_at REAL,
+    trained_version INTEGER,
+    engine TEXT NOT NULL DEFAULT ''
+);
+CREATE INDEX IF NOT EXISTS rollouts_job_status ON rollouts (job_id, status, created_at);
+CREATE UNIQUE INDEX IF NOT EXISTS rollouts_content ON rollouts (job_id, content_hash);
+CREATE TABLE IF NOT EXISTS completions (
+    rollout_id TEXT NOT NULL,
+    idx INTEGER NOT NULL,                 -- position in the group
+    token_ids BLOB NOT NULL,              -- int32 little-endian, as verified
+    logprobs BLOB NOT NULL,               -- float32 little-endian, as verified
+    finish_reason TEXT NOT NULL,
+    PRIMARY KEY (rollout_id, idx)
+);
+CREATE TABLE IF NOT EXISTS rejections (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL,
+    node_id TEXT NOT NULL,
+    lease_id TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    detail TEXT NOT NULL,
+    at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS rejections_node ON rejections (node_id, reason);
+CREATE TABLE IF NOT EXISTS versions (
+    job_id TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    kind TEXT NOT NULL,
+    manifest BLOB NOT NULL,
+    state_digest TEXT NOT NULL,
+    total_size INTEGER NOT NULL,
+    trained_count INTEGER NOT NULL,
+    metrics_json TEXT NOT NULL,
+    published_at REAL NOT NULL,
+    all_nodes_at REAL,
+    PRIMARY KEY (job_id, version)
+);
+CREATE TABLE IF NOT EXISTS node_versions (
+    job_id TEXT NOT NULL,
+    node_id TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    at REAL NOT NULL,
+    PRIMARY KEY (job_id, node_id, version)
+);
+"""
+
+
+class StoreError(RuntimeError):
+    """A state transition that the stored state does not allow, or a database of another schema."""
+
+
+class Database:
+    """One SQLite database file; open with :meth:`open`, close with :meth:`close`."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._db = conn
+
+    @classmethod
+    def open(cls, path: Path | str) -> Self:
+        """Open (or create) the database at ``path`` at :data:`SCHEMA_VERSION`.
+
+        Raises StoreError for a database of a schema this build cannot migrate (a newer one).
+        """
+        conn = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        conn.row_factory = sqlite3.Row
+        conn.execute("PRAGMA journal_mode=WAL")
+        # FULL: an accepted rollout is acknowledged to its node only after it is on disk.
+        conn.execute("PRAGMA synchronous=FULL")
+        conn.execute("PRAGMA foreign_keys=ON")
+        conn.executescript(_SCHEMA)
+        db = cls(conn)
+        row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        if row is None:
+            conn.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        elif int(row[0]) == 1:
+            with db._tx() as tx:
+                _migrate_1_to_2(tx)
+                tx.execute(
+                    "UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),)
+                )
+        elif int(row[0]) != SCHEMA_VERSION:
+            raise StoreError(
+                f"database {path} has schema {row[0]}, this build expects {SCHEMA_VERSION}"
+            )
+        return db
+
+    def close(self) -> None:
+        """Close the connection; every committed transaction is already on disk."""
+        self._db.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._db
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+
+def _migrate_1_to_2(db: sqlite3.Connection) -> None:
+    """Give each rollout a batch may still take its decoded group, from its envelope.
+
+    Trained, rejected and dropped rollouts are never batched again: they keep only the envelope.
+    """
+    db.execute("ALTER TABLE rollouts ADD COLUMN engine TEXT NOT NULL DEFAULT ''")
+    rows = db.execute(
+        "SELECT rollout_id, envelope FROM rollouts WHERE status IN ('accepted', 'in_batch')"
+    ).fetchall()
+    for rollout_id, envelope in rows:
+        try:
+            sub = m.from_obj(
+                m.Submission,
+                signing.open_envelope(bytes(envelope), kind="submission").decode_body(),
+            )
+        except ProtocolError:  # verified when accepted; unreadable now means it is lost anyway
+            db.execute(
+                "UPDATE rollouts SET status='dropped', reason='unreadable' WHERE rollout_id=?",
+                (rollout_id,),
+            )
+            continue
+        db.execute("UPDATE rollouts SET engine=? WHERE rollout_id=?", (sub.engine, rollout_id))
+        insert_completions(db, rollout_id, sub.completions)
+
+
+def insert_completions(
+    db: sqlite3.Connection, rollout_id: str, completions: list[m.CompletionRecord]
+) -> None:
+    """Store a group's completions in order, inside the caller's transaction."""
+    db.executemany(
+        "INSERT INTO completions VALUES (?,?,?,?,?)",
+        [
+            (rollout_id, i, c.token_ids, c.logprobs, c.finish_reason)
+            for i, c in enumerate(completions)
+        ],
+    )

@@ -1,0 +1,227 @@
+"""The coordinator's learner-facing libp2p handlers: attach, take a batch, publish a version.
+
+:class:`LearnerRPC` owns what a job's learner may ask: only the key the job pins may sign these
+requests. A step report is booked in one store transaction (the trained rollouts, the re-scoring
+rejections, the new version), then the version's broadcast is planned over the nodes active now
+and announced; the learner gets the signed plan in its acknowledgement and pushes down it.
+A :class:`~echo.protocol.errors.ProtocolError` raised here goes back as a status-1 reply.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from typing import Any
+
+import trio
+from libp2p.peer.id import ID
+
+from echo.coordinator import reasons as R
+from echo.coordinator.config import BroadcastSection
+from echo.coordinator.dissemination import Dissemination
+from echo.coordinator.jobs import RunningJob
+from echo.coordinator.metrics import Metrics
+from echo.coordinator.node_rpc import SMALL_REQUEST_BYTES, active_nodes, open_signed
+from echo.coordinator.penalties import Penalties
+from echo.coordinator.store import Store, StoreError
+from echo.p2p.host import EchoHost
+from echo.p2p.identity import Identity
+from echo.protocol import ids, limits, signing
+from echo.protocol import messages as m
+from echo.protocol.errors import SchemaError, SignatureError
+
+log = logging.getLogger("echo.coordinator")
+
+
+class LearnerRPC:
+    """The learner protocols; ``jobs`` is the live jobs of :class:`JobControl`."""
+
+    def __init__(
+        self,
+        store: Store,
+        jobs: dict[str, RunningJob],
+        metrics: Metrics,
+        identity: Identity,
+        dissemination: Dissemination,
+        broadcast: BroadcastSection,
+        penalties: Penalties,
+    ) -> None:
+        self.store = store
+        self.jobs = jobs
+        self.metrics = metrics
+        self.identity = identity
+        self.dissemination = dissemination
+        self.broadcast = broadcast
+        self.penalties = penalties
+        self._host: EchoHost | None = None
+
+    def install(self, host: EchoHost) -> None:
+        """Serve the learner protocols on ``host``, which also gossips version announcements."""
+        self._host = host
+        small = SMALL_REQUEST_BYTES
+        host.set_handler(ids.PROTO_LEARNER_HELLO, self.handle_learner_hello, max_request=small)
+        host.set_handler(ids.PROTO_LEARNER_BATCH, self.handle_learner_batch, max_request=small)
+        host.set_handler(
+            ids.PROTO_LEARNER_REPORT,
+            self.handle_learner_report,
+            max_request=limits.MAX_MESSAGE_BYTES,
+        )
+
+    def _open(self, data: bytes, kind: str, peer_id: ID) -> tuple[RunningJob, Any]:
+        """The live job a learner request names and its decoded body.
+
+        Raises SchemaError for an unknown job, SignatureError unless the job's pinned learner key
+        signed it (and the peer is that key), ProtocolError for a bad envelope.
+        """
+        body = open_signed(data, kind, peer_id)
+        obj = body.decode_body()
+        job_id = obj.get("job_id") if isinstance(obj, dict) else None
+        row = self.store.job(job_id) if isinstance(job_id, str) else None
+        if row is None or job_id not in self.jobs:
+            raise SchemaError(f"unknown job {job_id!r}")
+        if row.learner_pubkey is None or row.learner_pubkey != body.signer:
+            raise SignatureError("not the learner key this job pins")
+        return self.jobs[job_id], obj
+
+    async def handle_learner_hello(self, peer_id: ID, data: bytes) -> bytes:
+        """Attach the learner (where nodes fetch from); its unreported batch returns to the buffer.
+
+        Raises what :meth:`_open` raises, SchemaError for a bad record.
+        """
+        _, body = self._open(data, "learner_hello", peer_id)
+        hello = m.from_obj(m.LearnerHello, body)
+        row = self.store.job(hello.job_id)
+        assert row is not None and row.learner_pubkey is not None  # checked by _open
+        self.store.attach_learner(hello.job_id, row.learner_pubkey, str(peer_id), list(hello.addrs))
+        row = self.store.job(hello.job_id)
+        assert row is not None
+        log.info(
+            "learner %s attached to job %s at v%d",
+            str(peer_id)[-8:],
+            hello.job_id,
+            row.current_version,
+        )
+        return m.encode(
+            m.LearnerHelloReply(
+                current_version=row.current_version, cancelled=row.status == "cancelled"
+            )
+        )
+
+    async def handle_learner_batch(self, peer_id: ID, data: bytes) -> bytes:
+        """Hand the learner up to ``max_groups`` buffered groups (none unless the job runs).
+
+        Each group is rebuilt from the rows stored when it was accepted; its prompt is re-derived
+        from the task. Raises what :meth:`_open` raises, SchemaError for a bad record.
+        """
+        job, body = self._open(data, "batch_request", peer_id)
+        req = m.from_obj(m.BatchRequest, body)
+        row = self.store.job(req.job_id)
+        assert row is not None  # checked by _open
+        if row.status != "running":
+            return m.encode(
+                m.BatchReply(
+                    groups=[],
+                    current_version=row.current_version,
+                    cancelled=row.status == "cancelled",
+                )
+            )
+        groups = [
+            m.TrainingGroup(
+                rollout_id=g.rollout.rollout_id,
+                node_id=g.rollout.node_id,
+                prompt_id=g.rollout.prompt_id,
+                prompt_tokens=m.pack_tokens(job.prompt_tokens(g.rollout.prompt_id)),
+                version=g.rollout.version,
+                engine=g.rollout.engine,
+                rewards=g.rollout.rewards,
+                completions=list(g.completions),
+            )
+            for g in self.store.take_batch(req.job_id, req.max_groups, req.min_version)
+        ]
+        return m.encode(m.BatchReply(groups=groups, current_version=row.current_version))
+
+    async def handle_learner_report(self, peer_id: ID, data: bytes) -> bytes:
+        """Publish the version a learner trained, then plan and announce its broadcast.
+
+        A report the ledger refuses (:class:`StoreError`) is a ``StepAck(ok=False)`` that says
+        why. Raises what :meth:`_open` raises, SchemaError for a bad record or a manifest that is
+        not the report's, SignatureError for a manifest not signed by the job's learner key.
+        """
+        job, body = self._open(data, "step_report", peer_id)
+        rep = m.from_obj(m.StepReport, body)
+        row = self.store.job(rep.job_id)
+        assert row is not None and row.learner_pubkey is not None  # checked by _open
+        menv = signing.open_envelope(
+            rep.manifest, kind="manifest", expected_signer=row.learner_pubkey
+        )
+        man = m.from_obj(m.Manifest, menv.decode_body())
+        if man.job_id != rep.job_id or man.version != rep.version:
+            raise SchemaError("manifest does not match the report")
+        rejected = [
+            (v.rollout_id, v.reason or R.RESCORE_MISMATCH, json.dumps(v.stats))
+            for v in rep.verdicts
+            if not v.ok
+        ]
+        try:
+            self.store.publish_version(
+                rep.job_id,
+                rep.version,
+                kind=man.kind,
+                manifest=rep.manifest,
+                state_digest=man.state_digest,
+                total_size=man.total_size,
+                trained=list(rep.trained),
+                rejected=rejected,
+                metrics=dict(rep.metrics),
+            )
+        except StoreError as exc:
+            return m.encode(m.StepAck(ok=False, message=str(exc)[:250]))
+        job.ctx.current_version = rep.version
+        job.ctx.digests[rep.version] = man.state_digest
+        for rid, _, _ in rejected:
+            node_id = self.store.rollout_node(rid)
+            if node_id is not None:
+                self.penalties.maybe_exclude(node_id)
+        self.metrics.versions_published.inc()
+        self.metrics.current_version.labels(job=rep.job_id).set(rep.version)
+        for v in rep.verdicts:
+            if not v.ok:
+                self.metrics.submissions.labels(result="rejected", reason=v.reason).inc()
+        if rep.version >= job.spec.steps:
+            self.store.set_job_status(rep.job_id, "done")
+            log.info("job %s done at v%d", rep.job_id, rep.version)
+        assert self._host is not None, "install() first"
+        plan = await self._plan_broadcast(man, rep.manifest)
+        if plan:
+            try:
+                await self._host.publish(ids.TOPIC_VERSIONS, plan)
+            except Exception as exc:  # nodes not reached learn the version from leases and pull
+                log.debug("version announcement failed: %s", exc)
+        return m.encode(m.StepAck(ok=True, plan=plan))
+
+    async def _plan_broadcast(self, man: m.Manifest, manifest_env: bytes) -> bytes:
+        """The signed PlanAnnouncement of a new version (empty when there is nobody to plan).
+
+        The planner is pure CPU (a second or more for a hundred nodes): it runs in a worker
+        thread on inputs read here, so the event loop keeps serving nodes meanwhile."""
+        if not self.broadcast.enabled:
+            return b""
+        row = self.store.job(man.job_id)
+        assert row is not None  # the report that published this version named it
+        ann = await trio.to_thread.run_sync(
+            functools.partial(
+                self.dissemination.plan,
+                man.job_id,
+                man.version,
+                manifest_env,
+                man.total_size,
+                chunk_bytes=max((c.size for c in man.chunks), default=1),
+                source=row.learner_peer_id,
+                source_addrs=row.learner_addrs,
+                nodes=[n.node_id for n in active_nodes(self.store)],
+            )
+        )
+        if ann is None:
+            return b""
+        return signing.seal(self.identity.private_key, "broadcast_plan", ann.to_obj())

@@ -1,0 +1,300 @@
+"""The node-facing libp2p handlers: register, lease, submit, status, manifest, relay reports.
+
+:class:`NodeRPC` owns what a node may ask of the coordinator. Every handler treats its request as
+hostile: it verifies the envelope against the Noise-authenticated peer before it decodes further,
+answers with a clear reason, and never lets one peer's bad input stop the daemon. A
+:class:`~echo.protocol.errors.ProtocolError` raised in a handler goes back to the peer as a
+status-1 reply with its reason code; a rejected submission is a normal reply that says why
+(:func:`~echo.coordinator.verify.check_submission` decides, :class:`Penalties` books it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from libp2p.peer.id import ID
+
+from echo.coordinator import reasons as R
+from echo.coordinator.dissemination import Dissemination
+from echo.coordinator.jobs import RunningJob
+from echo.coordinator.leases import Leases
+from echo.coordinator.metrics import Metrics
+from echo.coordinator.penalties import Penalties
+from echo.coordinator.rows import LeaseRow, NodeRow
+from echo.coordinator.store import Store, StoreError
+from echo.coordinator.verify import Accepted, Rejected, check_submission
+from echo.p2p.host import EchoHost
+from echo.p2p.identity import public_key_from_peer_id
+from echo.protocol import broadcast as b
+from echo.protocol import codec, ids, limits, signing
+from echo.protocol import messages as m
+from echo.protocol.errors import ProtocolError, SchemaError, VersionError
+
+log = logging.getLogger("echo.coordinator")
+
+# A node that has not been heard from for this long no longer counts towards "all nodes hold v".
+NODE_ACTIVE_S = 60.0
+# Requests other than submissions and step reports are a few hundred bytes.
+SMALL_REQUEST_BYTES = 64 * 1024
+SOFTWARE = "echo-swarm/0.1.0"
+
+
+def active_nodes(store: Store) -> list[NodeRow]:
+    """Nodes heard from within NODE_ACTIVE_S and not excluded."""
+    now = time.time()
+    return [n for n in store.nodes() if not n.excluded and now - n.last_seen < NODE_ACTIVE_S]
+
+
+def open_signed(data: bytes, kind: str, peer_id: ID) -> signing.Envelope:
+    """Open an envelope of ``kind`` that the authenticated peer ``peer_id`` must have signed.
+
+    Raises ProtocolError (a SignatureError for another signer or a bad signature).
+    """
+    return signing.open_envelope(data, kind=kind, expected_signer=public_key_from_peer_id(peer_id))
+
+
+class NodeRPC:
+    """The node protocols over the store; ``jobs`` is the live jobs of :class:`JobControl`."""
+
+    def __init__(
+        self,
+        store: Store,
+        jobs: dict[str, RunningJob],
+        metrics: Metrics,
+        dissemination: Dissemination,
+        leases: Leases,
+        penalties: Penalties,
+    ) -> None:
+        self.store = store
+        self.jobs = jobs
+        self.metrics = metrics
+        self.dissemination = dissemination
+        self.leases = leases
+        self.penalties = penalties
+
+    def install(self, host: EchoHost) -> None:
+        """Serve the node protocols on ``host`` and book its framing violations."""
+        small = SMALL_REQUEST_BYTES
+        host.set_handler(ids.PROTO_REGISTER, self.handle_register, max_request=small)
+        host.set_handler(ids.PROTO_LEASE, self.handle_lease, max_request=small)
+        host.set_handler(ids.PROTO_SUBMIT, self.handle_submit, max_request=limits.MAX_MESSAGE_BYTES)
+        host.set_handler(ids.PROTO_MANIFEST, self.handle_manifest, max_request=small)
+        host.set_handler(ids.PROTO_STATUS, self.handle_status, max_request=small)
+        host.set_handler(ids.PROTO_BAD_PEER, self.handle_bad_peer, max_request=small)
+        host.add_violation_listener(self.penalties.on_violation)
+
+    def _registered(self, node_id: str) -> NodeRow:
+        node = self.store.node(node_id)
+        if node is None:
+            raise ProtocolError("register first", code=R.UNKNOWN_NODE)
+        return node
+
+    async def handle_register(self, peer_id: ID, data: bytes) -> bytes:
+        """Register (or re-register) the node; replies with the jobs it can serve.
+
+        Raises VersionError for another protocol version, ProtocolError (NODE_EXCLUDED) for an
+        excluded node, and ProtocolError for a bad envelope or record.
+        """
+        env, node_id = open_signed(data, "register", peer_id), str(peer_id)
+        reg = m.from_obj(m.Register, env.decode_body())
+        if reg.protocol_version != ids.PROTOCOL_VERSION:
+            raise VersionError(
+                f"node speaks protocol {reg.protocol_version}, coordinator speaks "
+                f"{ids.PROTOCOL_VERSION}: upgrade echo-swarm"
+            )
+        row = self.store.upsert_node(
+            node_id,
+            env.signer,
+            reg.engine,
+            reg.hardware.to_obj(),
+            reg.tokens_per_s,
+            reg.upload_bps,
+            reg.download_bps,
+        )
+        if row.excluded:
+            raise ProtocolError(
+                "this node is excluded after repeated verification failures", code=R.NODE_EXCLUDED
+            )
+        self.dissemination.registered(node_id, reg.addrs, reg.upload_bps)
+        log.info("node %s registered (%s, %.0f tok/s)", node_id[-8:], reg.engine, reg.tokens_per_s)
+        return m.encode(
+            m.RegisterReply(
+                node_id=node_id, jobs=self._job_infos(), message=f"welcome to {SOFTWARE}"
+            )
+        )
+
+    def _job_infos(self) -> list[m.JobInfo]:
+        out = []
+        for job_id, job in self.jobs.items():
+            row = self.store.job(job_id)
+            if row is not None and row.status == "running" and row.current_version >= 0:
+                out.append(job.info(row))
+        return out
+
+    async def handle_lease(self, peer_id: ID, data: bytes) -> bytes:
+        """Leases for a registered node (see :meth:`Leases.grant`).
+
+        Raises ProtocolError: UNKNOWN_NODE, NODE_EXCLUDED, JOB_MISMATCH (unknown job), or for a
+        bad envelope or record.
+        """
+        env, node_id = open_signed(data, "lease_request", peer_id), str(peer_id)
+        req = m.from_obj(m.LeaseRequest, env.decode_body())
+        node = self._registered(node_id)
+        if node.excluded:
+            raise ProtocolError("this node is excluded", code=R.NODE_EXCLUDED)
+        job = self.jobs.get(req.job_id)
+        row = self.store.job(req.job_id)
+        if job is None or row is None:
+            raise ProtocolError(f"unknown job {req.job_id}", code=R.JOB_MISMATCH)
+        self.store.touch_node(node_id)
+        return m.encode(self.leases.grant(node, job, row, req))
+
+    async def handle_submit(self, peer_id: ID, data: bytes) -> bytes:
+        """Verify and store one group; the reply says accepted or the reason it was not.
+
+        Raises nothing for bad input: every failure is a rejection reply, booked against the node
+        (and its lease closed) when it is a registered node's.
+        """
+        node_id = str(peer_id)
+        t0 = time.perf_counter()
+        node = self.store.node(node_id)
+        lease_id, job_id = "", ""
+        try:
+            if codec.is_zstd(data):
+                try:
+                    data = codec.decompress(data, max_output=limits.MAX_MESSAGE_BYTES)
+                except ProtocolError as exc:
+                    raise Rejected(R.MALFORMED, str(exc)) from None
+            if not self.penalties.rate_ok(node_id):
+                raise Rejected(R.RATE_LIMITED, "too many submissions per minute")
+            result = check_submission(
+                data,
+                peer_key=public_key_from_peer_id(peer_id),
+                node_key=node.public_key if node is not None else None,
+                node_excluded=node.excluded if node is not None else False,
+                lookup_lease=self.store.lease,
+                jobs={k: j.ctx for k, j in self.jobs.items()},
+            )
+            lease_id, job_id = result.lease.lease_id, result.lease.job_id
+            if result.lease.node_id != node_id:
+                raise Rejected(R.LEASE_NOT_YOURS, "lease was issued to another node")
+            self._store_accepted(node_id, data, result)
+        except Rejected as rej:
+            lease = self._lease_of(data) if not lease_id else None
+            if lease is not None and lease.node_id == node_id:
+                lease_id, job_id = lease.lease_id, lease.job_id
+                if rej.reason not in (R.DUPLICATE,):
+                    self.store.close_lease(lease_id)
+            if node is not None:
+                self.store.record_rejection(
+                    job_id,
+                    node_id,
+                    lease_id,
+                    rej.reason,
+                    rej.detail,
+                    counts_against=rej.reason in R.COUNTS_AGAINST,
+                )
+                self.penalties.maybe_exclude(node_id)
+            self.metrics.submissions.labels(result="rejected", reason=rej.reason).inc()
+            log.info("rejected %s from %s: %s", lease_id or "?", node_id[-8:], rej)
+            return self._submit_reply(node_id, False, rej.reason, rej.detail)
+        finally:
+            self.metrics.verify_seconds.observe(time.perf_counter() - t0)
+        self.metrics.submissions.labels(result="accepted", reason="ok").inc()
+        self.metrics.rollout_tokens.inc(result.tokens)
+        return self._submit_reply(node_id, True, "ok", "")
+
+    def _store_accepted(self, node_id: str, data: bytes, result: Accepted) -> None:
+        """Store the verified group decoded (a batch reads it back), its envelope for audit."""
+        try:
+            self.store.accept_rollout(
+                lease_id=result.lease.lease_id,
+                job_id=result.lease.job_id,
+                node_id=node_id,
+                version=result.submission.version,
+                prompt_id=result.lease.prompt_id,
+                engine=result.submission.engine,
+                completions=result.submission.completions,
+                rewards=result.rewards,
+                tokens=result.tokens,
+                content_hash=result.content_hash,
+                envelope=data,
+            )
+        except StoreError as exc:
+            raise Rejected(R.DUPLICATE, str(exc)) from None
+
+    def _lease_of(self, data: bytes) -> LeaseRow | None:
+        """Best-effort: the lease a (rejected) submission names, to close it and log against it."""
+        try:
+            body = m.from_obj(
+                m.Submission, signing.open_envelope(data, kind="submission").decode_body()
+            )
+        except ProtocolError:
+            return None
+        return self.store.lease(body.lease_id)
+
+    def _submit_reply(self, node_id: str, ok: bool, reason: str, detail: str) -> bytes:
+        node = self.store.node(node_id)
+        return m.encode(
+            m.SubmitReply(
+                accepted=ok,
+                reason=reason,
+                detail=detail[:250],
+                accepted_total=node.accepted if node else 0,
+                rejected_total=node.rejected if node else 0,
+                rejected_by_reason=self.store.rejection_counts(node_id) if node else {},
+            )
+        )
+
+    async def handle_manifest(self, peer_id: ID, data: bytes) -> bytes:
+        """The learner-signed manifest of a job's version (``-1``: the current one).
+
+        Raises ProtocolError: ``unknown_job``, ``no_version``, or for a bad record.
+        """
+        req = m.decode(m.ManifestRequest, data)
+        row = self.store.job(req.job_id)
+        if row is None:
+            raise ProtocolError(f"unknown job {req.job_id}", code="unknown_job")
+        version = row.current_version if req.version < 0 else req.version
+        vrow = self.store.version(req.job_id, version)
+        if vrow is None:
+            raise ProtocolError(f"job {req.job_id} has no version {version}", code="no_version")
+        return vrow.manifest
+
+    async def handle_status(self, peer_id: ID, data: bytes) -> bytes:
+        """A node's heartbeat: the version it holds (checked against the published digest).
+
+        Raises ProtocolError: UNKNOWN_NODE, or for a bad envelope or record.
+        """
+        env, node_id = open_signed(data, "node_status", peer_id), str(peer_id)
+        st = m.from_obj(m.NodeStatus, env.decode_body())
+        self._registered(node_id)
+        self.store.touch_node(
+            node_id, version=st.version, digest=st.state_digest, tokens_per_s=st.tokens_per_s
+        )
+        self.dissemination.measured(node_id, st.upload_bps)
+        job = self.jobs.get(st.job_id)
+        if (
+            job is not None
+            and st.version >= 0
+            and job.ctx.digests.get(st.version) == st.state_digest
+        ):
+            self.store.record_node_version(st.job_id, node_id, st.version)
+            active = active_nodes(self.store)
+            if active and all(n.version >= st.version for n in active):
+                self.store.mark_all_nodes(st.job_id, st.version, time.time())
+        return m.encode(m.StepAck(ok=True))
+
+    async def handle_bad_peer(self, peer_id: ID, data: bytes) -> bytes:
+        """A node's report of a relay that sent it a bad chunk (see :class:`Dissemination`).
+
+        Raises ProtocolError: UNKNOWN_NODE, SchemaError for a self-report, or for a bad envelope.
+        """
+        env, node_id = open_signed(data, "bad_peer", peer_id), str(peer_id)
+        report = b.from_obj(b.BadPeerReport, env.decode_body())
+        self._registered(node_id)
+        if report.peer_id == node_id:
+            raise SchemaError("a node cannot report itself")
+        self.dissemination.reported(node_id, report)
+        return m.encode(m.StepAck(ok=True))

@@ -1,0 +1,71 @@
+"""What a misbehaving node costs itself: a per-node submission rate limit, and exclusion.
+
+:class:`Penalties` owns the sliding one-minute window of each node's submissions and the rule
+that excludes a node once its verification failures reach ``exclude_after_failures``
+(:meth:`Store.set_excluded <echo.coordinator.store_nodes.NodeTables.set_excluded>` then expires
+its leases and drops its untrained work). Framing violations on any stream count as failures of a
+registered node. Nothing here raises for a node id the store does not know.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict, deque
+
+from libp2p.peer.id import ID
+
+from echo.coordinator import reasons as R
+from echo.coordinator.config import VerificationSection
+from echo.coordinator.metrics import Metrics
+from echo.coordinator.store import Store
+from echo.protocol.errors import ProtocolError
+
+log = logging.getLogger("echo.coordinator")
+
+# The rate limit's window; ``submissions_per_minute`` counts submissions within it.
+RATE_WINDOW_S = 60.0
+
+
+class Penalties:
+    """Rate limits and exclusion over the store's node records; see the module docstring."""
+
+    def __init__(self, store: Store, metrics: Metrics, verification: VerificationSection) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.verification = verification
+        self._submit_times: dict[str, deque[float]] = defaultdict(deque)
+
+    def rate_ok(self, node_id: str) -> bool:
+        """Count one submission of the node; False (and not counted) when over its rate."""
+        window = self._submit_times[node_id]
+        now = time.monotonic()
+        while window and now - window[0] > RATE_WINDOW_S:
+            window.popleft()
+        if len(window) >= self.verification.submissions_per_minute:
+            return False
+        window.append(now)
+        return True
+
+    def maybe_exclude(self, node_id: str) -> None:
+        """Exclude the node if its verification failures reached the limit (once)."""
+        node = self.store.node(node_id)
+        if (
+            node is not None
+            and not node.excluded
+            and node.failures >= self.verification.exclude_after_failures
+        ):
+            self.store.set_excluded(node_id, True)
+            self.metrics.nodes_excluded.inc()
+            log.warning("node %s excluded after %d failures", node_id[-8:], node.failures)
+
+    def on_violation(self, peer_id: ID, error: ProtocolError) -> None:
+        """The host's listener for framing violations: a failure of a registered node."""
+        node_id = str(peer_id)
+        self.metrics.violations.labels(code=error.code).inc()
+        if self.store.node(node_id) is not None:
+            self.store.record_rejection(
+                "", node_id, "", R.MALFORMED, str(error), counts_against=True
+            )
+            self.maybe_exclude(node_id)
+        log.warning("framing violation from %s: %s", node_id, error)

@@ -1,0 +1,59 @@
+"""The store's ``leases`` table: which prompt each node owes, and until when.
+
+:class:`LeaseTables` is one part of :class:`~echo.coordinator.store.Store` (see its docstring for
+the transaction rules). A lease is ``open`` until its group is submitted (accepted or not) or its
+deadline passes; an accepted group closes its lease in the same transaction that stores it
+(:meth:`~echo.coordinator.store_ledger.Ledger.accept_rollout`), so a lease yields one group at most.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from echo.coordinator.db import Database
+from echo.coordinator.rows import LeaseRow, lease_row
+
+
+class LeaseTables(Database):
+    """Leases: issued in bulk, closed once, expired by deadline."""
+
+    def add_leases(self, rows: list[LeaseRow]) -> None:
+        """Store newly issued leases, all or none."""
+        with self._tx() as db:
+            db.executemany(
+                "INSERT INTO leases VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                [dataclasses.astuple(r) for r in rows],
+            )
+
+    def lease(self, lease_id: str) -> LeaseRow | None:
+        """The lease ``lease_id``, or None."""
+        row = self._db.execute("SELECT * FROM leases WHERE lease_id=?", (lease_id,)).fetchone()
+        return lease_row(row) if row else None
+
+    def expire_leases(self, now: float) -> int:
+        """Expire the open leases whose deadline is before ``now``; returns how many."""
+        with self._tx() as db:
+            cur = db.execute(
+                "UPDATE leases SET status='expired' WHERE status='open' AND deadline < ?", (now,)
+            )
+            return cur.rowcount
+
+    def open_lease_count(self, job_id: str, node_id: str | None = None) -> int:
+        """Open leases of the job (of one node, with ``node_id``)."""
+        if node_id is None:
+            q, args = "job_id=?", (job_id,)
+        else:
+            q, args = "job_id=? AND node_id=?", (job_id, node_id)
+        return int(
+            self._db.execute(
+                f"SELECT COUNT(*) FROM leases WHERE status='open' AND {q}", args
+            ).fetchone()[0]
+        )
+
+    def close_lease(self, lease_id: str) -> None:
+        """Close an open lease whose submission was rejected: its prompt is not issued again."""
+        with self._tx() as db:
+            db.execute(
+                "UPDATE leases SET status='submitted' WHERE lease_id=? AND status='open'",
+                (lease_id,),
+            )

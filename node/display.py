@@ -1,0 +1,107 @@
+"""What the volunteer sees: timestamped lines, progress bars of large versions, running tallies.
+
+:class:`Display` owns the node's console and its :class:`Stats` (groups accepted and rejected,
+rejection reasons, tokens generated and the time generating them). It prints each message with
+the time, shows a progress bar while a large version arrives (pulled whole, or carried by the
+relay tree), and after a submission says what was rejected and why, with the job's totals.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import trio
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+from echo.p2p.relay import Transfer
+from echo.protocol import messages as m
+
+# Versions at least this large get a progress bar while they arrive (small patches take
+# milliseconds; a bar per version would only flicker).
+PROGRESS_MIN_BYTES = 16 << 20
+
+
+@dataclass
+class Stats:
+    """The node's own tallies since it started (what its volunteer and the coordinator see)."""
+
+    accepted: int = 0
+    rejected: int = 0
+    reasons: Counter = field(default_factory=Counter)
+    tokens: int = 0
+    gen_seconds: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.gen_seconds if self.gen_seconds else 0.0
+
+
+class Display:
+    """The node's console, its progress bars and its :class:`Stats` (see the module docstring)."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.stats = Stats()
+        self._bar: Progress | None = None  # of a large version being pulled
+        self._bar_task = None
+
+    def say(self, text: str) -> None:
+        """Print ``text`` (rich markup) to the volunteer, after the time of day."""
+        self.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {text}")
+
+    def _progress(self) -> Progress:
+        return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
+                        TransferSpeedColumn(), console=self.console, transient=True)
+
+    def pull_progress(self, version: int, done: int, total: int) -> None:
+        """WeightSync's per-chunk callback: a bar for large versions pulled whole."""
+        if total < PROGRESS_MIN_BYTES:
+            return
+        if self._bar is None:
+            self._bar = self._progress()
+            self._bar.start()
+            self._bar_task = self._bar.add_task(f"policy v{version} (pull)", total=total)
+        self._bar.update(self._bar_task, completed=done, total=total,
+                         description=f"policy v{version} (pull)")
+        if done >= total:
+            self.close_bar()
+
+    def close_bar(self) -> None:
+        """Remove the bar of a pull that ended (done or failed); nothing if none is shown."""
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+    async def relay_progress(self, t: Transfer, version: int) -> None:
+        """Wait until the relay completes ``t`` (policy ``version``), with a bar if it is large.
+        Unbounded: the caller sets the deadline."""
+        if t.manifest.total_size < PROGRESS_MIN_BYTES:
+            await t.done.wait()
+            return
+        with self._progress() as bar:
+            task = bar.add_task(f"policy v{version} (relay)", total=t.manifest.total_size)
+            while not t.done.is_set():
+                have = sum(c.size for c, h in zip(t.manifest.chunks, t.have, strict=True) if h)
+                bar.update(task, completed=have)
+                with trio.move_on_after(0.25):
+                    await t.done.wait()
+
+    def show(self, reply: m.SubmitReply) -> None:
+        """Count a submission's verdict; say why it was rejected, and every tenth acceptance (or
+        any rejection) the job's totals for this node and its generation rate."""
+        if reply.accepted:
+            self.stats.accepted += 1
+        else:
+            self.stats.rejected += 1
+            self.stats.reasons[reply.reason] += 1
+            self.say(f"[red]rejected[/red] ({reply.reason}) {reply.detail}")
+        if self.stats.accepted % 10 == 1 or not reply.accepted:
+            reasons = ", ".join(f"{k} {v}" for k, v in sorted(reply.rejected_by_reason.items()))
+            self.say(
+                f"accepted {reply.accepted_total} · rejected "
+                f"{reply.rejected_total}{' (' + reasons + ')' if reasons else ''} · "
+                f"{self.stats.tokens_per_s:,.0f} tok/s"
+            )

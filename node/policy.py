@@ -1,0 +1,267 @@
+"""Keeping the node's engine on the job's current policy: broadcasts, weight syncs, reports.
+
+:class:`PolicyFollower` owns the node's side of weight distribution for its job: the chunk store
+(served to peers), the :class:`~echo.node.weights.WeightSync` that brings the state to a version,
+the push relay that gives the node its place in each version's broadcast tree (a gossip listener
+joins every plan the coordinator announces), the bad-relay reports the relay raises, and the
+status the node reports every few seconds (version held, measured upload rate). A sync first lets
+the relay bring the version if a plan covers the node, then pulls what is missing, riding out a
+learner restart; the engine loads each new state in a worker thread so the host keeps serving.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+
+import trio
+
+from echo.node.config import NodeConfig
+from echo.node.display import Display
+from echo.node.engines.base import Engine
+from echo.node.errors import NodeError
+from echo.node.session import CoordinatorSession
+from echo.node.weights import WeightError, WeightSync
+from echo.p2p.chunkstore import ChunkStore, serve_chunks
+from echo.p2p.host import EchoHost
+from echo.p2p.relay import Relay, RelayConfig
+from echo.p2p.rpc import RpcError
+from echo.protocol import broadcast as b
+from echo.protocol import ids
+from echo.protocol import messages as m
+from echo.protocol.errors import ProtocolError
+
+log = logging.getLogger("echo.node")
+
+STATUS_EVERY_S = 10.0
+# A learner restart takes a few seconds; a node waits this long for weights before giving up.
+SYNC_GIVE_UP_S = 300.0
+# A lease reply can announce a version before its plan arrives by gossip: wait this long for the
+# push to start before pulling, then this long for the relay (which pulls around stalls itself)
+# to complete the version before falling back to pulling it whole.
+PLAN_WAIT_S = 1.0
+BROADCAST_WAIT_S = 30.0
+# Bad-relay reports queued for the coordinator; beyond this they are dropped (a node under
+# attack reports the first ones, the rest add nothing).
+BAD_PEER_QUEUE = 32
+
+
+class PolicyFollower:
+    """The node's policy for one job (see the module docstring): :meth:`prepare`, then
+    :meth:`start`; :meth:`sync_to` whenever a newer version is known.
+
+    ``upload_limit_bps`` is the volunteer's cap on pushes to relay children (0: none).
+    """
+
+    def __init__(
+        self,
+        cfg: NodeConfig,
+        session: CoordinatorSession,
+        display: Display,
+        engine_name: str,
+        upload_limit_bps: float,
+    ) -> None:
+        self.cfg = cfg
+        self.session = session
+        self.display = display
+        self.engine_name = engine_name
+        self.upload_limit_bps = upload_limit_bps
+        # Our push rate to relay children as last measured; until then the volunteer's cap, which
+        # the coordinator plans with (0: it assumes its default).
+        self.upload_bps = upload_limit_bps
+        self.engine: Engine | None = None
+        self.sync: WeightSync | None = None
+        self.relay: Relay | None = None
+        self.announced = -1  # the newest version a broadcast plan announced
+        self._bad_peers_in, self._bad_peers_out = trio.open_memory_channel[b.BadPeerReport](
+            BAD_PEER_QUEUE
+        )
+
+    async def prepare(self, host: EchoHost, job: m.JobInfo) -> WeightSync:
+        """Open the job's chunk store, serve it to peers and reach the job's learner.
+
+        :raises NodeError: the learner cannot be reached.
+        """
+        chunks = ChunkStore(
+            self.cfg.data_dir / "chunks" / job.job_id, keep_versions=job.staleness + 2
+        )
+        serve_chunks(host, chunks)
+        sync = WeightSync(host, job, self.session.peer, chunks,
+                          on_progress=self.display.pull_progress)
+        await sync.add_source_addrs(job.learner_addrs)
+        if not sync.sources:
+            raise NodeError("cannot reach the job's learner to fetch weights")
+        self.sync = sync
+        return sync
+
+    async def start(self, nursery: trio.Nursery, engine: Engine) -> None:
+        """Run the relay, the plan listener, the bad-peer reporter and (after the first sync,
+        which brings ``engine`` to the job's current version) the heartbeat in ``nursery``.
+
+        :raises NodeError: no weights for :data:`SYNC_GIVE_UP_S` (see :meth:`sync_to`).
+        """
+        assert self.sync is not None
+        sync, job = self.sync, self.sync.job
+        self.engine = engine
+        relay = Relay(
+            sync.host,
+            sync.store,
+            learner_keys={job.job_id: job.learner_public_key},
+            on_bad_peer=self._queue_bad_peer,
+            config=RelayConfig(upload_limit_bps=self.upload_limit_bps or None),
+            serve_pulls=False,  # serve_chunks already answers pulls from this store
+        )
+        self.relay = sync.relay = await nursery.start(relay.run)
+        nursery.start_soon(self._listen_versions, job)
+        nursery.start_soon(self._report_bad_peers)
+        await self.sync_to(job.current_version)
+        nursery.start_soon(self._heartbeat)
+
+    def _queue_bad_peer(self, report: b.BadPeerReport) -> None:
+        with contextlib.suppress(trio.WouldBlock):
+            self._bad_peers_in.send_nowait(report)
+
+    async def _report_bad_peers(self) -> None:
+        async for report in self._bad_peers_out:
+            self.display.say(f"[yellow]relay {report.peer_id[-8:]} {report.reason}[/yellow] at "
+                             f"v{report.version}; reported")
+            try:
+                await self.session.call(ids.PROTO_BAD_PEER,
+                                        self.session.seal("bad_peer", report), timeout=10.0)
+            except (RpcError, ProtocolError) as exc:
+                log.debug("bad-peer report not delivered: %s", exc)
+
+    async def _listen_versions(self, job: m.JobInfo) -> None:
+        """Gossip tells us early that a version is out, and the relay tree that carries it: we
+        take our place in it (receive from our parents, forward to our children). Leases would
+        tell us of the version too, later, and we would pull it."""
+        assert self.relay is not None and self.session.host is not None
+        sub = await self.session.host.subscribe(ids.TOPIC_VERSIONS)
+        async for _peer, data in sub:
+            try:
+                ann = await self.relay.join_plan(data, self.session.key, job.job_id)
+            except ProtocolError as exc:
+                log.debug("version announcement ignored: %s", exc)
+                continue
+            if ann is not None:
+                self.announced = max(self.announced, ann.version)
+
+    async def _await_broadcast(self, job_id: str, target: int) -> None:
+        """Let the relay bring ``target`` into the store if a plan covers us (bounded)."""
+        relay = self.relay
+        if relay is None:
+            return
+        t = relay.transfer(job_id, target)
+        if t is None:
+            with trio.move_on_after(PLAN_WAIT_S):
+                while (t := relay.transfer(job_id, target)) is None:
+                    await trio.sleep(0.02)
+        if t is None:
+            return
+        with trio.move_on_after(BROADCAST_WAIT_S):
+            await self.display.relay_progress(t, target)
+
+    async def sync_to(self, target: int) -> None:
+        """Bring engine and weights to ``target``, riding out a learner restart or a lost peer.
+
+        The learner may come back on another address after a crash, so on failure the node asks
+        the coordinator for the job's current sources and tries again with a growing pause; a
+        version that changed is loaded into the engine (and kept on disk with --keep-weights)
+        and reported to the coordinator.
+
+        :raises NodeError: no sync succeeded for :data:`SYNC_GIVE_UP_S`.
+        """
+        sync = self.sync
+        assert sync is not None
+        started = time.monotonic()
+        delay, rebase = 0.5, False
+        await self._await_broadcast(sync.job.job_id, target)
+        while True:
+            try:
+                changed = await sync.sync_to(target, rebase=rebase)
+                break
+            except (WeightError, RpcError, ProtocolError) as exc:
+                self.display.close_bar()
+                if time.monotonic() - started > SYNC_GIVE_UP_S:
+                    raise NodeError(f"cannot get policy v{target}: {exc}") from None
+                self.display.say(
+                    f"[yellow]weights v{target} not available yet[/yellow] ({exc}); retrying"
+                )
+                await trio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+                addrs = await self.session.learner_addrs(sync.job.job_id)
+                if addrs is not None:
+                    sync.sources.clear()
+                    await sync.add_source_addrs(addrs)
+                # Aim at the newest version from its anchor: a patch we could not get may be
+                # gone for good (the learner keeps only the versions since its last anchor).
+                rebase = True
+                with contextlib.suppress(WeightError, RpcError, ProtocolError):
+                    target = max(target, await sync.latest_version())
+        if changed:
+            assert self.engine is not None and sync.state is not None
+            await trio.to_thread.run_sync(self.engine.load_state, sync.state)
+            if self.cfg.keep_weights:
+                await trio.to_thread.run_sync(self._save_weights)
+            await self.send_status()
+
+    def _save_weights(self) -> None:
+        """--keep-weights: the version's tensors, and beside them the digest the engine computes
+        from the weights it actually holds (read back from vLLM's workers, llama.cpp's GGUF),
+        so a run can be checked bit for bit after the fact."""
+        from echo.models.weights import state_to_bytes
+
+        sync = self.sync
+        assert self.engine is not None and sync is not None
+        path = self.cfg.data_dir / "policy.safetensors"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(state_to_bytes(sync.state))
+        tmp.replace(path)
+        meta = {"job_id": sync.job.job_id, "version": sync.version, "state_digest": sync.digest,
+                "engine": self.engine_name, "engine_state_digest": self.engine.state_digest()}
+        (self.cfg.data_dir / "policy.json").write_text(json.dumps(meta) + "\n")
+
+    def measure_upload(self) -> float:
+        """Our push rate in the newest transfer where we pushed (kept from earlier ones)."""
+        if self.relay is not None:
+            rates = [
+                (t.version, t.stats.push_rate_bps()) for t in self.relay.transfers.values()
+            ]
+            rates = [r for r in rates if r[1] > 0]
+            if rates:
+                self.upload_bps = max(rates)[1]
+        return self.upload_bps
+
+    async def send_status(self) -> None:
+        """Tell the coordinator the version held, its digest, the measured upload rate and the
+        generation rate; a report that does not get through is only logged."""
+        sync = self.sync
+        assert sync is not None
+        st = m.NodeStatus(
+            upload_bps=self.measure_upload(),
+            job_id=sync.job.job_id,
+            version=sync.version,
+            state_digest=sync.digest,
+            tokens_per_s=self.display.stats.tokens_per_s,
+            timestamp=time.time(),
+        )
+        try:
+            await self.session.call(
+                ids.PROTO_STATUS, self.session.seal("node_status", st), timeout=10.0
+            )
+        except RpcError as exc:
+            log.debug("status not delivered: %s", exc)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await trio.sleep(STATUS_EVERY_S)
+            await self.send_status()
+
+    async def finish_forwarding(self, version: int, timeout: float) -> bool:
+        """Wait (at most ``timeout`` s) until the relay has passed ``version`` on to our children;
+        False if some push was still going."""
+        if self.relay is None or self.sync is None:
+            return True
+        return await self.relay.wait_forwarded(self.sync.job.job_id, version, timeout)

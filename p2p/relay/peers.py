@@ -1,0 +1,116 @@
+"""What a relay knows of other peers: whom it no longer trusts, whom it cannot reach for now,
+where to dial them, and how it reports a parent that lied or stalled.
+
+:class:`Peers` is shared by the relay's jobs: the receiver and the watchdog report parents, the
+pullers skip excluded and unreachable peers, the pushers and pullers dial through it. It owns
+no connection beyond the ones it dials (the host keeps them) and never raises into its callers
+except from :meth:`Peers.connect`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import trio
+from libp2p.peer.id import ID
+
+from echo.p2p.host import EchoHost
+from echo.p2p.relay.transfer import Transfer
+from echo.p2p.rpc import RpcError
+from echo.p2p.streams import STREAM_CLOSE_TIMEOUT
+from echo.protocol import broadcast as b
+
+log = logging.getLogger(__name__)
+
+BadPeerCallback = Callable[[b.BadPeerReport], None]
+
+# A peer that failed to answer at all is skipped by pulls for this long.
+_UNREACHABLE_S = 5.0
+
+
+def peer_str(peer: ID | str) -> str:
+    """A peer id as the base58 text plans and reports use."""
+    return peer if isinstance(peer, str) else peer.to_base58()
+
+
+class Peers:
+    """The relay's standing of other peers (see the module docstring)."""
+
+    def __init__(
+        self, host: EchoHost, connect_timeout_s: float, on_bad_peer: BadPeerCallback | None
+    ) -> None:
+        self.host = host
+        self.me = peer_str(host.peer_id)
+        self.on_bad_peer = on_bad_peer
+        self.connect_timeout_s = connect_timeout_s
+        # Never pushed from nor pulled from again (they lied or broke the protocol).
+        self.excluded: set[str] = set()
+        # Went silent once: pulls prefer other holders.
+        self.stalled: set[str] = set()
+        self._unreachable: dict[str, float] = {}
+        self._addrs: dict[str, list[str]] = {}
+
+    def reachable(self, peer: str, now: float) -> bool:
+        """False while ``peer`` is skipped after failing to answer (:meth:`unreachable`)."""
+        return self._unreachable.get(peer, 0.0) <= now
+
+    def unreachable(self, peer: str) -> None:
+        """``peer`` failed to answer at all: skip it for a few seconds."""
+        self._unreachable[peer] = time.monotonic() + _UNREACHABLE_S
+
+    def report(
+        self, t: Transfer, peer: str, reason: str, index: int = -1, detail: str = ""
+    ) -> None:
+        """Exclude (``bad_chunk``, ``protocol``) or mark (``stalled``) ``peer`` and tell
+        ``on_bad_peer``, once per peer, reason and transfer. A failing callback is logged."""
+        if reason in ("bad_chunk", "protocol"):
+            self.excluded.add(peer)
+        elif reason == "stalled":
+            self.stalled.add(peer)
+        if (peer, reason) in t.reported:
+            return
+        t.reported.add((peer, reason))
+        log.warning("%s v%d: parent %s %s (chunk %d) %s", t.job_id, t.version, peer[-8:],
+                    reason, index, detail)
+        if self.on_bad_peer is not None:
+            report = b.BadPeerReport(job_id=t.job_id, version=t.version, peer_id=peer,
+                                     reason=reason, chunk_index=index, detail=detail[:200])
+            try:
+                self.on_bad_peer(report)
+            except Exception:
+                log.exception("on_bad_peer callback failed")
+
+    def remember_addrs(self, route: b.Route) -> None:
+        """Keep the addresses a route gives for its children, sources and origin."""
+        peers = [c for kids in route.children for c in kids] + list(route.sources)
+        if route.origin is not None:
+            peers.append(route.origin)
+        for p in peers:
+            if p.addrs:
+                self._addrs[p.peer_id] = list(p.addrs)
+
+    async def connect(self, peer: str) -> None:
+        """Make sure a connection to ``peer`` exists (dialing a remembered address if needed).
+
+        :raises RpcError: no remembered address could be dialed.
+        """
+        if any(peer_str(p) == peer for p in self.host.connected_peers()):
+            return
+        errors = []
+        for addr in self._addrs.get(peer, []):
+            try:
+                await self.host.connect(addr, timeout=self.connect_timeout_s)
+                return
+            except (RpcError, ValueError) as exc:
+                errors.append(str(exc))
+        raise RpcError(f"cannot reach {peer[-8:]}: {'; '.join(errors) or 'no address'}")
+
+    async def drop_connection(self, peer: str) -> None:
+        """Forget a connection that no longer carries requests, so the next use dials afresh."""
+        with trio.move_on_after(STREAM_CLOSE_TIMEOUT):
+            try:
+                await self.host.disconnect(peer)
+            except Exception:  # already gone
+                log.debug("disconnecting %s failed", peer[-8:], exc_info=True)
