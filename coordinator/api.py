@@ -7,8 +7,10 @@ read-only dashboard ``/`` do not. Bad job specs get 400 with one line per bad ke
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import asdict
 from html import escape
 from typing import Any
 
@@ -21,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from echo.coordinator.capacity import NodeRate, plan
+from echo.coordinator.capacity import NodeRate, plan, recommend_staleness, staleness_options
 from echo.coordinator.learners import tail
 from echo.coordinator.ports import ApiBackend
 from echo.protocol.jobspec import SpecError, load_job_toml, parse_job
@@ -66,8 +68,38 @@ def job_status(coord: ApiBackend, job_id: str) -> dict[str, Any] | None:
             for v, r, n in coord.store.reward_by_version(job_id)
         ],
         "versions": versions,
+        "learning": learning_summary(versions),
         "created_at": row.created_at,
         "updated_at": row.updated_at,
+    }
+
+
+# The status's learning figures summarise this many recent versions.
+RECENT_VERSIONS = 10
+
+
+def learning_summary(versions: list[dict[str, Any]]) -> dict[str, Any]:
+    """What asynchrony did to the recent batches, from the learner's own per-version metrics:
+    how stale the trained groups were, the importance weights pi/mu (mean, share outside the
+    trust region) and the held-out accuracy first and last measured."""
+    recent = [v["metrics"] for v in versions[-RECENT_VERSIONS:] if "staleness_mean" in v["metrics"]]
+    evals = [(v["version"], v["metrics"]["eval_accuracy"]) for v in versions
+             if "eval_accuracy" in v["metrics"]]
+
+    def mean(key: str) -> float | None:
+        xs = [m[key] for m in recent if key in m]
+        return sum(xs) / len(xs) if xs else None
+
+    return {
+        "versions": len(recent),
+        "staleness_mean": mean("staleness_mean"),
+        "staleness_max": max((m["staleness_max"] for m in recent), default=None),
+        "is_w_mean": mean("is_w"),
+        "is_w_outside_trust_region": mean("is_w_outside"),
+        "clip_frac": mean("clip_frac"),
+        "eval_first": evals[0][1] if evals else None,
+        "eval_last": evals[-1][1] if evals else None,
+        "eval_by_version": [{"version": v, "accuracy": a} for v, a in evals],
     }
 
 
@@ -86,10 +118,18 @@ def job_plan(coord: ApiBackend, job_id: str) -> dict[str, Any] | None:
     rates = [NodeRate(n.node_id, n.tokens_per_s / tokens_per_rollout)
              for n in coord.store.nodes()
              if not n.excluded and now - n.last_seen < PLAN_NODE_ACTIVE_S and n.tokens_per_s > 0]
-    p = plan(spec["batch_groups"] * spec["group_size"], steps[len(steps) // 2] if steps else 0.0,
-             tta[len(tta) // 2] if tta else 0.0, spec["staleness"], rates)
+    R = spec["batch_groups"] * spec["group_size"]
+    t_train = steps[len(steps) // 2] if steps else 0.0
+    t_bcast = tta[len(tta) // 2] if tta else 0.0
+    p = plan(R, t_train, t_bcast, spec["staleness"], rates)
+    options = staleness_options(R, t_train, t_bcast, p.available_rollouts_per_s)
+    recommended, why = recommend_staleness(options)
     return {**p.to_dict(), "tokens_per_rollout": tokens_per_rollout,
-            "measured_versions": len(versions)}
+            "measured_versions": len(versions), "staleness": spec["staleness"],
+            "staleness_options": [
+                {**asdict(o), "period_s": o.period_s if math.isfinite(o.period_s) else None}
+                for o in options],
+            "recommended_staleness": recommended, "recommendation": why}
 
 
 def node_list(coord: ApiBackend) -> list[dict[str, Any]]:

@@ -5,6 +5,9 @@ throughputs mu_i (rollouts/s) and a version published every kappa = max(1, S - 1
 learner never waits if ``sum(mu_i) >= kappa * R / (kappa * T_train - T_bcast)`` and
 ``kappa * T_train > T_bcast``. :func:`plan` measures nothing itself: it takes the terms the
 coordinator measured and activates the cheapest nodes per unit of throughput until the rule holds.
+:func:`staleness_options` turns the same terms into the researcher's choice of S: how often the
+learner can step at each S, and :func:`recommend_staleness` the smallest S that gets (nearly)
+all of the speed asynchrony can give.
 """
 
 from __future__ import annotations
@@ -75,3 +78,68 @@ def plan(R: int, t_train: float, t_bcast: float, staleness: int,
     else:
         note = f"{len(active)} node(s) suffice; {len(standby)} on standby"
     return Plan(R, t_train, t_bcast, kappa, need, total, total >= need, active, standby, note)
+
+
+# ECHO-2 ran stably up to S = 6 and diverged at S = 11: never recommend beyond the stable range.
+MAX_RECOMMENDED_STALENESS = 6
+# An S whose step period is within this factor of the fastest one is "fast enough": each extra
+# version of staleness is more off-policy correction for the learner to make, so take the least.
+FAST_ENOUGH = 1.05
+
+
+@dataclass(frozen=True)
+class StalenessOption:
+    """What staleness bound S buys: the learner's step period and how busy it is."""
+
+    staleness: int
+    period_s: float  # seconds between versions
+    learner_busy: float  # T_train / period: the share of the learner's time spent training
+    speedup_vs_sync: float  # the S = 0 period over this one
+
+
+def step_period(R: int, t_train: float, t_bcast: float, rollouts_per_s: float,
+                staleness: int) -> float:
+    """Seconds between versions at staleness bound ``staleness`` (``inf`` without throughput).
+
+    S = 0 is synchronous: every version is broadcast, then sampled, then trained on, one after
+    the other. With S >= 1 a version is needed every kappa = max(1, S - 1) steps, so in kappa
+    steps the swarm must broadcast once and generate kappa * R rollouts; the learner steps no
+    faster than T_train.
+    """
+    if rollouts_per_s <= 0:
+        return math.inf
+    gen = R / rollouts_per_s
+    if staleness == 0:
+        return t_bcast + gen + t_train
+    kappa = max(1, staleness - 1)
+    return max(t_train, (kappa * gen + t_bcast) / kappa)
+
+
+def staleness_options(R: int, t_train: float, t_bcast: float, rollouts_per_s: float,
+                      max_staleness: int = MAX_RECOMMENDED_STALENESS) -> list[StalenessOption]:
+    """:func:`step_period` for S = 0 .. ``max_staleness``. Pure; raises nothing."""
+    sync = step_period(R, t_train, t_bcast, rollouts_per_s, 0)
+    out = []
+    for s in range(max_staleness + 1):
+        period = step_period(R, t_train, t_bcast, rollouts_per_s, s)
+        busy = t_train / period if math.isfinite(period) and period > 0 else 0.0
+        speedup = sync / period if math.isfinite(period) and period > 0 else 1.0
+        out.append(StalenessOption(s, period, busy, speedup))
+    return out
+
+
+def recommend_staleness(options: list[StalenessOption]) -> tuple[int, str]:
+    """The smallest S whose period is within FAST_ENOUGH of the fastest option, and why."""
+    finite = [o for o in options if math.isfinite(o.period_s)]
+    if not finite:
+        return 2, "no throughput measured yet: keep the default until nodes report"
+    best = min(o.period_s for o in finite)
+    pick = next(o for o in finite if o.period_s <= best * FAST_ENOUGH)
+    sync = options[0]
+    if pick.staleness == 0:
+        why = "the swarm is too slow for asynchrony to help: train synchronously"
+    else:
+        why = (f"S = {pick.staleness} steps {pick.speedup_vs_sync:.2f}x as often as S = 0 "
+               f"(learner busy {pick.learner_busy:.0%} vs {sync.learner_busy:.0%}); a larger S "
+               f"adds staleness without speed")
+    return pick.staleness, why

@@ -117,6 +117,15 @@ def _print_status(st: dict[str, Any]) -> None:
     )
     if st["error"]:
         console.print(f"[red]{st['error']}[/red]")
+    ln = st.get("learning") or {}
+    if ln.get("versions"):
+        console.print(
+            f"last {ln['versions']} versions: groups {ln['staleness_mean']:.2f} versions old "
+            f"on average (max {ln['staleness_max']:.0f}); importance weight pi/mu mean "
+            f"{ln['is_w_mean']:.3f}, {ln['is_w_outside_trust_region']:.1%} of tokens outside "
+            f"the trust region")
+    if ln.get("eval_last") is not None:
+        console.print(f"held-out greedy accuracy: {ln['eval_first']:.3f} -> {ln['eval_last']:.3f}")
     curve = st["reward_by_version"]
     if curve:
         pts = curve if len(curve) <= 12 else curve[:: max(1, len(curve) // 12)] + [curve[-1]]
@@ -140,6 +149,12 @@ def plan(job_id: str, url: UrlOpt = "http://127.0.0.1:8080", token: TokenOpt = "
     verdict = "[green]feasible[/green]" if p["feasible"] else "[red]not feasible[/red]"
     console.print(f"{verdict}: {p['note']}")
     console.print(f"active: {len(p['active'])} node(s); standby: {len(p['standby'])}")
+    console.print(f"staleness: this job runs S = {p['staleness']}; recommended "
+                  f"S = {p['recommended_staleness']}: {p['recommendation']}")
+    for o in p["staleness_options"]:
+        period = "-" if o["period_s"] is None else f"{o['period_s']:.2f} s"
+        console.print(f"  S = {o['staleness']}: a version every {period}, learner busy "
+                      f"{o['learner_busy']:.0%}, {o['speedup_vs_sync']:.2f}x S = 0")
 
 
 @app.command()

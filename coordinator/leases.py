@@ -56,7 +56,8 @@ class Leases:
                 retry_after_s=NOT_RUNNING_RETRY_S,
                 message=f"job is {row.status}",
             )
-        min_version = max(0, current - job.spec.staleness + 1)
+        # S = 0 (synchronous) and S = 1 both sample from the newest version only.
+        min_version = max(0, current - max(1, job.spec.staleness) + 1)
         if req.have_version < min_version:
             return m.LeaseReply(
                 leases=[],
@@ -119,7 +120,10 @@ class Leases:
         cannot tie up more than one lease of the buffer before it has proven itself.
         """
         cfg = self.verification
-        target = cfg.buffer_groups or 2 * job.spec.batch_groups
+        # Synchronously (S = 0) every group still unsampled when the learner steps is wasted:
+        # lease one batch per version. Asynchronously, two keep the learner from waiting.
+        per_version = 1 if job.spec.staleness == 0 else 2
+        target = cfg.buffer_groups or per_version * job.spec.batch_groups
         in_flight = self.store.open_lease_count(job_id) + self.store.buffered_count(job_id)
         quota = cfg.max_open_leases_per_node
         if cfg.lease_quota_ramp:
