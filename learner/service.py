@@ -19,18 +19,13 @@ import socket
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import trio
 
 from echo.learner import checkpoint
-from echo.learner.evaluate import greedy_accuracy
-from echo.learner.grpo import GRPOLearner, TrainGroup
 from echo.learner.publish import Publisher
-from echo.learner.rescore import Rescorer, Verdict, token_stats
-from echo.learner.warmup import warmup
-from echo.models.spec import ModelSpec, build_model, load_tokenizer
-from echo.models.weights import export_state
+from echo.learner.trainer import Trainer
+from echo.models.spec import ModelSpec
 from echo.p2p.chunkstore import ChunkStore, serve_chunks
 from echo.p2p.host import EchoHost, open_host
 from echo.p2p.identity import Identity, public_key_from_peer_id
@@ -40,7 +35,6 @@ from echo.protocol import ids, signing
 from echo.protocol import messages as m
 from echo.protocol.errors import ProtocolError
 from echo.protocol.jobspec import JobSpec
-from echo.tasks.registry import make_task
 
 log = logging.getLogger("echo.learner")
 
@@ -55,6 +49,9 @@ FINAL_SERVE_MAX_S = 90.0
 
 
 class Learner:
+    """One job's learner process: its host, chunk store, publisher and checkpoints around a
+    :class:`~echo.learner.trainer.Trainer`; see the module docstring."""
+
     def __init__(
         self,
         job_dir: Path,
@@ -82,63 +79,21 @@ class Learner:
         self.relay: Relay | None = None
         self.served_bytes = 0  # chunk bytes nodes pulled from us
 
-    # ------------------------------------------------------------------ model
-
     def build(self) -> None:
         """Build (or restore) the model; runs in a worker thread."""
-        spec = self.spec
-        model = build_model(self.model_spec, seed=spec.model.seed)
-        ckpt = checkpoint.latest(self.job_dir / "checkpoints")
-        self.task = task = make_task(spec.task.name, dict(spec.task.params))
-        self.tokenizer = load_tokenizer(self.model_spec) if self.model_spec.kind == "hf" else None
-        if ckpt is None:
-            if spec.warmup.steps and self.model_spec.kind == "tiny":
-                t0 = time.perf_counter()
-                warmup(
-                    model,
-                    self.model_spec,
-                    task,
-                    steps=spec.warmup.steps,
-                    lr=spec.warmup.lr,
-                    seed=spec.model.seed,
-                    cache_dir=self.job_dir.parent.parent / "cache",
-                )
-                log.info("format warm-up done in %.1f s", time.perf_counter() - t0)
-            self.learner = GRPOLearner(model, spec.grpo, spec.sampling.temperature)
-        else:
-            model.load_state_dict(ckpt.model_state)
-            self.learner = GRPOLearner(model, spec.grpo, spec.sampling.temperature)
-            self.learner.opt.load_state_dict(ckpt.optim_state)
-            self.learner.version = ckpt.version
+        self.trainer, ckpt = Trainer.build(self.spec, self.model_spec, self.job_dir)
+        if ckpt is not None:
             self.version = ckpt.version
             self.pending_report = ckpt.report
-            self.publisher.reset(self.published_state(), ckpt.version, ckpt.anchor_version)
+            self.publisher.reset(self.trainer.published_state(), ckpt.version,
+                                 ckpt.anchor_version)
             log.info("resumed from checkpoint v%d", ckpt.version)
-        self.rescorer = Rescorer(
-            self.model_spec, keep=spec.staleness + 1, temperature=spec.sampling.temperature
-        )
-        self.rescorer.remember(self.version, self.published_state())
-
-    def _evaluate(self, force: bool = False) -> dict[str, float]:
-        """Held-out greedy accuracy every ``eval.every`` versions (and at the last step)."""
-        every = self.spec.eval.every
-        if not every:
-            return {}
-        if not (force or self.version % every == 0 or self.version == self.spec.steps):
-            return {}
-        t0 = time.perf_counter()
-        acc = greedy_accuracy(self.learner.model, self.model_spec, self.task,
-                              n=self.spec.eval.prompts, tokenizer=self.tokenizer)
-        return {"eval_accuracy": acc, "eval_s": time.perf_counter() - t0}
-
-    def published_state(self) -> dict[str, torch.Tensor]:
-        return export_state(self.learner.model, self.spec.publish_dtype)
 
     def _publish(
         self, trained: list[str], verdicts: list[m.RescoreVerdict], metrics: dict[str, float]
     ) -> bytes:
         """Publish the current weights as ``self.version``; returns the signed report."""
-        state = self.published_state()
+        state = self.trainer.published_state()
         pub = self.publisher.publish(state, self.version)
         metrics = {
             **metrics,
@@ -163,13 +118,14 @@ class Learner:
                 version=self.version,
                 anchor_version=pub.manifest.anchor_version,
                 model_state={
-                    k: v.detach().clone() for k, v in self.learner.model.state_dict().items()
+                    k: v.detach().clone()
+                    for k, v in self.trainer.learner.model.state_dict().items()
                 },
-                optim_state=self.learner.opt.state_dict(),
+                optim_state=self.trainer.learner.opt.state_dict(),
                 report=sealed,
             ),
         )
-        self.rescorer.remember(self.version, state)
+        self.trainer.remember(self.version, state)
         return sealed
 
     # ------------------------------------------------------------------ coordinator RPC
@@ -285,7 +241,7 @@ class Learner:
             await self._send_report(self.pending_report)  # crashed before reporting
         elif hello.current_version < 0:
             sealed = await trio.to_thread.run_sync(
-                lambda: self._publish([], [], self._evaluate(force=True)))
+                lambda: self._publish([], [], self.trainer.evaluate(force=True)))
             await self._send_report(sealed)
             log.info("published v0 (base policy)")
         if await self._train_loop():
@@ -345,60 +301,10 @@ class Learner:
         return True
 
     def _step(self, batch: list[m.TrainingGroup]) -> tuple[bytes, dict[str, float]]:
-        vocab = self.learner.vocab_size
-        ids_ok, verdicts = [], []
-        decoded = []
-        for g in batch:
-            prompt = m.unpack_tokens(g.prompt_tokens, vocab_size=vocab, max_len=1 << 16).tolist()
-            comps = [
-                m.unpack_tokens(c.token_ids, vocab_size=vocab, max_len=1 << 16).tolist()
-                for c in g.completions
-            ]
-            lps = [
-                np.frombuffer(c.logprobs, dtype="<f4").astype(float).tolist() for c in g.completions
-            ]
-            decoded.append(TrainGroup(prompt, comps, lps, list(g.rewards), g.version))
-        finish = [[c.finish_reason for c in g.completions] for g in batch]
-        # Groups sampled from older versions are re-scored by a prefill under those weights;
-        # groups from the current weights are judged inside the step, from its own forward.
-        # (Only when the published weights are the master weights: a bf16 policy differs from
-        # the fp32 master the step runs on.)
-        current = self.learner.version if self.spec.publish_dtype == "float32" else -1
-        older = [i for i, g in enumerate(decoded) if g.version != current]
-        results: dict[int, Verdict] = dict(zip(older, self.rescorer.check(
-            [decoded[i] for i in older], [finish[i] for i in older],
-            [batch[i].engine for i in older]), strict=True))
-        rescore_s = self.rescorer.last_seconds
-        order = [i for i in range(len(batch)) if i not in results or results[i].ok]
-
-        def gate(stats) -> list[bool]:
-            nonlocal rescore_s
-            t0 = time.perf_counter()
-            keep = []
-            for i, st in zip(order, stats, strict=True):
-                if i not in results:
-                    results[i] = self.rescorer.judge(decoded[i], finish[i], batch[i].engine, *st)
-                keep.append(results[i].ok)
-            rescore_s += time.perf_counter() - t0
-            return keep
-
-        if order:
-            metrics = self.learner.step([decoded[i] for i in order], gate=gate,
-                                        gate_stats=token_stats)
-        else:
-            metrics = {"reward": 0.0, "step_s": 0.0}
-            self.learner.version += 1
-        self.version = self.learner.version
-        for i, g in enumerate(batch):
-            res = results.get(i) or Verdict(False, "unscorable")
-            verdicts.append(m.RescoreVerdict(rollout_id=g.rollout_id, ok=res.ok,
-                                             reason=res.reason, stats=res.stats))
-            if res.ok:
-                ids_ok.append(g.rollout_id)
-        metrics["rejected"] = float(sum(1 for v in verdicts if not v.ok))
-        metrics["rescore_s"] = rescore_s
-        metrics.update(self._evaluate())
-        return self._publish(ids_ok, verdicts, metrics), metrics
+        """Train on ``batch`` and publish the result; returns the signed report."""
+        result = self.trainer.train(batch)
+        self.version = self.trainer.version
+        return self._publish(result.trained, result.verdicts, result.metrics), result.metrics
 
 
 def main() -> None:

@@ -47,6 +47,8 @@ def adversarial_run(tmp_path_factory) -> Path:
                 lr=1e-3,
                 warmup=30,
                 heads=HEADS,
+                seed=0,
+                eval_every=10,
             )
         )
         for i in range(HONEST):
@@ -152,8 +154,6 @@ def test_reward_still_rises(adversarial_run: Path) -> None:
     st = json.loads((adversarial_run / "status.json").read_text())
     curve = [p["mean_reward"] for p in st["reward_by_version"]]
     assert len(curve) > 20
-    first = sum(curve[:5]) / 5
-    # The best 5-version window: this tiny recipe occasionally collapses late in a run (a known
-    # issue, see the README status), which must not hide that the swarm did learn.
-    last = max(sum(curve[i : i + 5]) / 5 for i in range(5, len(curve) - 4))
+    # Judged where the run ends: the last 10 versions against the first 5.
+    first, last = sum(curve[:5]) / 5, sum(curve[-10:]) / 10
     assert last > first + 0.1, (first, last)

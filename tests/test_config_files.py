@@ -30,7 +30,12 @@ def test_bad_keys_are_named(tmp_path) -> None:
     with pytest.raises(SpecError, match=r"grpo\.lrr: unknown key"):
         load_job_toml("[job]\nname='x'\n[job.grpo]\nlrr=1\n")
     with pytest.raises(SpecError, match=r"staleness: Input should be greater than or equal"):
-        load_job_toml("[job]\nname='x'\nstaleness=0\n")
+        load_job_toml("[job]\nname='x'\nstaleness=-1\n")
+    assert load_job_toml("[job]\nname='x'\nstaleness=0\n").staleness == 0  # synchronous
+    with pytest.raises(SpecError, match=r"grpo\.tis_cap: unknown key"):  # now dual_clip
+        load_job_toml("[job]\nname='x'\n[job.grpo]\ntis_cap=2\n")
+    with pytest.raises(SpecError, match=r"grpo: Value error, betas must be in"):
+        load_job_toml("[job]\nname='x'\n[job.grpo]\nbetas=[0.9, 1.5]\n")
     bad = tmp_path / "c.toml"
     bad.write_text("[verification]\nlease_timeout=3\n")
     with pytest.raises(SpecError, match=r"verification\.lease_timeout: unknown key"):

@@ -75,12 +75,12 @@ def test_summary_and_reward_rose(swarm_run: Path) -> None:
     ):
         assert key in s
     assert s["status"] == "done" and s["versions"] == 150 and s["nodes"] == 3
+    # Learning is judged where the run ends: the last 10 versions' sampled reward against the
+    # first 5, and held-out greedy accuracy at the last version against the first.
     curve = [p["mean_reward"] for p in s["reward_by_version"]]
-    first = sum(curve[:5]) / 5
-    # The best 5-version window: this tiny recipe occasionally collapses late in a run (a known
-    # issue, see the README status), which must not hide that the swarm did learn.
-    last = max(sum(curve[i : i + 5]) / 5 for i in range(5, len(curve) - 4))
+    first, last = sum(curve[:5]) / 5, sum(curve[-10:]) / 10
     assert last > first + 0.1, (first, last, curve)
+    assert s["eval_last"] > s["eval_first"] + 0.2, s["eval_by_version"]
     assert s["rollouts_rejected"] <= 0.005 * max(1, s["rollouts_accepted"]) + 1
     # A mixed swarm: one node per engine this machine has (CI installs llama.cpp, and vLLM in
     # .venv-vllm), each of which served the job.

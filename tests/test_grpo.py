@@ -60,14 +60,30 @@ def test_score_shapes_and_step_metrics() -> None:
     assert learner.score(groups) != scored  # weights moved
 
 
-def test_truncated_importance_weight_and_staleness() -> None:
-    learner = GRPOLearner(build_model(SPEC, seed=1), GRPOConfig(tis_cap=2.0))
+def test_trust_region_is_anchored_at_the_behaviour_policy() -> None:
+    """Tokens the policy already made far likelier than the node's sampling policy did (a stale
+    group) are outside the trust region for a positive advantage and past the dual clip for a
+    negative one: they no longer push, so the step leaves the weights as they were."""
+    learner = GRPOLearner(build_model(SPEC, seed=1), GRPOConfig(dual_clip=2.0))
     learner.version = 5
     groups = make_groups(learner, [[1.0, 0.0, 1.0, 0.0]], shift=-3.0)  # node thought it unlikely
+    before = state_digest(export_state(learner.model))
     m = learner.step(groups)
     assert m["mismatch"] == pytest.approx(3.0, abs=1e-4)
-    assert m["is_w"] == pytest.approx(2.0)  # exp(3) truncated to the cap
-    assert m["staleness_max"] == 5.0
+    assert m["is_w"] == pytest.approx(float(torch.tensor(3.0).exp()), rel=1e-3)
+    assert m["is_w_outside"] == 1.0 and m["clip_frac"] == 1.0
+    assert m["staleness_max"] == 5.0 and m["staleness_mean"] == 5.0
+    assert state_digest(export_state(learner.model)) == before
+
+
+def test_inside_the_trust_region_a_stale_group_still_trains() -> None:
+    """A small shift (a slightly stale group) keeps every token inside the region: it trains."""
+    learner = GRPOLearner(build_model(SPEC, seed=1))
+    groups = make_groups(learner, [[1.0, 0.0, 1.0, 0.0]], shift=-0.05)
+    before = state_digest(export_state(learner.model))
+    m = learner.step(groups)
+    assert m["clip_frac"] == 0.0 and m["is_w_outside"] == 0.0
+    assert state_digest(export_state(learner.model)) != before
 
 
 def test_equal_rewards_leave_weights_unchanged() -> None:
@@ -116,8 +132,10 @@ def test_warmup_caches(tmp_path: Path) -> None:
     assert not list(tmp_path.glob(".warmup-*"))  # no temporary files left behind
 
 
-def test_short_run_learns(tmp_path: Path) -> None:
-    """The local loop (engine samples, learner steps, weights copied back) raises the reward.
+@pytest.mark.parametrize("lag", [0, 1])
+def test_short_run_learns(tmp_path: Path, lag: int) -> None:
+    """The local loop (engine samples, learner steps, weights copied back) raises the reward, on
+    policy and with the samples one version behind the learner, as a swarm's are (lag 1).
 
     Seed 0 goes from about 0.15 (first 20 steps) to 0.6 (last 20). The seed matters: some seeds sit
     longer near "always answer the commonest sum" (over seeds 0-5 the rise at step 160 was
@@ -131,16 +149,20 @@ def test_short_run_learns(tmp_path: Path) -> None:
         task_params={"max_operand": 4},
         steps=160,
         seed=0,
+        lag=lag,
         cache_dir=str(tmp_path),
         eval_every=0,
         threads=1,  # tiny matrices gain little from a second thread, and lose a lot when shared
     )
     threads = torch.get_num_threads()
     try:
-        history = run(cfg, log=False)
+        history, _ = run(cfg, log=False)
     finally:
         torch.set_num_threads(threads)
     first = sum(h["reward"] for h in history[:20]) / 20
     last = sum(h["reward"] for h in history[-20:]) / 20
-    assert max(h["mismatch"] for h in history) < 1e-4  # engine and learner agree
+    if lag == 0:
+        assert max(h["mismatch"] for h in history) < 1e-4  # engine and learner agree
+    else:
+        assert all(h["staleness_max"] == 1 for h in history[1:])
     assert last > first + 0.15, (first, last)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from echo.learner.grpo import GRPOConfig, GRPOLearner, TrainGroup
+from echo.learner.grpo import GRPOLearner, TrainGroup
 from echo.models.spec import ModelSpec, build_model
 from echo.models.tokenizer import EOS_ID, encode
 from echo.models.weights import export_state, state_digest
@@ -41,7 +41,7 @@ def as_groups(reqs: list[GenRequest], out) -> list[TrainGroup]:
 def test_logprobs_match_learner_score(engine: TorchEngine, temperature: float, top_p: float):
     reqs = requests(temperature, top_p)
     out = engine.generate(reqs)
-    learner = GRPOLearner(build_model(SPEC, seed=7), GRPOConfig(temperature=temperature))
+    learner = GRPOLearner(build_model(SPEC, seed=7), temperature=temperature)
     scored = learner.score(as_groups(reqs, out))
     diffs = [
         abs(a - b)

@@ -1,0 +1,179 @@
+"""The learner's compute: a batch from the coordinator in, one GRPO version out.
+
+:class:`Trainer` owns the policy and its optimizer (:class:`~echo.learner.grpo.GRPOLearner`),
+the re-scorer with the weights of the versions a group may still claim, the task and its
+held-out evaluation. :meth:`Trainer.train` takes one batch through three stages, each in its
+own module: decoding the wire records (:func:`decode_batch`, limits checked), the re-scoring
+gate (``echo.learner.rescore``), and the GRPO step (``echo.learner.grpo``). It does no I/O: the
+learner process (``echo.learner.service``) publishes, checkpoints and reports what it returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from echo.learner import checkpoint
+from echo.learner.evaluate import greedy_accuracy
+from echo.learner.grpo import GRPOLearner, TrainGroup
+from echo.learner.rescore import Rescorer, Verdict, token_stats
+from echo.learner.warmup import warmup
+from echo.models.spec import ModelSpec, build_model, load_tokenizer
+from echo.models.weights import export_state
+from echo.protocol import messages as m
+from echo.protocol.jobspec import JobSpec
+from echo.tasks.registry import make_task
+
+log = logging.getLogger("echo.learner")
+
+# Longest prompt or completion a group may carry into a step (tokens); the coordinator's limits
+# are tighter, this only bounds what a decoding bug could allocate.
+MAX_SEQ_TOKENS = 1 << 16
+
+
+def decode_batch(
+    batch: list[m.TrainingGroup], vocab_size: int
+) -> tuple[list[TrainGroup], list[list[str]]]:
+    """The groups as the GRPO step reads them, and each completion's finish reason.
+
+    :raises ProtocolError: a token id outside the vocabulary or a sequence over the limit.
+    """
+    groups, finish = [], []
+    for g in batch:
+        prompt = m.unpack_tokens(g.prompt_tokens, vocab_size=vocab_size, max_len=MAX_SEQ_TOKENS)
+        comps = [m.unpack_tokens(c.token_ids, vocab_size=vocab_size, max_len=MAX_SEQ_TOKENS)
+                 for c in g.completions]
+        lps = [np.frombuffer(c.logprobs, dtype="<f4").astype(float).tolist()
+               for c in g.completions]
+        groups.append(TrainGroup(prompt.tolist(), [c.tolist() for c in comps], lps,
+                                 list(g.rewards), g.version))
+        finish.append([c.finish_reason for c in g.completions])
+    return groups, finish
+
+
+@dataclass
+class StepResult:
+    """What one step trained on and what it found: the learner reports all of it."""
+
+    trained: list[str]  # rollout ids that went into the new version
+    verdicts: list[m.RescoreVerdict]  # one per group of the batch, passed or not
+    metrics: dict[str, float]
+
+
+class Trainer:
+    """The policy, its re-scorer and its evaluation for one job; see the module docstring."""
+
+    def __init__(self, spec: JobSpec, model_spec: ModelSpec, learner: GRPOLearner,
+                 task: Any, tokenizer: Any = None) -> None:
+        self.spec = spec
+        self.model_spec = model_spec
+        self.learner = learner
+        self.task = task
+        self.tokenizer = tokenizer
+        self.rescorer = Rescorer(model_spec, keep=spec.staleness + 1,
+                                 temperature=spec.sampling.temperature)
+
+    @classmethod
+    def build(cls, spec: JobSpec, model_spec: ModelSpec,
+              job_dir: Path) -> tuple[Trainer, checkpoint.Checkpoint | None]:
+        """The trainer at its newest checkpoint under ``job_dir`` (returned too), else a fresh
+        model after the job's format warm-up. Blocking: run it in a worker thread.
+
+        :raises OSError: an unreadable model folder or checkpoint.
+        """
+        model = build_model(model_spec, seed=spec.model.seed)
+        task = make_task(spec.task.name, dict(spec.task.params))
+        tokenizer = load_tokenizer(model_spec) if model_spec.kind == "hf" else None
+        ckpt = checkpoint.latest(job_dir / "checkpoints")
+        if ckpt is None and spec.warmup.steps and model_spec.kind == "tiny":
+            t0 = time.perf_counter()
+            warmup(model, model_spec, task, steps=spec.warmup.steps, lr=spec.warmup.lr,
+                   seed=spec.model.seed, cache_dir=job_dir.parent.parent / "cache")
+            log.info("format warm-up done in %.1f s", time.perf_counter() - t0)
+        if ckpt is not None:
+            model.load_state_dict(ckpt.model_state)
+        learner = GRPOLearner(model, spec.grpo, spec.sampling.temperature)
+        if ckpt is not None:
+            learner.opt.load_state_dict(ckpt.optim_state)
+            learner.version = ckpt.version
+        trainer = cls(spec, model_spec, learner, task, tokenizer)
+        trainer.rescorer.remember(learner.version, trainer.published_state())
+        return trainer, ckpt
+
+    @property
+    def version(self) -> int:
+        """Steps taken: the version the current weights are published as."""
+        return self.learner.version
+
+    def published_state(self) -> dict[str, torch.Tensor]:
+        """The weights as nodes receive them (in the job's publish dtype)."""
+        return export_state(self.learner.model, self.spec.publish_dtype)
+
+    def remember(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        """Keep ``state`` to re-score groups that claim ``version`` later."""
+        self.rescorer.remember(version, state)
+
+    def evaluate(self, force: bool = False) -> dict[str, float]:
+        """Held-out greedy accuracy every ``eval.every`` versions and at the last one (or now,
+        with ``force``); {} when it is not due."""
+        every, v = self.spec.eval.every, self.version
+        if not every or not (force or v % every == 0 or v == self.spec.steps):
+            return {}
+        t0 = time.perf_counter()
+        acc = greedy_accuracy(self.learner.model, self.model_spec, self.task,
+                              n=self.spec.eval.prompts, tokenizer=self.tokenizer)
+        return {"eval_accuracy": acc, "eval_s": time.perf_counter() - t0}
+
+    def train(self, batch: list[m.TrainingGroup]) -> StepResult:
+        """Gate and train on ``batch``; the weights become version ``version + 1`` even when
+        every group fails the gate (the version then equals the last one).
+
+        Groups sampled from older versions are re-scored by a prefill under those weights;
+        groups from the current weights are judged inside the step, from its own forward (only
+        when the published weights are the master weights: a bf16 policy differs from the fp32
+        master the step runs on).
+
+        :raises ProtocolError: a group that does not decode (see :func:`decode_batch`).
+        """
+        decoded, finish = decode_batch(batch, self.learner.vocab_size)
+        engines = [g.engine for g in batch]
+        current = self.version if self.spec.publish_dtype == "float32" else -1
+        older = [i for i, g in enumerate(decoded) if g.version != current]
+        results: dict[int, Verdict] = dict(zip(older, self.rescorer.check(
+            [decoded[i] for i in older], [finish[i] for i in older],
+            [engines[i] for i in older]), strict=True))
+        rescore_s = self.rescorer.last_seconds
+        order = [i for i in range(len(batch)) if i not in results or results[i].ok]
+
+        def gate(stats: list[tuple[torch.Tensor, ...]]) -> list[bool]:
+            nonlocal rescore_s
+            t0 = time.perf_counter()
+            for i, st in zip(order, stats, strict=True):
+                if i not in results:
+                    results[i] = self.rescorer.judge(decoded[i], finish[i], engines[i], *st)
+            rescore_s += time.perf_counter() - t0
+            return [results[i].ok for i in order]
+
+        if order:
+            metrics = self.learner.step([decoded[i] for i in order], gate=gate,
+                                        gate_stats=token_stats)
+        else:
+            metrics = {"reward": 0.0, "step_s": 0.0}
+            self.learner.version += 1
+        trained, verdicts = [], []
+        for i, g in enumerate(batch):
+            res = results.get(i) or Verdict(False, "unscorable")
+            verdicts.append(m.RescoreVerdict(rollout_id=g.rollout_id, ok=res.ok,
+                                             reason=res.reason, stats=res.stats))
+            if res.ok:
+                trained.append(g.rollout_id)
+        metrics["rejected"] = float(len(batch) - len(trained))
+        metrics["rescore_s"] = rescore_s
+        metrics.update(self.evaluate())
+        return StepResult(trained, verdicts, metrics)
