@@ -7,7 +7,8 @@
 # 3: stripes carry unequal shares of a version's chunks (broadcast.Route / BroadcastPlan /
 #    PushHello .weights, stripe_table; /echo/push/1.1.0).
 # 4: messages.TrainingGroup no longer carries the node's signed envelope (the learner never read
-#    it; the coordinator builds batches from the groups it stored decoded).
+#    it; the coordinator builds batches from the groups it stored decoded); JobInfo.staleness
+#    may be 0 (synchronous jobs).
 PROTOCOL_VERSION = 4
 
 # libp2p stream protocols (request/response, one frame each way).

@@ -104,7 +104,7 @@ class JobInfo(Record):
     learner_addrs: list[ShortStr] = Field(max_length=16)
     group_size: int = Field(ge=1, le=MAX_GROUP_SIZE)
     max_new_tokens: int = Field(ge=1, le=MAX_COMPLETION_TOKENS)
-    staleness: int = Field(ge=1, le=1024)
+    staleness: int = Field(ge=0, le=1024)  # 0: synchronous (protocol 4)
     current_version: int = Field(ge=-1)
 
 

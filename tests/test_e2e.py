@@ -148,3 +148,22 @@ def test_node_weights_are_bit_identical_to_the_learner(swarm_run: Path) -> None:
         assert node_bits.keys() == learner_bits.keys()
         for k in learner_bits:
             assert np.array_equal(learner_bits[k], node_bits[k]), k
+
+
+def test_synchronous_mode_trains_only_on_the_current_version(tmp_path: Path) -> None:
+    """S = 0: leases are for the newest version only and every batch comes from the weights the
+    learner holds (staleness 0 in every version's metrics), so the run is on-policy."""
+    out = tmp_path / "sync"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "local_swarm.py"), "--out", str(out), "--quiet",
+         "--nodes", "2", "--engines", "torch", "--steps", "12", "--staleness", "0",
+         "--batch-groups", "4", "--timeout", "150"],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["status"] == "done" and s["versions"] == 12
+    trained = [v for v in s["learner_by_version"] if v["version"] > 0]
+    assert len(trained) == 12
+    assert all(v["staleness_max"] == 0 for v in trained), trained
+    assert s["eval_first"] is not None and s["eval_last"] is not None
