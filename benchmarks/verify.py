@@ -166,6 +166,71 @@ def bench_rescore(batch_groups: int, reps: int) -> dict[str, float]:
             "rescore_fraction_stale": median(prefill_s) / step}
 
 
+def bench_pipeline(batch_groups: int, arrivals: int, reps: int) -> dict[str, float]:
+    """Re-scoring as the learner pays it at S = 2, through the real ``Trainer``.
+
+    Every group of a batch is one version old (what the local swarms showed at S = 2: nodes
+    sample the newest version while the learner trains on the one before, mean staleness
+    0.75-1.0). Groups reach the learner in ``arrivals`` parts (nodes submit the leases they
+    generated together); the learner re-scores each part while it waits for the next
+    (``Trainer.prescore``), and the last part inside the step. The blended cost is the
+    re-scoring on the step's critical path over the step without it; ``..._unpipelined`` is the
+    same batch with every group re-scored inside the step, as before pre-scoring.
+    """
+    from echo.learner.trainer import Trainer
+    from echo.protocol.jobspec import JobSpec
+
+    torch.set_num_threads(1)
+    spec = ModelSpec()
+    job = JobSpec(name="bench", staleness=2, batch_groups=batch_groups, group_size=GROUP)
+    task = make_task("addition", {"max_operand": 5})
+    engine = TorchEngine(spec, threads=1)
+    trainers = {mode: Trainer(job, spec, GRPOLearner(build_model(spec, seed=0), job.grpo), task)
+                for mode in ("pipelined", "unpipelined")}
+    critical = {mode: [] for mode in trainers}
+    steps = {mode: [] for mode in trainers}
+    for r in range(reps + 1):
+        for mode, tr in trainers.items():
+            sampled_from = export_state(tr.learner.model)  # version v: nodes sample from it
+            tr.remember(tr.version, sampled_from)
+            engine.load_state(sampled_from)
+            # ... while the learner steps on to v + 1 with a batch of its own.
+            tr.train(make_batch(engine, spec, task, tr.version, batch_groups, seed=r + 1000))
+            batch = make_batch(engine, spec, task, tr.version - 1, batch_groups, seed=r)
+            part = -(-batch_groups // arrivals)
+            if mode == "pipelined":
+                for at in range(0, batch_groups - part, part):
+                    tr.prescore(batch[at : at + part])
+            res = tr.train(batch)
+            assert res.metrics["rejected"] == 0, res.metrics
+            if r:  # the first round warms up
+                critical[mode].append(res.metrics["rescore_s"])
+                steps[mode].append(res.metrics["step_s"])
+    step = median(steps["pipelined"] + steps["unpipelined"])
+    return {"rescore_fraction_blended": median(critical["pipelined"]) / step,
+            "rescore_fraction_blended_unpipelined": median(critical["unpipelined"]) / step,
+            "pipeline_step_s": step, "arrivals": float(arrivals)}
+
+
+def make_batch(engine: TorchEngine, spec: ModelSpec, task, version: int, n: int,
+               seed: int) -> list[m.TrainingGroup]:
+    """``n`` honest groups sampled by ``engine`` as a node would, as the coordinator ships them."""
+    reqs = [GenRequest(encode_prompt(spec, task.prompt(seed * 100 + i)), GROUP,
+                       SamplingParams(max_new_tokens=MAX_NEW, seed=seed * 100 + i))
+            for i in range(n)]
+    out = []
+    for i, comps in enumerate(engine.generate(reqs)):
+        pid = seed * 100 + i
+        out.append(m.TrainingGroup(
+            rollout_id=f"r{seed}-{version}-{i}", node_id="node", prompt_id=pid,
+            prompt_tokens=m.pack_tokens(reqs[i].prompt_ids), version=version, engine="torch",
+            rewards=[task.reward(pid, decode_completion(spec, c.token_ids[:-1])) for c in comps],
+            completions=[m.CompletionRecord(
+                token_ids=m.pack_tokens(c.token_ids), logprobs=m.pack_logprobs(c.logprobs),
+                finish_reason=c.finish_reason) for c in comps]))
+    return out
+
+
 def main() -> None:
     args = parse_args(__doc__)
     n = 300 if args.quick else 2000
@@ -184,7 +249,13 @@ def main() -> None:
         f"(groups from the current weights)")
     say(f"  groups from older versions need a prefill: {r['rescore_prefill_s'] * 1e3:.1f} ms = "
         f"{r['rescore_fraction_stale']:.1%} of the step")
-    emit({**v, **r, "quick": args.quick})
+    say(f"re-scoring at S = 2 as the learner pays it: batch of 16 groups x {GROUP}, all one "
+        f"version old, arriving in 4 parts ...")
+    p = bench_pipeline(16, 4, reps)
+    say(f"  on the step's critical path: {p['rescore_fraction_blended']:.1%} of the step "
+        f"(every group re-scored inside the step: "
+        f"{p['rescore_fraction_blended_unpipelined']:.1%})")
+    emit({**v, **r, **p, "quick": args.quick})
 
 
 if __name__ == "__main__":

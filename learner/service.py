@@ -274,6 +274,10 @@ class Learner:
             floor = self.version - spec.staleness
             pending = [g for g in pending if g.version >= floor]
             if len(pending) < spec.batch_groups:
+                fresh = {g.rollout_id for g in groups}
+                if fresh:  # while we wait, re-score what came (off the step's critical path)
+                    await trio.to_thread.run_sync(
+                        self.trainer.prescore, [g for g in pending if g.rollout_id in fresh])
                 if time.monotonic() - last_wait_log > 10:
                     log.info("waiting for rollouts (%d/%d groups)", len(pending), spec.batch_groups)
                     last_wait_log = time.monotonic()

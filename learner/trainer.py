@@ -78,6 +78,9 @@ class Trainer:
         self.tokenizer = tokenizer
         self.rescorer = Rescorer(model_spec, keep=spec.staleness + 1,
                                  temperature=spec.sampling.temperature)
+        # Verdicts reached ahead of the step, by rollout id, and the seconds spent reaching them.
+        self._early: dict[str, Verdict] = {}
+        self._early_s = 0.0
 
     @classmethod
     def build(cls, spec: JobSpec, model_spec: ModelSpec,
@@ -130,6 +133,23 @@ class Trainer:
                               n=self.spec.eval.prompts, tokenizer=self.tokenizer)
         return {"eval_accuracy": acc, "eval_s": time.perf_counter() - t0}
 
+    def prescore(self, groups: list[m.TrainingGroup]) -> None:
+        """Re-score ``groups`` from older versions now, while the learner waits for the rest of
+        its batch: the same check under the same weights :meth:`train` would run, taken off
+        the step's critical path. Groups from the current weights are left to the step, which
+        judges them from its own forward at no extra cost.
+
+        :raises ProtocolError: a group that does not decode (see :func:`decode_batch`).
+        """
+        current = self.version if self.spec.publish_dtype == "float32" else -1
+        todo = [g for g in groups if g.version != current and g.rollout_id not in self._early]
+        if not todo:
+            return
+        decoded, finish = decode_batch(todo, self.learner.vocab_size)
+        verdicts = self.rescorer.check(decoded, finish, [g.engine for g in todo])
+        self._early.update(zip((g.rollout_id for g in todo), verdicts, strict=True))
+        self._early_s += self.rescorer.last_seconds
+
     def train(self, batch: list[m.TrainingGroup]) -> StepResult:
         """Gate and train on ``batch``; the weights become version ``version + 1`` even when
         every group fails the gate (the version then equals the last one).
@@ -144,11 +164,15 @@ class Trainer:
         decoded, finish = decode_batch(batch, self.learner.vocab_size)
         engines = [g.engine for g in batch]
         current = self.version if self.spec.publish_dtype == "float32" else -1
-        older = [i for i, g in enumerate(decoded) if g.version != current]
-        results: dict[int, Verdict] = dict(zip(older, self.rescorer.check(
+        results: dict[int, Verdict] = {i: self._early[g.rollout_id] for i, g in enumerate(batch)
+                                       if g.rollout_id in self._early}
+        older = [i for i, g in enumerate(decoded) if g.version != current and i not in results]
+        results.update(zip(older, self.rescorer.check(
             [decoded[i] for i in older], [finish[i] for i in older],
             [engines[i] for i in older]), strict=True))
-        rescore_s = self.rescorer.last_seconds
+        rescore_s = self.rescorer.last_seconds if older else 0.0
+        prescore_s = self._early_s
+        self._early, self._early_s = {}, 0.0
         order = [i for i in range(len(batch)) if i not in results or results[i].ok]
 
         def gate(stats: list[tuple[torch.Tensor, ...]]) -> list[bool]:
@@ -174,6 +198,12 @@ class Trainer:
             if res.ok:
                 trained.append(g.rollout_id)
         metrics["rejected"] = float(len(batch) - len(trained))
+        # rescore_s is on the step's critical path; prescore_s was spent while waiting for the
+        # batch. Their share of the learner's time is the re-scoring cost a researcher pays.
         metrics["rescore_s"] = rescore_s
+        metrics["prescore_s"] = prescore_s
+        metrics["rescored_early"] = float(sum(1 for i in results if i not in older
+                                              and batch[i].version != current))
+        metrics["rescored_in_step"] = float(len(older))
         metrics.update(self.evaluate())
         return StepResult(trained, verdicts, metrics)
