@@ -185,6 +185,10 @@ class LearnerRPC:
                 self.penalties.maybe_exclude(node_id)
         self.metrics.versions_published.inc()
         self.metrics.current_version.labels(job=rep.job_id).set(rep.version)
+        if "eval_accuracy" in rep.metrics:
+            self.metrics.eval_accuracy.labels(job=rep.job_id).set(rep.metrics["eval_accuracy"])
+        if "staleness_mean" in rep.metrics:
+            self.metrics.staleness_mean.labels(job=rep.job_id).set(rep.metrics["staleness_mean"])
         for v in rep.verdicts:
             if not v.ok:
                 self.metrics.submissions.labels(result="rejected", reason=v.reason).inc()

@@ -35,6 +35,12 @@ class Metrics:
         self.current_version = Gauge(
             "echo_current_version", "Latest policy version", ["job"], registry=r
         )
+        self.eval_accuracy = Gauge(
+            "echo_job_eval_accuracy", "Held-out greedy accuracy at the last evaluation",
+            ["job"], registry=r)
+        self.staleness_mean = Gauge(
+            "echo_job_trained_staleness", "Mean versions behind of the last batch's groups",
+            ["job"], registry=r)
         self.nodes_active = Gauge("echo_nodes_active", "Nodes seen in the last minute", registry=r)
         self.nodes_excluded = Counter("echo_nodes_excluded_total", "Nodes excluded", registry=r)
         self.violations = Counter(

@@ -116,6 +116,14 @@ def render(st: dict, nodes: list[dict], elapsed: float) -> Table:
     t.add_row("trained", str(r.get("trained", 0)), "")
     t.add_row("buffered", str(r.get("accepted", 0) + r.get("in_batch", 0)), "")
     t.add_row("rejected", str(r.get("rejected_total", 0)), "")
+    ln = st.get("learning") or {}
+    if ln.get("eval_last") is not None:
+        last = ln["eval_by_version"][-1]["version"]
+        t.add_row("held-out accuracy", f"{ln['eval_last']:.3f}",
+                  f"v{last} (v0: {ln['eval_first']:.3f})")
+    if ln.get("staleness_mean") is not None:
+        t.add_row("groups' staleness", f"{ln['staleness_mean']:.2f}",
+                  f"π/μ {ln['is_w_mean']:.3f}")
     for n in nodes:
         t.add_row(
             f"node …{n['node_id'][-6:]}",
@@ -147,8 +155,7 @@ def summarize(st: dict, nodes: list[dict], wall: float) -> dict:
     curve = st["reward_by_version"]
     versions = st["versions"]
     tta = [v["time_to_all_s"] for v in versions if v["time_to_all_s"] is not None]
-    evals = [(v["version"], v["metrics"]["eval_accuracy"]) for v in versions
-             if "eval_accuracy" in v["metrics"]]
+    evals = [(p["version"], p["accuracy"]) for p in st["learning"]["eval_by_version"]]
     return {
         "job_id": st["job_id"],
         "status": st["status"],
