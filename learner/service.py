@@ -37,6 +37,7 @@ from echo.p2p.lifecycle import run_until_signalled
 from echo.p2p.relay import Relay, RelayConfig, open_relay
 from echo.protocol import ids, signing
 from echo.protocol import messages as m
+from echo.protocol import reasons as R
 from echo.protocol.errors import ProtocolError
 from echo.protocol.jobspec import JobSpec
 from echo.tasks.registry import make_task
@@ -150,7 +151,7 @@ class Learner:
             verdicts=verdicts,
             metrics=metrics,
         )
-        sealed = signing.seal(self.identity.private_key, "step_report", report.to_obj())
+        sealed = signing.seal_record(self.identity.private_key, report)
         checkpoint.save(
             self.job_dir / "checkpoints",
             checkpoint.Checkpoint(
@@ -168,9 +169,9 @@ class Learner:
 
     # ------------------------------------------------------------------ coordinator RPC
 
-    async def _rpc(self, proto: str, kind: str, record: m.Record, reply_cls):
+    async def _rpc(self, proto: str, record: m.Record, reply_cls):
         assert self.host is not None
-        sealed = signing.seal(self.identity.private_key, kind, record.to_obj())
+        sealed = signing.seal_record(self.identity.private_key, record)
         data = await self.host.request(
             self.coord_peer, proto, sealed, timeout=RPC_TIMEOUT, max_response=64 << 20
         )
@@ -209,7 +210,6 @@ class Learner:
         min_version = max(0, self.version - self.spec.staleness)
         reply = await self._rpc(
             ids.PROTO_LEARNER_BATCH,
-            "batch_request",
             m.BatchRequest(
                 job_id=self.job_id, max_groups=want, min_version=min_version, timestamp=time.time()
             ),
@@ -263,7 +263,6 @@ class Learner:
         host = self.host
         hello = await self._rpc(
             ids.PROTO_LEARNER_HELLO,
-            "learner_hello",
             m.LearnerHello(
                 job_id=self.job_id,
                 peer_id=str(host.peer_id),
@@ -380,7 +379,7 @@ class Learner:
             self.learner.version += 1
         self.version = self.learner.version
         for i, g in enumerate(batch):
-            res = results.get(i) or Verdict(False, "unscorable")
+            res = results.get(i) or Verdict(False, R.UNSCORABLE)
             verdicts.append(m.RescoreVerdict(rollout_id=g.rollout_id, ok=res.ok,
                                              reason=res.reason, stats=res.stats))
             if res.ok:
