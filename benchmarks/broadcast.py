@@ -155,7 +155,7 @@ class _Agent:
         man = m.Manifest(job_id=JOB, version=version, base_version=-1, kind="anchor",
                          total_size=size, chunks=refs, tensor_digests={}, state_digest="bench",
                          anchor_version=version, created_at=time.time())
-        env = signing.seal(self.ident.private_key, "manifest", man.to_obj())
+        env = signing.seal_record(self.ident.private_key, man)
         self.envelopes[version] = env
         _say_event(event="published", version=version, envelope=env.hex(),
                    sha=hashlib.sha256(payload).hexdigest(), chunks=len(refs))

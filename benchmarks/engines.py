@@ -2,9 +2,10 @@
 
 (a) Rollout tokens/s of every engine present (torch; llamacpp and vllm when importable) through
     the node path, against the same engine called directly on the same prompts in the same run.
-    Node path: signed lease envelopes in (``open_envelope`` + schema decode), prompts encoded,
-    one ``generate`` for all leases, then per lease a ``Submission`` with packed tokens and
-    log-probs, sealed (``echo.protocol.signing.seal``) and zstd-compressed: the bytes a node sends.
+    Node path: signed lease envelopes in (``open_record``: envelope + schema decode), prompts
+    encoded, one ``generate`` for all leases, then per lease a ``Submission`` with packed tokens
+    and log-probs, sealed (``echo.protocol.signing.seal_record``) and zstd-compressed: the bytes
+    a node sends.
     ``overhead_<engine>`` = 1 - node tokens/s / engine tokens/s: the fraction of the engine's own
     throughput the node path loses, the median over rounds of 1 - (time inside generate) / (time
     of the whole node-path call), so noise between calls on a shared machine cannot distort it.
@@ -104,9 +105,8 @@ class NodePath:
             for i in range(n_leases)
         ]
         self.leases = [
-            signing.seal(
+            signing.seal_record(
                 self.coord_key,
-                "lease",
                 m.Lease(
                     lease_id=f"lease{i:04d}",
                     job_id="job1",
@@ -117,7 +117,7 @@ class NodePath:
                     min_version=0,
                     issued_at=now,
                     deadline=now + 3600,
-                ).to_obj(),
+                ),
             )
             for i in range(n_leases)
         ]
@@ -130,12 +130,7 @@ class NodePath:
 
     def open_leases(self) -> list[m.Lease]:
         return [
-            m.from_obj(
-                m.Lease,
-                signing.open_envelope(
-                    b, kind="lease", expected_signer=self.coord_pub
-                ).decode_body(),
-            )
+            signing.open_record(b, m.Lease, expected_signer=self.coord_pub)[1]
             for b in self.leases
         ]
 
@@ -168,7 +163,7 @@ class NodePath:
                 ],
                 gen_seconds=gen_s / len(leases),
             )
-            out.append(codec.compress(signing.seal(self.node_key, "submission", sub.to_obj())))
+            out.append(codec.compress(signing.seal_record(self.node_key, sub)))
         return tokens, gen_s, out
 
 

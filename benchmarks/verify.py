@@ -70,7 +70,7 @@ def make_submissions(n: int, node: Identity, task) -> tuple[list[bytes], dict[st
             completions=comps,
             gen_seconds=0.1,
         )
-        subs.append(signing.seal(node.private_key, "submission", sub.to_obj()))
+        subs.append(signing.seal_record(node.private_key, sub))
     return subs, leases
 
 
@@ -103,10 +103,10 @@ def bench_steps_1_4(n: int) -> dict[str, float]:
         )
     full = time.perf_counter() - t0
     pub = Ed25519PublicKey.from_public_bytes(key)
-    raw = [signing.open_envelope(d, kind="submission") for d in subs]
+    raw = [signing.open_record(d, m.Submission)[0] for d in subs]
     t0 = time.perf_counter()
     for env in raw:
-        pub.verify(env.sig, signing._signed_bytes("submission", env.body))
+        pub.verify(env.sig, signing._signed_bytes(m.Submission.KIND, env.body))
     sig_only = time.perf_counter() - t0
     os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
     return {

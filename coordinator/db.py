@@ -198,10 +198,7 @@ def _migrate_1_to_2(db: sqlite3.Connection) -> None:
     ).fetchall()
     for rollout_id, envelope in rows:
         try:
-            sub = m.from_obj(
-                m.Submission,
-                signing.open_envelope(bytes(envelope), kind="submission").decode_body(),
-            )
+            _, sub = signing.open_record(bytes(envelope), m.Submission)
         except ProtocolError:  # verified when accepted; unreadable now means it is lost anyway
             db.execute(
                 "UPDATE rollouts SET status='dropped', reason='unreadable' WHERE rollout_id=?",

@@ -12,12 +12,11 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from typing import Any
+from typing import TypeVar
 
 import trio
 from libp2p.peer.id import ID
 
-from echo.coordinator import reasons as R
 from echo.coordinator.config import BroadcastSection
 from echo.coordinator.dissemination import Dissemination
 from echo.coordinator.jobs import RunningJob
@@ -29,9 +28,13 @@ from echo.p2p.host import EchoHost
 from echo.p2p.identity import Identity
 from echo.protocol import ids, limits, signing
 from echo.protocol import messages as m
+from echo.protocol import reasons as R
 from echo.protocol.errors import SchemaError, SignatureError
 
 log = logging.getLogger("echo.coordinator")
+
+# The signed requests a learner sends; each names its job.
+LearnerRecord = TypeVar("LearnerRecord", m.LearnerHello, m.BatchRequest, m.StepReport)
 
 
 class LearnerRPC:
@@ -68,29 +71,29 @@ class LearnerRPC:
             max_request=limits.MAX_MESSAGE_BYTES,
         )
 
-    def _open(self, data: bytes, kind: str, peer_id: ID) -> tuple[RunningJob, Any]:
-        """The live job a learner request names and its decoded body.
+    def _open(
+        self, data: bytes, cls: type[LearnerRecord], peer_id: ID
+    ) -> tuple[RunningJob, LearnerRecord]:
+        """The live job a learner request names and the request, a ``cls`` record.
 
-        Raises SchemaError for an unknown job, SignatureError unless the job's pinned learner key
-        signed it (and the peer is that key), ProtocolError for a bad envelope.
+        Raises SchemaError for an unknown job or a bad record, SignatureError unless the job's
+        pinned learner key signed it (and the peer is that key), ProtocolError for a bad envelope.
         """
-        body = open_signed(data, kind, peer_id)
-        obj = body.decode_body()
-        job_id = obj.get("job_id") if isinstance(obj, dict) else None
-        row = self.store.job(job_id) if isinstance(job_id, str) else None
+        env, rec = open_signed(data, cls, peer_id)
+        job_id = rec.job_id
+        row = self.store.job(job_id)
         if row is None or job_id not in self.jobs:
             raise SchemaError(f"unknown job {job_id!r}")
-        if row.learner_pubkey is None or row.learner_pubkey != body.signer:
+        if row.learner_pubkey is None or row.learner_pubkey != env.signer:
             raise SignatureError("not the learner key this job pins")
-        return self.jobs[job_id], obj
+        return self.jobs[job_id], rec
 
     async def handle_learner_hello(self, peer_id: ID, data: bytes) -> bytes:
         """Attach the learner (where nodes fetch from); its unreported batch returns to the buffer.
 
         Raises what :meth:`_open` raises, SchemaError for a bad record.
         """
-        _, body = self._open(data, "learner_hello", peer_id)
-        hello = m.from_obj(m.LearnerHello, body)
+        _, hello = self._open(data, m.LearnerHello, peer_id)
         row = self.store.job(hello.job_id)
         assert row is not None and row.learner_pubkey is not None  # checked by _open
         self.store.attach_learner(hello.job_id, row.learner_pubkey, str(peer_id), list(hello.addrs))
@@ -114,8 +117,7 @@ class LearnerRPC:
         Each group is rebuilt from the rows stored when it was accepted; its prompt is re-derived
         from the task. Raises what :meth:`_open` raises, SchemaError for a bad record.
         """
-        job, body = self._open(data, "batch_request", peer_id)
-        req = m.from_obj(m.BatchRequest, body)
+        job, req = self._open(data, m.BatchRequest, peer_id)
         row = self.store.job(req.job_id)
         assert row is not None  # checked by _open
         if row.status != "running":
@@ -148,14 +150,10 @@ class LearnerRPC:
         why. Raises what :meth:`_open` raises, SchemaError for a bad record or a manifest that is
         not the report's, SignatureError for a manifest not signed by the job's learner key.
         """
-        job, body = self._open(data, "step_report", peer_id)
-        rep = m.from_obj(m.StepReport, body)
+        job, rep = self._open(data, m.StepReport, peer_id)
         row = self.store.job(rep.job_id)
         assert row is not None and row.learner_pubkey is not None  # checked by _open
-        menv = signing.open_envelope(
-            rep.manifest, kind="manifest", expected_signer=row.learner_pubkey
-        )
-        man = m.from_obj(m.Manifest, menv.decode_body())
+        _, man = signing.open_record(rep.manifest, m.Manifest, expected_signer=row.learner_pubkey)
         if man.job_id != rep.job_id or man.version != rep.version:
             raise SchemaError("manifest does not match the report")
         rejected = [
@@ -228,4 +226,4 @@ class LearnerRPC:
         )
         if ann is None:
             return b""
-        return signing.seal(self.identity.private_key, "broadcast_plan", ann.to_obj())
+        return signing.seal_record(self.identity.private_key, ann)

@@ -107,7 +107,7 @@ class Leases:
                     status="open",
                 )
             )
-            sealed.append(signing.seal(self.identity.private_key, "lease", lease.to_obj()))
+            sealed.append(signing.seal_record(self.identity.private_key, lease))
         self.store.add_leases(rows)
         self.metrics.leases_issued.inc(len(rows))
         return m.LeaseReply(leases=sealed, current_version=current, retry_after_s=0.0)

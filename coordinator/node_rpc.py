@@ -15,7 +15,6 @@ import time
 
 from libp2p.peer.id import ID
 
-from echo.coordinator import reasons as R
 from echo.coordinator.dissemination import Dissemination
 from echo.coordinator.jobs import RunningJob
 from echo.coordinator.leases import Leases
@@ -29,7 +28,9 @@ from echo.p2p.identity import public_key_from_peer_id
 from echo.protocol import broadcast as b
 from echo.protocol import codec, ids, limits, signing
 from echo.protocol import messages as m
+from echo.protocol import reasons as R
 from echo.protocol.errors import ProtocolError, SchemaError, VersionError
+from echo.protocol.signing import RecordT
 
 log = logging.getLogger("echo.coordinator")
 
@@ -46,12 +47,15 @@ def active_nodes(store: Store) -> list[NodeRow]:
     return [n for n in store.nodes() if not n.excluded and now - n.last_seen < NODE_ACTIVE_S]
 
 
-def open_signed(data: bytes, kind: str, peer_id: ID) -> signing.Envelope:
-    """Open an envelope of ``kind`` that the authenticated peer ``peer_id`` must have signed.
+def open_signed(
+    data: bytes, cls: type[RecordT], peer_id: ID
+) -> tuple[signing.Envelope, RecordT]:
+    """Open a ``cls`` record that the authenticated peer ``peer_id`` must have signed.
 
-    Raises ProtocolError (a SignatureError for another signer or a bad signature).
+    Raises ProtocolError (a SignatureError for another signer or a bad signature, a SchemaError
+    for another kind or a bad record).
     """
-    return signing.open_envelope(data, kind=kind, expected_signer=public_key_from_peer_id(peer_id))
+    return signing.open_record(data, cls, expected_signer=public_key_from_peer_id(peer_id))
 
 
 class NodeRPC:
@@ -96,8 +100,7 @@ class NodeRPC:
         Raises VersionError for another protocol version, ProtocolError (NODE_EXCLUDED) for an
         excluded node, and ProtocolError for a bad envelope or record.
         """
-        env, node_id = open_signed(data, "register", peer_id), str(peer_id)
-        reg = m.from_obj(m.Register, env.decode_body())
+        (env, reg), node_id = open_signed(data, m.Register, peer_id), str(peer_id)
         if reg.protocol_version != ids.PROTOCOL_VERSION:
             raise VersionError(
                 f"node speaks protocol {reg.protocol_version}, coordinator speaks "
@@ -138,8 +141,7 @@ class NodeRPC:
         Raises ProtocolError: UNKNOWN_NODE, NODE_EXCLUDED, JOB_MISMATCH (unknown job), or for a
         bad envelope or record.
         """
-        env, node_id = open_signed(data, "lease_request", peer_id), str(peer_id)
-        req = m.from_obj(m.LeaseRequest, env.decode_body())
+        (_, req), node_id = open_signed(data, m.LeaseRequest, peer_id), str(peer_id)
         node = self._registered(node_id)
         if node.excluded:
             raise ProtocolError("this node is excluded", code=R.NODE_EXCLUDED)
@@ -227,9 +229,7 @@ class NodeRPC:
     def _lease_of(self, data: bytes) -> LeaseRow | None:
         """Best-effort: the lease a (rejected) submission names, to close it and log against it."""
         try:
-            body = m.from_obj(
-                m.Submission, signing.open_envelope(data, kind="submission").decode_body()
-            )
+            _, body = signing.open_record(data, m.Submission)
         except ProtocolError:
             return None
         return self.store.lease(body.lease_id)
@@ -267,8 +267,7 @@ class NodeRPC:
 
         Raises ProtocolError: UNKNOWN_NODE, or for a bad envelope or record.
         """
-        env, node_id = open_signed(data, "node_status", peer_id), str(peer_id)
-        st = m.from_obj(m.NodeStatus, env.decode_body())
+        (_, st), node_id = open_signed(data, m.NodeStatus, peer_id), str(peer_id)
         self._registered(node_id)
         self.store.touch_node(
             node_id, version=st.version, digest=st.state_digest, tokens_per_s=st.tokens_per_s
@@ -291,8 +290,7 @@ class NodeRPC:
 
         Raises ProtocolError: UNKNOWN_NODE, SchemaError for a self-report, or for a bad envelope.
         """
-        env, node_id = open_signed(data, "bad_peer", peer_id), str(peer_id)
-        report = b.from_obj(b.BadPeerReport, env.decode_body())
+        (_, report), node_id = open_signed(data, b.BadPeerReport, peer_id), str(peer_id)
         self._registered(node_id)
         if report.peer_id == node_id:
             raise SchemaError("a node cannot report itself")

@@ -15,10 +15,10 @@ from collections import defaultdict, deque
 
 from libp2p.peer.id import ID
 
-from echo.coordinator import reasons as R
 from echo.coordinator.config import VerificationSection
 from echo.coordinator.metrics import Metrics
 from echo.coordinator.store import Store
+from echo.protocol import reasons as R
 from echo.protocol.errors import ProtocolError
 
 log = logging.getLogger("echo.coordinator")

@@ -16,10 +16,11 @@ import time
 from echo.coordinator.db import Database, StoreError, insert_completions
 from echo.coordinator.rows import BatchRow, RolloutRow, completion_record, rollout_row
 from echo.protocol import messages as m
+from echo.protocol import reasons as R
 
 # Learner verdicts that drop a rollout without holding it against its node: the learner could
 # not score it (it restarted and no longer holds the weights of the version it claims).
-NOT_THE_NODES_FAULT = frozenset({"unscorable"})
+NOT_THE_NODES_FAULT = frozenset({R.UNSCORABLE})
 
 
 class Ledger(Database):
@@ -42,7 +43,7 @@ class Ledger(Database):
     ) -> None:
         """Store an accepted group and close its lease, atomically.
 
-        Raises StoreError('duplicate') if the lease was already used or the same content was
+        Raises StoreError(R.DUPLICATE) if the lease was already used or the same content was
         already accepted for this job; the caller turns that into a rejection.
         """
         now = time.time()
@@ -52,7 +53,7 @@ class Ledger(Database):
                 (lease_id,),
             )
             if cur.rowcount != 1:
-                raise StoreError("duplicate")
+                raise StoreError(R.DUPLICATE)
             try:
                 db.execute(
                     "INSERT INTO rollouts (rollout_id, job_id, node_id, version, prompt_id,"
@@ -74,7 +75,7 @@ class Ledger(Database):
                     ),
                 )
             except sqlite3.IntegrityError as exc:
-                raise StoreError("duplicate") from exc
+                raise StoreError(R.DUPLICATE) from exc
             insert_completions(db, lease_id, completions)
             db.execute(
                 "UPDATE nodes SET accepted=accepted+1, streak=streak+1 WHERE node_id=?",

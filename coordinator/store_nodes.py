@@ -16,6 +16,7 @@ from typing import Any
 
 from echo.coordinator.db import Database
 from echo.coordinator.rows import NodeRow, node_row
+from echo.protocol import reasons as R
 
 
 class NodeTables(Database):
@@ -115,9 +116,9 @@ class NodeTables(Database):
                 )
                 # An excluded node's accepted-but-untrained work is no longer trusted.
                 db.execute(
-                    "UPDATE rollouts SET status='dropped', reason='node_excluded'"
+                    "UPDATE rollouts SET status='dropped', reason=?"
                     " WHERE node_id=? AND status='accepted'",
-                    (node_id,),
+                    (R.NODE_EXCLUDED, node_id),
                 )
 
     def record_rejection(

@@ -17,19 +17,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from echo.coordinator import reasons as R
 from echo.coordinator.rows import LeaseRow
 from echo.protocol import messages as m
+from echo.protocol import reasons as R
 from echo.protocol import signing
 from echo.protocol.errors import ProtocolError, SchemaError, SignatureError
 from echo.tasks.base import Task
 
-# The envelope kind a node signs its submissions with.
-SUBMISSION_KIND = "submission"
-
 
 class Rejected(Exception):
-    """A submission failed verification: ``reason`` is a code of :mod:`~echo.coordinator.reasons`,
+    """A submission failed verification: ``reason`` is a code of :mod:`~echo.protocol.reasons`,
     ``detail`` says what was wrong for the node's operator."""
 
     def __init__(self, reason: str, detail: str = "") -> None:
@@ -75,7 +72,7 @@ def check_submission(
 ) -> Accepted:
     """Run steps 1-4 on one signed submission from the peer whose key is ``peer_key``.
 
-    Raises :class:`Rejected` with a reason code from :mod:`echo.coordinator.reasons`; changes no
+    Raises :class:`Rejected` with a reason code from :mod:`echo.protocol.reasons`; changes no
     state (the caller stores the outcome).
     """
     now = time.time() if now is None else now
@@ -84,7 +81,9 @@ def check_submission(
     if node_excluded:
         raise Rejected(R.NODE_EXCLUDED, "this node failed verification too often")
     try:
-        env = signing.open_envelope(data, kind=SUBMISSION_KIND, expected_signer=peer_key)
+        # The envelope first (SignatureError, or SchemaError for another kind), then its body
+        # as a Submission (SchemaError).
+        env, sub = signing.open_record(data, m.Submission, expected_signer=peer_key)
     except SignatureError as exc:
         raise Rejected(
             R.SIGNATURE if "bad signature" in str(exc) else R.WRONG_SIGNER, str(exc)
@@ -95,10 +94,6 @@ def check_submission(
         raise Rejected(R.MALFORMED, str(exc)) from None
     if env.signer != node_key:
         raise Rejected(R.WRONG_SIGNER, "not the registered node key")
-    try:
-        sub = m.from_obj(m.Submission, env.decode_body())
-    except ProtocolError as exc:
-        raise Rejected(R.SCHEMA, str(exc)) from None
 
     lease = lookup_lease(sub.lease_id)
     if lease is None:

@@ -22,8 +22,6 @@ from echo.protocol import messages as m
 from echo.protocol import signing
 from echo.protocol.patch import encode_patch
 
-MANIFEST_KIND = "manifest"
-
 
 @dataclass
 class Published:
@@ -82,7 +80,7 @@ class Publisher:
             anchor_version=self._anchor_version,
             created_at=time.time(),
         )
-        envelope = signing.seal(self.key, MANIFEST_KIND, manifest.to_obj())
+        envelope = signing.seal_record(self.key, manifest)
         self._prev = {k: v.clone() for k, v in state.items()}
         self._prev_version = version
         # Keep every version back to the newest anchor so a node can always catch up by patches.

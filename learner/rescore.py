@@ -34,6 +34,7 @@ import torch
 from echo.learner.grpo import TrainGroup
 from echo.models.spec import ModelSpec, build_model
 from echo.models.weights import load_state
+from echo.protocol import reasons as R
 
 # Mean |reported - recomputed| log-prob allowed per engine (nats/token). Honest torch float32
 # on a CPU measures ~2e-7 against our prefill (here, 40 groups); llama.cpp f32 ~2e-4; GPUs differ
@@ -140,9 +141,9 @@ class Rescorer:
         for gi, g in enumerate(groups):
             if g.version not in self._states:
                 # Not the node's fault (we restarted and lost that version's weights): dropped.
-                out[gi] = Verdict(False, "unscorable", {"version": float(g.version)})
+                out[gi] = Verdict(False, R.UNSCORABLE, {"version": float(g.version)})
             elif not any(g.completions):
-                out[gi] = Verdict(False, "incomplete_group", {})
+                out[gi] = Verdict(False, R.INCOMPLETE_GROUP, {})
             else:
                 by_version.setdefault(g.version, []).append(gi)
         for version, members in by_version.items():
@@ -196,9 +197,9 @@ class Rescorer:
             "improbable_stops": float(improbable),
         }
         if mismatch > self.thresholds.get(engine, DEFAULT_MISMATCH):
-            return Verdict(False, "rescore_mismatch", stats)
+            return Verdict(False, R.RESCORE_MISMATCH, stats)
         if k > k_limit or z < SHAPE_MIN_Z:
-            return Verdict(False, "sampling_shape", stats)
+            return Verdict(False, R.SAMPLING_SHAPE, stats)
         if stops and improbable / stops > MAX_IMPROBABLE_STOPS:
-            return Verdict(False, "termination_improbable", stats)
+            return Verdict(False, R.TERMINATION_IMPROBABLE, stats)
         return Verdict(True, "", stats)

@@ -111,7 +111,7 @@ class Learner:
             verdicts=verdicts,
             metrics=metrics,
         )
-        sealed = signing.seal(self.identity.private_key, "step_report", report.to_obj())
+        sealed = signing.seal_record(self.identity.private_key, report)
         checkpoint.save(
             self.job_dir / "checkpoints",
             checkpoint.Checkpoint(
@@ -130,9 +130,9 @@ class Learner:
 
     # ------------------------------------------------------------------ coordinator RPC
 
-    async def _rpc(self, proto: str, kind: str, record: m.Record, reply_cls):
+    async def _rpc(self, proto: str, record: m.Record, reply_cls):
         assert self.host is not None
-        sealed = signing.seal(self.identity.private_key, kind, record.to_obj())
+        sealed = signing.seal_record(self.identity.private_key, record)
         data = await self.host.request(
             self.coord_peer, proto, sealed, timeout=RPC_TIMEOUT, max_response=64 << 20
         )
@@ -171,7 +171,6 @@ class Learner:
         min_version = max(0, self.version - self.spec.staleness)
         reply = await self._rpc(
             ids.PROTO_LEARNER_BATCH,
-            "batch_request",
             m.BatchRequest(
                 job_id=self.job_id, max_groups=want, min_version=min_version, timestamp=time.time()
             ),
@@ -225,7 +224,6 @@ class Learner:
         host = self.host
         hello = await self._rpc(
             ids.PROTO_LEARNER_HELLO,
-            "learner_hello",
             m.LearnerHello(
                 job_id=self.job_id,
                 peer_id=str(host.peer_id),

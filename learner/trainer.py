@@ -27,6 +27,7 @@ from echo.learner.warmup import warmup
 from echo.models.spec import ModelSpec, build_model, load_tokenizer
 from echo.models.weights import export_state
 from echo.protocol import messages as m
+from echo.protocol import reasons as R
 from echo.protocol.jobspec import JobSpec
 from echo.tasks.registry import make_task
 
@@ -192,7 +193,7 @@ class Trainer:
             self.learner.version += 1
         trained, verdicts = [], []
         for i, g in enumerate(batch):
-            res = results.get(i) or Verdict(False, "unscorable")
+            res = results.get(i) or Verdict(False, R.UNSCORABLE)
             verdicts.append(m.RescoreVerdict(rollout_id=g.rollout_id, ok=res.ok,
                                              reason=res.reason, stats=res.stats))
             if res.ok:

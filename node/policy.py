@@ -129,7 +129,7 @@ class PolicyFollower:
                              f"v{report.version}; reported")
             try:
                 await self.session.call(ids.PROTO_BAD_PEER,
-                                        self.session.seal("bad_peer", report), timeout=10.0)
+                                        self.session.seal(report), timeout=10.0)
             except (RpcError, ProtocolError) as exc:
                 log.debug("bad-peer report not delivered: %s", exc)
 
@@ -249,7 +249,7 @@ class PolicyFollower:
         )
         try:
             await self.session.call(
-                ids.PROTO_STATUS, self.session.seal("node_status", st), timeout=10.0
+                ids.PROTO_STATUS, self.session.seal(st), timeout=10.0
             )
         except RpcError as exc:
             log.debug("status not delivered: %s", exc)

@@ -61,9 +61,9 @@ class CoordinatorSession:
             self.peer, proto, payload, timeout=timeout, max_response=16 << 20
         )
 
-    def seal(self, kind: str, record: m.Record) -> bytes:
-        """``record`` in an envelope of ``kind`` signed with the node's identity."""
-        return signing.seal(self.identity.private_key, kind, record.to_obj())
+    def seal(self, record: m.Record) -> bytes:
+        """``record`` in an envelope of its own kind signed with the node's identity."""
+        return signing.seal_record(self.identity.private_key, record)
 
     async def register(self) -> m.JobInfo:
         """Register (signed) and return the first running job, waiting while there is none.
@@ -72,7 +72,7 @@ class CoordinatorSession:
         """
         while True:
             try:
-                sealed = self.seal("register", self.describe())
+                sealed = self.seal(self.describe())
                 data = await self.call(ids.PROTO_REGISTER, sealed)
             except RpcError as exc:
                 raise NodeError(f"registration refused: {exc}") from None
@@ -92,7 +92,7 @@ class CoordinatorSession:
         learner may listen elsewhere); None when the call fails or the job is not listed."""
         try:
             reply = m.decode(m.RegisterReply, await self.call(
-                ids.PROTO_REGISTER, self.seal("register", self.describe())))
+                ids.PROTO_REGISTER, self.seal(self.describe())))
         except (RpcError, ProtocolError):
             return None
         for job in reply.jobs:

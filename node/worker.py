@@ -176,7 +176,7 @@ class Node:
                 timestamp=time.time(),
             )
             try:
-                sealed = self.session.seal("lease_request", req)
+                sealed = self.session.seal(req)
                 reply = m.decode(m.LeaseReply, await self.session.call(ids.PROTO_LEASE, sealed))
             except RemoteError as exc:
                 if "excluded" in exc.message:
@@ -204,8 +204,7 @@ class Node:
             done_groups += len(leases)
 
     def _open_lease(self, data: bytes) -> m.Lease:
-        env = signing.open_envelope(data, kind="lease", expected_signer=self.session.key)
-        return m.from_obj(m.Lease, env.decode_body())
+        return signing.open_record(data, m.Lease, expected_signer=self.session.key)[1]
 
     async def _work(
         self, leases: list[m.Lease], spec: ModelSpec, tokenizer, task, sync: WeightSync
@@ -245,7 +244,7 @@ class Node:
     def encode_submission(self, sub: m.Submission) -> bytes:
         """Sign and compress a submission (token and log-prob arrays compress ~2-4x; the
         coordinator caps the decompressed size)."""
-        return codec.compress(self.session.seal("submission", sub))
+        return codec.compress(self.session.seal(sub))
 
     async def _submit(self, payload: bytes) -> m.SubmitReply | None:
         try:

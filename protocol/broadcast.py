@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -199,6 +199,8 @@ class PlanAnnouncement(Record):
     """Coordinator-signed: version ``version`` is out (``manifest``, the learner-signed
     envelope) and travels down ``plan``; ``peers`` gives the addresses of everyone in it."""
 
+    KIND: ClassVar[str] = "broadcast_plan"
+
     job_id: Id
     version: Version
     manifest: bytes = Field(max_length=MAX_MANIFEST_ENVELOPE_BYTES)
@@ -208,6 +210,8 @@ class PlanAnnouncement(Record):
 
 class BadPeerReport(Record):
     """A node's report of a parent that sent a bad chunk, stalled or broke the protocol."""
+
+    KIND: ClassVar[str] = "bad_peer"
 
     job_id: Id
     version: Version

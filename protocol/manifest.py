@@ -32,9 +32,8 @@ def verify_manifest(
     """
     wanted = job_id if version is None else f"{job_id} v{version}"
     try:
-        env = signing.open_envelope(envelope, kind="manifest", expected_signer=learner_key,
-                                    max_bytes=MAX_MANIFEST_ENVELOPE_BYTES)
-        man = m.from_obj(m.Manifest, env.decode_body())
+        _, man = signing.open_record(envelope, m.Manifest, expected_signer=learner_key,
+                                     max_bytes=MAX_MANIFEST_ENVELOPE_BYTES)
     except ProtocolError as exc:
         raise ManifestError(f"manifest for {wanted}: {exc}") from exc
     if man.job_id != job_id or (version is not None and man.version != version):

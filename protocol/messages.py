@@ -6,12 +6,15 @@ coercion. Token ids and log-probs travel as packed little-endian arrays (int32 /
 than msgpack lists: they are the bulk of a submission, and numpy checks them in microseconds.
 
 Records are encoded with :func:`encode` (canonical msgpack of the fields in declared order) and
-decoded with :func:`decode`; signed records go through :mod:`echo.protocol.signing`.
+decoded with :func:`decode`; signed records go through :mod:`echo.protocol.signing`. A record
+that is ever signed names its envelope kind in the class constant ``KIND`` (a class variable,
+not a field: it is not part of the body), which :func:`~echo.protocol.signing.seal_record`
+signs it as and :func:`~echo.protocol.signing.open_record` demands.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -32,6 +35,9 @@ MAX_GROUP_SIZE = 256
 
 class Record(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    # The envelope kind of a record that is signed; only those records define it.
+    KIND: ClassVar[str]
 
     def to_obj(self) -> dict[str, Any]:
         return self.model_dump(mode="python")
@@ -75,6 +81,8 @@ class Hardware(Record):
 class Register(Record):
     """Signed by the node's identity key; the signer must be the Noise-authenticated peer."""
 
+    KIND: ClassVar[str] = "register"
+
     protocol_version: int
     software: ShortStr
     engine: ShortStr
@@ -117,6 +125,8 @@ class RegisterReply(Record):
 class LeaseRequest(Record):
     """Signed by the node. ``have_version`` is the policy version its engine holds."""
 
+    KIND: ClassVar[str] = "lease_request"
+
     job_id: Id
     max_leases: int = Field(ge=1, le=64)
     have_version: int = Field(ge=-1)
@@ -132,6 +142,8 @@ class SamplingSpec(Record):
 
 class Lease(Record):
     """Signed by the coordinator: one GRPO group of ``group_size`` samples of one prompt."""
+
+    KIND: ClassVar[str] = "lease"
 
     lease_id: Id
     job_id: Id
@@ -160,6 +172,8 @@ class CompletionRecord(Record):
 class Submission(Record):
     """Signed by the node: the whole group of a lease, generated at ``version``."""
 
+    KIND: ClassVar[str] = "submission"
+
     lease_id: Id
     job_id: Id
     version: Version
@@ -182,6 +196,8 @@ class SubmitReply(Record):
 class NodeStatus(Record):
     """Signed heartbeat: which version the node holds and how fast it is."""
 
+    KIND: ClassVar[str] = "node_status"
+
     job_id: Id
     version: int = Field(ge=-1)
     state_digest: ShortStr
@@ -200,7 +216,13 @@ class ChunkRef(Record):
 
 
 class Manifest(Record):
-    """Signed by the learner's key, which nodes pin from the job."""
+    """Signed by the learner's key, which nodes pin from the job.
+
+    ``KIND`` is the envelope kind; the field ``kind`` says whether the version is an anchor or
+    a patch.
+    """
+
+    KIND: ClassVar[str] = "manifest"
 
     job_id: Id
     version: Version
@@ -229,6 +251,8 @@ class ChunkRequest(Record):
 class LearnerHello(Record):
     """Signed by the learner's key (the one the job pins): where nodes fetch its chunks."""
 
+    KIND: ClassVar[str] = "learner_hello"
+
     job_id: Id
     peer_id: ShortStr
     addrs: list[ShortStr] = Field(max_length=16)
@@ -242,6 +266,8 @@ class LearnerHelloReply(Record):
 
 class BatchRequest(Record):
     """Signed by the learner: accepted groups not yet trained, no older than ``min_version``."""
+
+    KIND: ClassVar[str] = "batch_request"
 
     job_id: Id
     max_groups: int = Field(ge=1, le=4096)
@@ -281,6 +307,8 @@ class RescoreVerdict(Record):
 
 class StepReport(Record):
     """Signed by the learner: version ``manifest.version`` trained exactly ``trained`` rollouts."""
+
+    KIND: ClassVar[str] = "step_report"
 
     job_id: Id
     version: Version

@@ -26,22 +26,23 @@ from echo.p2p.identity import Identity
 from echo.p2p.lifecycle import run_until_signalled
 from echo.protocol import codec, signing
 from echo.protocol import messages as m
+from echo.protocol import reasons as R
 
 # The reason the coordinator or learner must give for each adversary's submissions.
 EXPECTED = {
-    "random_tokens": "sampling_shape",
-    "other_model": "rescore_mismatch",
-    "fabricated_logprobs": "rescore_mismatch",
-    "inflated_reward": "reward_mismatch",
-    "replay": "duplicate",
-    "replay_new_version": "duplicate",
-    "stale_version": "stale_version",
-    "half_group": "incomplete_group",
-    "truncated": "bad_termination",
-    "foreign_signature": "wrong_signer",
-    "swapped_prompt": "rescore_mismatch",
-    "malformed": "malformed",
-    "oversized": "malformed",
+    "random_tokens": R.SAMPLING_SHAPE,
+    "other_model": R.RESCORE_MISMATCH,
+    "fabricated_logprobs": R.RESCORE_MISMATCH,
+    "inflated_reward": R.REWARD_MISMATCH,
+    "replay": R.DUPLICATE,
+    "replay_new_version": R.DUPLICATE,
+    "stale_version": R.STALE_VERSION,
+    "half_group": R.INCOMPLETE_GROUP,
+    "truncated": R.BAD_TERMINATION,
+    "foreign_signature": R.WRONG_SIGNER,
+    "swapped_prompt": R.RESCORE_MISMATCH,
+    "malformed": R.MALFORMED,
+    "oversized": R.MALFORMED,
 }
 
 
@@ -116,8 +117,7 @@ class Adversary(Node):
         if k in ("replay", "replay_new_version") and self.first_accepted is not None:
             if k == "replay":
                 return self.first_accepted
-            env = signing.open_envelope(codec.decompress(self.first_accepted), kind="submission")
-            old = m.from_obj(m.Submission, env.decode_body())
+            _, old = signing.open_record(codec.decompress(self.first_accepted), m.Submission)
             return self.encode_submission(old.model_copy(update={"version": sync.version}))
         if k == "malformed":
             return bytes(self.rng.randrange(256) for _ in range(200))
@@ -173,7 +173,7 @@ class Adversary(Node):
         elif k == "foreign_signature":
             sub = self._submission(lease, comps, sync)
             return codec.compress(
-                signing.seal(self.foreign.private_key, "submission", sub.to_obj())
+                signing.seal_record(self.foreign.private_key, sub)
             )
         elif k == "swapped_prompt":
             other_id = lease.prompt_id + 1

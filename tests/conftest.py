@@ -44,8 +44,8 @@ class Client:
             self.coord, proto, payload, timeout=10, max_response=max_response
         )
 
-    def seal(self, kind: str, record: m.Record) -> bytes:
-        return signing.seal(self.identity.private_key, kind, record.to_obj())
+    def seal(self, record: m.Record) -> bytes:
+        return signing.seal_record(self.identity.private_key, record)
 
     async def register(self, upload_bps: float = 0.0) -> m.RegisterReply:
         reg = m.Register(
@@ -60,13 +60,13 @@ class Client:
             addrs=self.host.listen_multiaddrs,
         )
         return m.decode(
-            m.RegisterReply, await self.call(ids.PROTO_REGISTER, self.seal("register", reg))
+            m.RegisterReply, await self.call(ids.PROTO_REGISTER, self.seal(reg))
         )
 
     async def leases(self, job_id: str, have: int, n: int = 1) -> m.LeaseReply:
         req = m.LeaseRequest(job_id=job_id, max_leases=n, have_version=have, timestamp=time.time())
         return m.decode(
-            m.LeaseReply, await self.call(ids.PROTO_LEASE, self.seal("lease_request", req))
+            m.LeaseReply, await self.call(ids.PROTO_LEASE, self.seal(req))
         )
 
     async def submit(self, payload: bytes) -> m.SubmitReply:
@@ -88,7 +88,7 @@ def learner_publish_v0(coord: Coordinator, job_id: str, digest: str = "digest-v0
         anchor_version=0,
         created_at=time.time(),
     )
-    sealed_man = signing.seal(ident.private_key, "manifest", man.to_obj())
+    sealed_man = signing.seal_record(ident.private_key, man)
     report = m.StepReport(job_id=job_id, version=0, manifest=sealed_man, trained=[])
     return ident, sealed_man, report
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from echo.protocol import reasons as R
 from tests.adversaries import EXPECTED
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,8 +110,8 @@ def test_adversary_is_rejected_and_never_trained(adversarial_run: Path, kind: st
         for lease_id in cheats:
             reason = reasons.get(lease_id)
             row = rollouts.get(lease_id)
-            if reason in (expected, "node_excluded") or (
-                row is not None and row["status"] == "dropped" and row["reason"] == "node_excluded"
+            if reason in (expected, R.NODE_EXCLUDED) or (
+                row is not None and row["status"] == "dropped" and row["reason"] == R.NODE_EXCLUDED
             ):
                 good += 1
         assert good >= 0.99 * len(cheats), (

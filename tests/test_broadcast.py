@@ -79,7 +79,7 @@ def make_version(tmp: Path, learner: Identity, size: int, version: int = 1):
     man = m.Manifest(job_id=JOB, version=version, base_version=-1, kind="anchor",
                      total_size=size, chunks=refs, tensor_digests={}, state_digest="d",
                      anchor_version=version, created_at=0.0)
-    return payload, man, signing.seal(learner.private_key, "manifest", man.to_obj()), store
+    return payload, man, signing.seal_record(learner.private_key, man), store
 
 
 async def run_node(node: Node, keys, cfg: RelayConfig, *, task_status=trio.TASK_STATUS_IGNORED):
@@ -313,7 +313,7 @@ def test_silent_parent_is_reported_and_pulled_around(tmp_path: Path) -> None:
 def test_forged_manifest_and_unknown_job_are_refused(tmp_path: Path) -> None:
     learner, other = Identity.generate(), Identity.generate()
     _, man, env, src_store = make_version(tmp_path, learner, 100_000)
-    forged = signing.seal(other.private_key, "manifest", man.to_obj())
+    forged = signing.seal_record(other.private_key, man)
     keys = {JOB: learner.public_key_bytes}
 
     async def body() -> None:
@@ -353,11 +353,11 @@ def test_join_plan_takes_this_hosts_place_in_a_sealed_plan(tmp_path: Path) -> No
             peers = [b.PeerAddr(peer_id=n.name, addrs=addrs[n.name]) for n in [src, *nodes]]
             ann = b.PlanAnnouncement(job_id=JOB, version=1, manifest=env,
                                      plan=plan_record(plan, JOB, 1), peers=peers)
-            sealed = signing.seal(coord.private_key, "broadcast_plan", ann.to_obj())
+            sealed = signing.seal_record(coord.private_key, ann)
             key = coord.public_key_bytes
             assert await nodes[0].relay.join_plan(sealed, key, job_id="other-job") is None
             assert nodes[0].relay.transfer(JOB, 1) is None
-            forged = signing.seal(other.private_key, "broadcast_plan", ann.to_obj())
+            forged = signing.seal_record(other.private_key, ann)
             with pytest.raises(ProtocolError):
                 await nodes[0].relay.join_plan(forged, key, JOB)
             # A host the plan does not reach learns of the version and starts nothing.

@@ -11,13 +11,13 @@ import trio
 import zstandard
 from libp2p.custom_types import TProtocol
 
-from echo.coordinator import reasons as R
 from echo.coordinator.store import Store
 from echo.models.tokenizer import EOS_ID, encode
 from echo.p2p.identity import Identity
 from echo.p2p.rpc import RemoteError
 from echo.protocol import codec, ids, signing
 from echo.protocol import messages as m
+from echo.protocol import reasons as R
 from echo.tasks.registry import make_task
 from tests.conftest import learner_publish_v0, run_with_coordinator, submit_job
 
@@ -68,19 +68,18 @@ async def start_job(coord, client) -> tuple[str, object]:
     )
     reply = m.decode(
         m.LearnerHelloReply,
-        await learner.call(ids.PROTO_LEARNER_HELLO, learner.seal("learner_hello", hello)),
+        await learner.call(ids.PROTO_LEARNER_HELLO, learner.seal(hello)),
     )
     assert reply.current_version == -1
     ack = m.decode(
-        m.StepAck, await learner.call(ids.PROTO_LEARNER_REPORT, learner.seal("step_report", report))
+        m.StepAck, await learner.call(ids.PROTO_LEARNER_REPORT, learner.seal(report))
     )
     assert ack.ok, ack.message
     return job_id, learner
 
 
 def open_lease(coord, data: bytes) -> m.Lease:
-    env = signing.open_envelope(data, kind="lease", expected_signer=coord.identity.public_key_bytes)
-    return m.from_obj(m.Lease, env.decode_body())
+    return signing.open_record(data, m.Lease, expected_signer=coord.identity.public_key_bytes)[1]
 
 
 def test_register_lease_submit_and_batch(tmp_path) -> None:
@@ -94,12 +93,12 @@ def test_register_lease_submit_and_batch(tmp_path) -> None:
         assert len(lr.leases) == 2
         lease = open_lease(coord, lr.leases[0])
         assert lease.node_id == str(node.host.peer_id)
-        ok = await node.submit(node.seal("submission", group_for(lease)))
+        ok = await node.submit(node.seal(group_for(lease)))
         assert ok.accepted and ok.accepted_total == 1
         # A wrong answer is still accepted (reward 0, recomputed here), compressed on the wire.
         lease2 = open_lease(coord, lr.leases[1])
         ok2 = await node.submit(
-            codec.compress(node.seal("submission", group_for(lease2, answer="99")))
+            codec.compress(node.seal(group_for(lease2, answer="99")))
         )
         assert ok2.accepted
         rows = {r["rollout_id"]: r for r in coord.store._db.execute("SELECT * FROM rollouts")}
@@ -110,7 +109,7 @@ def test_register_lease_submit_and_batch(tmp_path) -> None:
         batch = m.decode(
             m.BatchReply,
             await learner.call(
-                ids.PROTO_LEARNER_BATCH, learner.seal("batch_request", req), max_response=64 << 20
+                ids.PROTO_LEARNER_BATCH, learner.seal(req), max_response=64 << 20
             ),
         )
         assert {g.rollout_id for g in batch.groups} == {lease.lease_id, lease2.lease_id}
@@ -135,12 +134,12 @@ def test_register_lease_submit_and_batch(tmp_path) -> None:
         rep = m.StepReport(
             job_id=job_id,
             version=1,
-            manifest=signing.seal(ident.private_key, "manifest", man.to_obj()),
+            manifest=signing.seal_record(ident.private_key, man),
             trained=[lease.lease_id, lease2.lease_id],
         )
         ack = m.decode(
             m.StepAck,
-            await learner.call(ids.PROTO_LEARNER_REPORT, learner.seal("step_report", rep)),
+            await learner.call(ids.PROTO_LEARNER_REPORT, learner.seal(rep)),
         )
         assert ack.ok
         trained = coord.store.trained_rollouts(job_id)
@@ -148,13 +147,13 @@ def test_register_lease_submit_and_batch(tmp_path) -> None:
         assert all(r.trained_version == 1 for r in trained)
         again = m.decode(
             m.StepAck,
-            await learner.call(ids.PROTO_LEARNER_REPORT, learner.seal("step_report", rep)),
+            await learner.call(ids.PROTO_LEARNER_REPORT, learner.seal(rep)),
         )
         assert again.ok  # idempotent re-send after a learner restart
         batch2 = m.decode(
             m.BatchReply,
             await learner.call(
-                ids.PROTO_LEARNER_BATCH, learner.seal("batch_request", req), max_response=64 << 20
+                ids.PROTO_LEARNER_BATCH, learner.seal(req), max_response=64 << 20
             ),
         )
         assert batch2.groups == []
@@ -175,12 +174,12 @@ def test_verification_reasons(tmp_path) -> None:
             reply = await who.submit(payload)
             assert not reply.accepted and reply.reason == reason, (reply.reason, reply.detail)
 
-        await expect(node.seal("submission", group_for(a, n=3)), R.INCOMPLETE_GROUP)
+        await expect(node.seal(group_for(a, n=3)), R.INCOMPLETE_GROUP)
         # The lease is consumed by the failed attempt: a retry is a duplicate.
-        await expect(node.seal("submission", group_for(a)), R.DUPLICATE)
-        await expect(other.seal("submission", group_for(b)), R.LEASE_NOT_YOURS, who=other)
-        await expect(node.seal("submission", group_for(b, version=1)), R.FUTURE_VERSION)
-        await expect(node.seal("submission", group_for(c, digest="forged")), R.WRONG_WEIGHTS)
+        await expect(node.seal(group_for(a)), R.DUPLICATE)
+        await expect(other.seal(group_for(b)), R.LEASE_NOT_YOURS, who=other)
+        await expect(node.seal(group_for(b, version=1)), R.FUTURE_VERSION)
+        await expect(node.seal(group_for(c, digest="forged")), R.WRONG_WEIGHTS)
         bad_tokens = group_for(d).model_copy(
             update={
                 "completions": [
@@ -193,12 +192,12 @@ def test_verification_reasons(tmp_path) -> None:
                 * d.group_size
             }
         )
-        await expect(node.seal("submission", bad_tokens), R.BAD_TOKENS)
+        await expect(node.seal(bad_tokens), R.BAD_TOKENS)
         # Signed by another key than the peer's own.
-        await expect(other.seal("submission", group_for(d)), R.WRONG_SIGNER)
+        await expect(other.seal(group_for(d)), R.WRONG_SIGNER)
         await expect(b"\xdd\xff\xff\xff\xff", R.MALFORMED)
         unknown = group_for(d).model_copy(update={"lease_id": "nope"})
-        await expect(node.seal("submission", unknown), R.UNKNOWN_LEASE)
+        await expect(node.seal(unknown), R.UNKNOWN_LEASE)
         counts = coord.store.rejection_counts(str(node.host.peer_id))
         assert counts[R.DUPLICATE] == 1 and counts[R.MALFORMED] == 1
 
@@ -234,7 +233,7 @@ def test_bad_input_penalizes_and_coordinator_keeps_running(tmp_path) -> None:
                 await trio.sleep(0.02)
         # 3. wrong signature (valid envelope, one body bit flipped).
         lease = open_lease(coord, (await node.leases(job_id, 0, 1)).leases[0])
-        sealed = node.seal("submission", group_for(lease))
+        sealed = node.seal(group_for(lease))
         raw_env = codec.unpackb(sealed)
         raw_env["body"] = raw_env["body"][:-1] + bytes([raw_env["body"][-1] ^ 1])
         reply = await node.submit(codec.packb(raw_env))
@@ -262,17 +261,17 @@ def test_repeated_failures_exclude_node_and_drop_its_buffer(tmp_path) -> None:
         node = await client()
         await node.register()
         leases = [open_lease(coord, b) for b in (await node.leases(job_id, 0, 4)).leases]
-        assert (await node.submit(node.seal("submission", group_for(leases[0])))).accepted
+        assert (await node.submit(node.seal(group_for(leases[0])))).accepted
         for lease in leases[1:3]:
-            r = await node.submit(node.seal("submission", group_for(lease, n=1)))
+            r = await node.submit(node.seal(group_for(lease, n=1)))
             assert r.reason == R.INCOMPLETE_GROUP
         row = coord.store.node(str(node.host.peer_id))
         assert row.excluded == 1
         status = coord.store._db.execute(
             "SELECT status, reason FROM rollouts WHERE rollout_id=?", (leases[0].lease_id,)
         ).fetchone()
-        assert tuple(status) == ("dropped", "node_excluded")
-        r = await node.submit(node.seal("submission", group_for(leases[3])))
+        assert tuple(status) == ("dropped", R.NODE_EXCLUDED)
+        r = await node.submit(node.seal(group_for(leases[3])))
         assert r.reason == R.NODE_EXCLUDED
         with pytest.raises(RemoteError, match="excluded"):
             await node.leases(job_id, 0, 1)
@@ -290,7 +289,7 @@ def test_lease_quota_grows_with_a_run_of_valid_results(tmp_path) -> None:
         assert (await node.leases(job_id, 0, 8)).leases == []
         for expected in (1, 1, 2):  # quota 1 + streak // 3
             lease = open_lease(coord, first[0])
-            assert (await node.submit(node.seal("submission", group_for(lease)))).accepted
+            assert (await node.submit(node.seal(group_for(lease)))).accepted
             first = (await node.leases(job_id, 0, 8)).leases
             assert len(first) == expected
 
@@ -313,7 +312,7 @@ def test_a_schema_1_database_keeps_its_buffer_trainable(tmp_path) -> None:
         deadline=1.0,
     )
     sub = group_for(lease)
-    envelope = signing.seal(ident.private_key, "submission", sub.to_obj())
+    envelope = signing.seal_record(ident.private_key, sub)
     path = tmp_path / "v1.sqlite"
     db = sqlite3.connect(path)
     db.executescript(

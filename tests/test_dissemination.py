@@ -102,13 +102,12 @@ def test_learner_gets_a_signed_plan_and_bad_peer_reports_are_heard(tmp_path) -> 
         learner = await client(ident)
         hello = m.LearnerHello(job_id=job_id, peer_id=str(learner.host.peer_id),
                                addrs=learner.host.listen_multiaddrs, timestamp=time.time())
-        await learner.call(ids.PROTO_LEARNER_HELLO, learner.seal("learner_hello", hello))
+        await learner.call(ids.PROTO_LEARNER_HELLO, learner.seal(hello))
         ack = m.decode(m.StepAck, await learner.call(
-            ids.PROTO_LEARNER_REPORT, learner.seal("step_report", report)), max_bytes=8 << 20)
+            ids.PROTO_LEARNER_REPORT, learner.seal(report)), max_bytes=8 << 20)
         assert ack.ok and ack.plan
-        env = signing.open_envelope(ack.plan, kind="broadcast_plan", max_bytes=8 << 20,
-                                    expected_signer=coord.identity.public_key_bytes)
-        ann = b.from_obj(b.PlanAnnouncement, env.decode_body())
+        _, ann = signing.open_record(ack.plan, b.PlanAnnouncement, max_bytes=8 << 20,
+                                     expected_signer=coord.identity.public_key_bytes)
         node_ids = {str(n.host.peer_id) for n in nodes}
         assert ann.plan.source == str(learner.host.peer_id)
         assert {p.peer_id for p in ann.peers} == node_ids | {ann.plan.source}
@@ -119,13 +118,13 @@ def test_learner_gets_a_signed_plan_and_bad_peer_reports_are_heard(tmp_path) -> 
         fastest = str(nodes[0].host.peer_id)
         rep = b.BadPeerReport(job_id=job_id, version=0, peer_id=fastest, reason="bad_chunk")
         reply = m.decode(m.StepAck, await nodes[1].call(
-            ids.PROTO_BAD_PEER, nodes[1].seal("bad_peer", rep)))
+            ids.PROTO_BAD_PEER, nodes[1].seal(rep)))
         assert reply.ok
         assert coord.dissemination.upload_of(fastest) == 0.0
         # Reports must come from a registered node, about someone else, signed by the sender.
         stranger = await client(Identity.generate())
         with pytest.raises(RemoteError, match="register first"):
-            await stranger.call(ids.PROTO_BAD_PEER, stranger.seal("bad_peer", rep))
+            await stranger.call(ids.PROTO_BAD_PEER, stranger.seal(rep))
         assert coord.dissemination.upload_of(str(nodes[1].host.peer_id)) == 3 * MB
 
     run_with_coordinator(tmp_path, body)

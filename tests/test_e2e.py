@@ -106,10 +106,9 @@ def test_every_trained_rollout_was_signed_by_a_registered_node_and_accepted(swar
     assert len(trained) > 100
     for r in trained:
         assert r["node_id"] in nodes
-        env = signing.open_envelope(
-            bytes(r["envelope"]), kind="submission", expected_signer=nodes[r["node_id"]]
+        _, sub = signing.open_record(
+            bytes(r["envelope"]), m.Submission, expected_signer=nodes[r["node_id"]]
         )
-        sub = m.from_obj(m.Submission, env.decode_body())
         lease = db.execute("SELECT * FROM leases WHERE lease_id=?", (sub.lease_id,)).fetchone()
         assert lease["node_id"] == r["node_id"] and lease["status"] == "submitted"
         assert r["trained_version"] is not None and r["trained_version"] > r["version"]

@@ -9,6 +9,7 @@ import pytest
 import zstandard
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from echo.protocol import broadcast as b
 from echo.protocol import codec, limits, signing
 from echo.protocol import messages as m
 from echo.protocol.errors import DecodeError, SchemaError, SignatureError, VersionError
@@ -90,30 +91,59 @@ def test_zstd_bomb_declared_and_streamed() -> None:
 
 def test_envelope_signature_checks() -> None:
     key, other = Ed25519PrivateKey.generate(), Ed25519PrivateKey.generate()
-    sealed = signing.seal(key, "submission", _submission().to_obj())
-    env = signing.open_envelope(
-        sealed, kind="submission", expected_signer=signing.public_key_bytes(key)
+    sealed = signing.seal_record(key, _submission())
+    env, _ = signing.open_record(
+        sealed, m.Submission, expected_signer=signing.public_key_bytes(key)
     )
     assert env.signer == signing.public_key_bytes(key)
     with pytest.raises(SignatureError, match="unexpected key"):
-        signing.open_envelope(
-            sealed, kind="submission", expected_signer=signing.public_key_bytes(other)
+        signing.open_record(
+            sealed, m.Submission, expected_signer=signing.public_key_bytes(other)
         )
     with pytest.raises(SchemaError, match="expected a 'lease'"):
-        signing.open_envelope(sealed, kind="lease")
+        signing.open_record(sealed, m.Lease)
     raw = msgpack.unpackb(sealed)
     raw["body"] = raw["body"][:-1] + bytes([raw["body"][-1] ^ 1])
     with pytest.raises(SignatureError, match="bad signature"):
-        signing.open_envelope(msgpack.packb(raw), kind="submission")
+        signing.open_record(msgpack.packb(raw), m.Submission)
     raw = msgpack.unpackb(sealed)
     raw["v"] = PROTOCOL_VERSION + 1
     with pytest.raises(VersionError):
-        signing.open_envelope(msgpack.packb(raw), kind="submission")
+        signing.open_record(msgpack.packb(raw), m.Submission)
     # A signature made for one kind does not verify as another, even with the kind rewritten.
     raw = msgpack.unpackb(sealed)
-    raw["kind"] = "lease"
+    raw["kind"] = m.Lease.KIND
     with pytest.raises(SignatureError):
-        signing.open_envelope(msgpack.packb(raw), kind="lease")
+        signing.open_record(msgpack.packb(raw), m.Lease)
+
+
+
+def test_record_kinds_are_the_wire_kinds() -> None:
+    # The kinds signed records carry are the strings envelopes always carried (protocol 4).
+    signed = (m.Register, m.LeaseRequest, m.Lease, m.Submission, m.NodeStatus, m.Manifest,
+              m.LearnerHello, m.BatchRequest, m.StepReport, b.PlanAnnouncement, b.BadPeerReport)
+    assert [cls.KIND for cls in signed] == [
+        "register", "lease_request", "lease", "submission", "node_status", "manifest",
+        "learner_hello", "batch_request", "step_report", "broadcast_plan", "bad_peer",
+    ]
+    assert "KIND" not in m.Submission.model_fields  # a class constant, not a body field
+    key = Ed25519PrivateKey.generate()
+    sub = _submission()
+    sealed = signing.seal_record(key, sub)
+    assert msgpack.unpackb(sealed)["kind"] == "submission"
+    assert sealed == signing.seal(key, "submission", sub.to_obj())
+    assert signing.open_record(sealed, m.Submission)[1] == sub
+    with pytest.raises(TypeError):
+        signing.seal_record(key, m.StepAck(ok=True))  # never signed: it has no kind
+    with pytest.raises(SchemaError):
+        signing.open_record(signing.seal(key, "lease", {"lease_id": 1}), m.Lease)
+    # A signed body that is not msgpack at all is a bad record too, not a bad envelope.
+    body = b"\xc1"
+    forged = msgpack.packb({"v": PROTOCOL_VERSION, "kind": "lease", "body": body,
+                            "signer": signing.public_key_bytes(key),
+                            "sig": key.sign(signing._signed_bytes("lease", body))})
+    with pytest.raises(SchemaError):
+        signing.open_record(forged, m.Lease)
 
 
 def test_schema_is_strict() -> None:

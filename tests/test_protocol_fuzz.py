@@ -21,9 +21,8 @@ FUZZ = settings(
 )
 
 _KEY = Ed25519PrivateKey.generate()
-_VALID = signing.seal(
+_VALID = signing.seal_record(
     _KEY,
-    "submission",
     m.Submission(
         lease_id="l",
         job_id="j",
@@ -38,7 +37,7 @@ _VALID = signing.seal(
             )
         ],
         gen_seconds=0.1,
-    ).to_obj(),
+    ),
 )
 
 # msgpack-shaped values: what a hostile peer can build with a real encoder.
@@ -86,7 +85,7 @@ def test_decompress_random(data: bytes) -> None:
 @given(st.integers(0, 4000), st.integers(0, 255), st.integers(0, 64))
 def test_envelope_mutations(pos: int, byte: int, cut: int) -> None:
     _only_protocol_errors(
-        lambda d: signing.open_envelope(d, kind="submission"), _mutate(_VALID, pos, byte, cut)
+        lambda d: signing.open_record(d, m.Submission), _mutate(_VALID, pos, byte, cut)
     )
 
 

@@ -15,6 +15,7 @@ from echo.models.tokenizer import EOS_ID
 from echo.models.weights import export_state, state_digest
 from echo.node.engines.base import GenRequest, SamplingParams
 from echo.node.engines.torch_engine import TorchEngine
+from echo.protocol import reasons as R
 from echo.tasks.registry import make_task
 
 SPEC = ModelSpec()
@@ -55,7 +56,7 @@ def test_honest_groups_pass_and_forgeries_fail() -> None:
                              [[-0.01] * len(c) for c in g.completions], g.rewards, 0)
                   for g in honest]
     verdicts = rescorer.check(fabricated, [_finish(g) for g in fabricated])
-    assert [v.reason for v in verdicts] == ["rescore_mismatch"] * len(fabricated)
+    assert [v.reason for v in verdicts] == [R.RESCORE_MISMATCH] * len(fabricated)
     # Random tokens scored with the true model's own log-probs: only the shape test sees them.
     randoms = []
     for g in honest:
@@ -67,11 +68,11 @@ def test_honest_groups_pass_and_forgeries_fail() -> None:
         randoms.append(TrainGroup(g.prompt_ids, comps, [t.tolist() for t in true_lp],
                                   g.rewards, 0))
     verdicts = rescorer.check(randoms, [_finish(g) for g in randoms])
-    assert {v.reason for v in verdicts} == {"sampling_shape"}
+    assert {v.reason for v in verdicts} == {R.SAMPLING_SHAPE}
     # A version the learner no longer holds is dropped without blame.
     stale = [TrainGroup(g.prompt_ids, g.completions, g.behaviour_logprobs, g.rewards, 7)
              for g in honest[:1]]
-    assert rescorer.check(stale, [_finish(stale[0])])[0].reason == "unscorable"
+    assert rescorer.check(stale, [_finish(stale[0])])[0].reason == R.UNSCORABLE
 
 
 def test_fused_gate_excludes_failed_groups_from_the_update() -> None:
@@ -90,7 +91,7 @@ def test_fused_gate_excludes_failed_groups_from_the_update() -> None:
         return [v.ok for v in verdicts]
 
     m = learner.step(forged, gate=gate, gate_stats=token_stats)
-    assert seen == ["rescore_mismatch"] * 4 and m["gated_groups"] == 4
+    assert seen == [R.RESCORE_MISMATCH] * 4 and m["gated_groups"] == 4
     assert state_digest(export_state(model)) == before  # nothing trained
     # The same gate lets honest groups through and the weights move.
     m = learner.step(groups, gate=lambda stats: [True] * len(stats), gate_stats=token_stats)

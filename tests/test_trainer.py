@@ -13,6 +13,7 @@ from echo.models.weights import export_state
 from echo.node.engines.base import GenRequest, SamplingParams
 from echo.node.engines.torch_engine import TorchEngine
 from echo.protocol import messages as m
+from echo.protocol import reasons as R
 from echo.protocol.jobspec import JobSpec
 from echo.tasks import make_task
 
@@ -74,7 +75,7 @@ def test_prescore_catches_what_the_step_would_catch() -> None:
     a.prescore(batch)
     res = a.train(batch)
     assert res.trained == [batch[0].rollout_id]
-    assert [v.reason for v in res.verdicts] == ["", "rescore_mismatch"]
+    assert [v.reason for v in res.verdicts] == ["", R.RESCORE_MISMATCH]
 
 
 def test_greedy_accuracy_is_held_out_and_batch_independent() -> None:

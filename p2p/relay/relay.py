@@ -29,6 +29,7 @@ from echo.p2p.relay.watchdog import Watchdog
 from echo.p2p.tree import route_from_announcement
 from echo.protocol import broadcast as b
 from echo.protocol import messages as m
+from echo.protocol import reasons as R
 from echo.protocol import signing
 from echo.protocol.errors import ProtocolError
 from echo.protocol.manifest import ManifestError, verify_manifest
@@ -139,7 +140,7 @@ class Relay:
             await t.started.wait()
         if not t.started.is_set() or t.dropped.is_set():
             raise ProtocolError(f"{t.job_id} v{t.version} is older than the versions kept",
-                                code="stale_version")
+                                code=R.STALE_VERSION)
         if t.route is None:
             t.route = route
             t.set_stripes(route.stripes, route.weights)
@@ -167,10 +168,9 @@ class Relay:
             for the version it announces.
         :raises RuntimeError: the relay is not running.
         """
-        env = signing.open_envelope(sealed_plan, kind="broadcast_plan",
-                                    expected_signer=coordinator_key,
-                                    max_bytes=b.MAX_PLAN_ENVELOPE_BYTES)
-        ann = b.from_obj(b.PlanAnnouncement, env.decode_body())
+        _, ann = signing.open_record(sealed_plan, b.PlanAnnouncement,
+                                     expected_signer=coordinator_key,
+                                     max_bytes=b.MAX_PLAN_ENVELOPE_BYTES)
         if job_id is not None and ann.job_id != job_id:
             return None
         route = route_from_announcement(ann, self.peers.me)
@@ -243,13 +243,13 @@ class Relay:
             raise RuntimeError("the relay is not running")
         if man.version <= self._floor.get(man.job_id, -1):
             raise ProtocolError(f"{man.job_id} v{man.version} is older than the versions kept",
-                                code="stale_version")
+                                code=R.STALE_VERSION)
         t = Transfer(man, envelope, stripes, weights)
         self.transfers[(t.job_id, t.version)] = t
         self._retire_old()
         if t.dropped.is_set():
             raise ProtocolError(f"{t.job_id} v{t.version} is older than the versions kept",
-                                code="stale_version")
+                                code=R.STALE_VERSION)
         self._intake.adopt_stored(t)
         await self._nursery.start(self._transfer_task, t)
         self._new_transfer.set()

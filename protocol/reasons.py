@@ -1,9 +1,18 @@
-"""Stable reason codes for every rejection, shown to volunteers and counted per node.
+"""Stable reason codes for every rejection: part of the wire contract.
+
+A reason code travels in :class:`~echo.protocol.messages.SubmitReply` (``reason`` and the keys of
+``rejected_by_reason``) from the coordinator to nodes, which show them to volunteers, and in
+:class:`~echo.protocol.messages.RescoreVerdict` from the learner to the coordinator, which stores
+and counts them per node. The strings are therefore part of the protocol: renaming one is a
+protocol change, and every producer and consumer imports the constants from here, never a
+bare string.
 
 ``COUNTS_AGAINST`` are failures of the node's work (they reset its reputation streak); the rest
-are ordinary races of a distributed system (a lease that expired while a slow node worked).
+are ordinary races of a distributed system (a lease that expired while a slow node worked) or,
+like ``UNSCORABLE``, the learner's own limits.
 """
 
+# ---------------------------------------------------------------- coordinator (steps 1-4)
 MALFORMED = "malformed"  # not msgpack / not an envelope / over the size limits
 SCHEMA = "schema"  # fields of the wrong type or out of range
 SIGNATURE = "signature"  # the signature does not verify
@@ -25,9 +34,14 @@ BAD_LOGPROBS = "bad_logprobs"  # not finite, positive, or not one per token
 BAD_TERMINATION = "bad_termination"  # finish reason does not match the tokens
 WRONG_WEIGHTS = "wrong_weights"  # state digest differs from the published version's
 REWARD_MISMATCH = "reward_mismatch"  # claimed rewards differ from the ones recomputed here
+
+# ---------------------------------------------------------------- learner (step 5, re-scoring)
 RESCORE_MISMATCH = "rescore_mismatch"  # log-probs disagree with the claimed version's
 SAMPLING_SHAPE = "sampling_shape"  # chosen tokens too improbable to be the policy's samples
 TERMINATION_IMPROBABLE = "termination_improbable"  # stopped where the policy would not
+# The learner could not score the group (it no longer holds the claimed version's weights):
+# the rollout is dropped without holding it against its node.
+UNSCORABLE = "unscorable"
 
 COUNTS_AGAINST = frozenset(
     {
