@@ -1,10 +1,12 @@
 """The learner process of one job: train on verified rollouts, publish versions.
 
-:func:`run_learner` owns a libp2p host (its identity is the key the job pins), the model and
-optimizer, the chunk store it serves versions from, and its checkpoints. Its loop: take groups
-from the coordinator's replay buffer within the staleness window, re-score them, take one GRPO
-step, publish version ``v + 1`` (anchor or patch, signed), checkpoint, and report which rollouts
-went into the version. Training runs in a trio worker thread so the host keeps serving chunks.
+:class:`Learner` owns a libp2p host (its identity is the key the job pins), the chunk store it
+serves versions from, its publisher and its checkpoints, around a
+:class:`~echo.learner.trainer.Trainer` that owns the model, optimizer and re-scorer. Its loop:
+take groups from the coordinator's replay buffer within the staleness window (re-scoring those
+from older versions while it waits for the rest), train (``Trainer.train``), publish version
+``v + 1`` (anchor or patch, signed), checkpoint, and report which rollouts went into the
+version. Compute runs in a trio worker thread so the host keeps serving chunks.
 
 Crash safety: the checkpoint of ``v + 1`` is written, with its signed report, before the report
 is sent; after a restart the learner re-sends that report, so the coordinator's ledger and the
