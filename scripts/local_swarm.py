@@ -325,7 +325,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0, help="model initialisation and warm-up seed")
     ap.add_argument("--eval-every", type=int, default=10,
                     help="held-out greedy accuracy every this many versions (0: never)")
-    ap.add_argument("--timeout", type=float, default=280.0, help="give up after this many s")
+    ap.add_argument("--timeout", type=float, default=600.0,
+                    help="give up after this many s (200 versions take 3-5 min on 2 cores, "
+                    "with vLLM's start-up)")
     ap.add_argument("--node-args", default="", help="extra arguments for every echo-node join")
     ap.add_argument("--quiet", action="store_true", help="no live table (for tests)")
     ap.add_argument("--kill-learner-at", type=int, default=None, metavar="V",
