@@ -119,11 +119,14 @@ def _print_status(st: dict[str, Any]) -> None:
         console.print(f"[red]{st['error']}[/red]")
     ln = st.get("learning") or {}
     if ln.get("versions"):
+        def fmt(key: str, spec: str) -> str:
+            return "-" if ln.get(key) is None else format(ln[key], spec)
+
         console.print(
-            f"last {ln['versions']} versions: groups {ln['staleness_mean']:.2f} versions old "
-            f"on average (max {ln['staleness_max']:.0f}); importance weight pi/mu mean "
-            f"{ln['is_w_mean']:.3f}, {ln['is_w_outside_trust_region']:.1%} of tokens outside "
-            f"the trust region")
+            f"last {ln['versions']} versions: groups {fmt('staleness_mean', '.2f')} versions "
+            f"old on average (max {fmt('staleness_max', '.0f')}); importance weight pi/mu mean "
+            f"{fmt('is_w_mean', '.3f')}, {fmt('is_w_outside_trust_region', '.1%')} of tokens "
+            f"outside the trust region")
     if ln.get("eval_last") is not None:
         console.print(f"held-out greedy accuracy: {ln['eval_first']:.3f} -> {ln['eval_last']:.3f}")
     curve = st["reward_by_version"]

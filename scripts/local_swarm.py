@@ -122,8 +122,8 @@ def render(st: dict, nodes: list[dict], elapsed: float) -> Table:
         t.add_row("held-out accuracy", f"{ln['eval_last']:.3f}",
                   f"v{last} (v0: {ln['eval_first']:.3f})")
     if ln.get("staleness_mean") is not None:
-        t.add_row("groups' staleness", f"{ln['staleness_mean']:.2f}",
-                  f"π/μ {ln['is_w_mean']:.3f}")
+        is_w = "-" if ln.get("is_w_mean") is None else f"{ln['is_w_mean']:.3f}"
+        t.add_row("groups' staleness", f"{ln['staleness_mean']:.2f}", f"π/μ {is_w}")
     for n in nodes:
         t.add_row(
             f"node …{n['node_id'][-6:]}",
