@@ -134,6 +134,11 @@ class Trainer:
                               n=self.spec.eval.prompts, tokenizer=self.tokenizer)
         return {"eval_accuracy": acc, "eval_s": time.perf_counter() - t0}
 
+    def _fused_version(self) -> int:
+        """The version whose groups the step judges from its own forward; -1 when the published
+        weights are not the master weights (a bf16 policy differs from the fp32 master)."""
+        return self.version if self.spec.publish_dtype == "float32" else -1
+
     def prescore(self, groups: list[m.TrainingGroup]) -> None:
         """Re-score ``groups`` from older versions now, while the learner waits for the rest of
         its batch: the same check under the same weights :meth:`train` would run, taken off
@@ -142,7 +147,7 @@ class Trainer:
 
         :raises ProtocolError: a group that does not decode (see :func:`decode_batch`).
         """
-        current = self.version if self.spec.publish_dtype == "float32" else -1
+        current = self._fused_version()
         todo = [g for g in groups if g.version != current and g.rollout_id not in self._early]
         if not todo:
             return
@@ -164,7 +169,7 @@ class Trainer:
         """
         decoded, finish = decode_batch(batch, self.learner.vocab_size)
         engines = [g.engine for g in batch]
-        current = self.version if self.spec.publish_dtype == "float32" else -1
+        current = self._fused_version()
         results: dict[int, Verdict] = {i: self._early[g.rollout_id] for i, g in enumerate(batch)
                                        if g.rollout_id in self._early}
         older = [i for i, g in enumerate(decoded) if g.version != current and i not in results]
