@@ -7,9 +7,9 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
 STAMP="$VENV/.echo-installed"
-EXTRAS="dev"
+EXTRAS="dev,tasks"
 if [ "${ECHO_NO_LLAMACPP:-0}" != "1" ]; then
-    EXTRAS="dev,llamacpp"
+    EXTRAS="dev,tasks,llamacpp"
 fi
 if [ ! -x "$VENV/bin/python" ]; then
     echo "[setup] creating $VENV" >&2
@@ -23,7 +23,7 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
     python -m pip install -q "torch==2.13.0"
     python -m pip install -q -e "$ROOT[$EXTRAS]"
     touch "$STAMP"
-elif [ "$EXTRAS" = "dev,llamacpp" ] \
+elif [ "$EXTRAS" = "dev,tasks,llamacpp" ] \
     && ! python -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('llama_cpp') and u.find_spec('gguf')))"; then
     # A venv stamped before the llamacpp extra joined the default install.
     echo "[setup] installing the llamacpp extra (builds llama-cpp-python once, ~5 min)" >&2
