@@ -1,9 +1,12 @@
 """Writing a policy state as a GGUF file for llama.cpp.
 
-The GGUF is written directly with ``gguf.GGUFWriter`` (llama.cpp's bundled converter refuses the
-in-memory byte tokenizer of the tiny model), for the Llama family only: tensor names, shapes,
-permutations and storage precisions come from :mod:`echo.node.engines.gguf_layout`, the tokenizer
-metadata from :mod:`echo.node.engines.gguf_vocab`. :func:`write_gguf` returns the
+The GGUF is written with gguf-py's ``GGUFWriter`` from the in-memory state (llama.cpp's
+``convert_hf_to_gguf.py`` is not shipped in any installed package, reads checkpoints from disk and
+refuses the tiny model's in-memory byte tokenizer); tensor names come from gguf-py's
+``TensorNameMap``, and shapes, transforms, storage precisions and per-architecture
+hyper-parameters from :mod:`echo.node.engines.gguf_layout` and its table
+:mod:`echo.node.engines.gguf_arch`; the tokenizer metadata from
+:mod:`echo.node.engines.gguf_vocab`. :func:`write_gguf` returns the
 :class:`~echo.node.engines.gguf_file.GGUFFile` that later versions are patched into in place.
 """
 
@@ -22,7 +25,7 @@ from echo.models.weights import dtype_name
 from echo.node.engines.gguf_file import Entry, GGUFFile, file_bits, read_tensor_infos
 from echo.node.engines.gguf_layout import (
     GGML_BY_DTYPE,
-    LlamaLayout,
+    GGUFLayout,
     check_state,
     layout_of,
     storage_dtype,
@@ -34,7 +37,7 @@ _FILE_TYPE = {"float32": 0, "float16": 1, "bfloat16": 32}
 
 
 def write_gguf(
-    model: ModelSpec | LlamaLayout | Any,
+    model: ModelSpec | GGUFLayout | Any,
     state: Mapping[str, torch.Tensor],
     path: str | os.PathLike[str],
     *,
@@ -44,12 +47,13 @@ def write_gguf(
 ) -> GGUFFile:
     """Write ``state`` (an ``echo.models.weights`` state of ``model``) as a llama.cpp GGUF.
 
-    ``model`` is a :class:`ModelSpec`, a transformers config or a :class:`LlamaLayout`;
+    ``model`` is a :class:`ModelSpec`, a transformers config or a :class:`GGUFLayout`;
     ``vocab`` defaults to :func:`vocab_for` (required unless ``model`` is a spec). ``dtype``
     overrides the storage dtype of matrices (default: as published). The file is written beside
     ``path`` and renamed over it, so a reader never sees half a file. Raises ValueError for a
-    state that does not match the model (before writing anything), NotImplementedError for
-    unsupported architectures.
+    state that does not match the model (before writing anything),
+    :class:`~echo.node.engines.gguf_arch.UnsupportedArchitecture` (a NotImplementedError) for
+    models llama.cpp cannot run exactly.
     """
     import gguf
 
@@ -69,7 +73,6 @@ def write_gguf(
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     w = gguf.GGUFWriter(tmp, layout.arch)
-    arch = layout.arch
     w.add_name(name)
     w.add_context_length(layout.context_length)
     w.add_embedding_length(layout.hidden)
@@ -80,11 +83,11 @@ def write_gguf(
     w.add_rope_freq_base(layout.rope_theta)
     w.add_layer_norm_rms_eps(layout.rms_eps)
     w.add_vocab_size(layout.vocab)
-    if layout.head_dim * layout.heads != layout.hidden:
-        w.add_key_length(layout.head_dim)
-        w.add_value_length(layout.head_dim)
-    if arch == "llama":
-        w.add_rope_dimension_count(layout.head_dim)
+    w.add_key_length(layout.head_dim)
+    w.add_value_length(layout.head_dim)
+    w.add_rope_dimension_count(layout.rope_dims)
+    for method, value in layout.extra:
+        getattr(w, method)(value)
 
     w.add_tokenizer_model(vocab.model)
     w.add_tokenizer_pre(vocab.pre)
@@ -145,7 +148,7 @@ def write_gguf(
         entries[hf_name] = Entry(slot, fd, info.offset, int(np.prod(slot.shape)))
     if len(infos) != len(entries):
         raise ValueError(f"{path} holds {len(infos)} tensors, expected {len(entries)}")
-    return GGUFFile(path, layout, entries, published, dtype)
+    return GGUFFile(path, layout, entries, published, dtype, state)
 
 
 def _gguf_order(gguf_name: str) -> tuple[int, str]:

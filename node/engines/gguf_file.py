@@ -7,6 +7,11 @@ state from the file's bytes (undoing the Q/K permutation of :mod:`echo.node.engi
 so its digest is that of what llama.cpp maps, not of what we meant to write. F32 holds every
 F16/BF16 value exactly, and reading back checks that it still does.
 
+Gemma's norm weights are stored as ``w + 1`` (float32), which is not invertible bit for bit (two
+``w`` may round to one sum). For those small 1-D tensors the file keeps the published ``w`` in
+memory and :meth:`GGUFFile.read_state` returns it only if the file's bits are exactly
+``w + 1``; otherwise it returns the stored sums, so a wrong write still changes the digest.
+
 :func:`file_bits` / :func:`tensor_from_bits` convert between a state tensor and its bits in the
 file; :func:`read_tensor_infos` parses the tensor table of a file (never trusting a length).
 """
@@ -24,7 +29,7 @@ import numpy as np
 import torch
 
 from echo.models.weights import dtype_name
-from echo.node.engines.gguf_layout import LlamaLayout, TensorSlot, storage_dtype
+from echo.node.engines.gguf_layout import GGUFLayout, TensorSlot, storage_dtype
 
 _TORCH_DTYPE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Bit views: patches compare and write bit patterns (so -0.0 and NaNs are exact too).
@@ -94,9 +99,16 @@ def _permute_bits(bits: np.ndarray, slot: TensorSlot, inverse: bool = False) -> 
 
 
 def file_bits(t: torch.Tensor, slot: TensorSlot, file_dtype: str) -> np.ndarray:
-    """The flat bit pattern (unsigned ints) ``t`` has in the file: permuted, cast, row-major.
+    """The flat bit pattern (unsigned ints) ``t`` has in the file: shifted, permuted, cast,
+    row-major. A shifted slot is computed as transformers does it, ``w.float() + shift``, and
+    must be stored as float32 (ValueError otherwise).
 
     May share memory with ``t`` (same dtype, not permuted): treat it as read-only."""
+    if slot.shift:
+        if file_dtype != "float32":
+            raise ValueError(f"shifted tensor {slot.gguf_name!r} must be stored as float32")
+        shifted = t.detach().to("cpu", torch.float32) + slot.shift
+        return _permute_bits(_bits_of(shifted), slot)
     bits = _permute_bits(_bits_of(t), slot)
     return convert_bits(bits, dtype_name(t.dtype), file_dtype)
 
@@ -243,16 +255,25 @@ class GGUFFile:
     def __init__(
         self,
         path: Path,
-        layout: LlamaLayout,
+        layout: GGUFLayout,
         entries: dict[str, Entry],
         published: dict[str, str],
         override: str | None,
+        state: Mapping[str, torch.Tensor],
     ) -> None:
         self.path = path
         self.layout = layout
         self.entries = entries
         self.published = published
         self.override = override
+        self._unshifted: dict[str, torch.Tensor] = {}
+        self._remember_unshifted(state)
+
+    def _remember_unshifted(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Keep a copy of the published values of shifted tensors (see the module docstring)."""
+        for name, e in self.entries.items():
+            if e.slot.shift:
+                self._unshifted[name] = state[name].detach().to("cpu").clone()
 
     def fits(self, state: Mapping[str, torch.Tensor]) -> bool:
         """Whether ``state`` (already checked against the layout) can be written in place: every
@@ -279,6 +300,13 @@ class GGUFFile:
         try:
             for name in sorted(state):
                 e = self.entries[name]
+                if e.slot.shift:
+                    changed = _update_whole(mm, e, file_bits(state[name], e.slot, e.file_dtype))
+                    if changed:
+                        stats.changed += changed
+                        stats.bytes_written += changed * np.dtype(_UINT[e.file_dtype]).itemsize
+                        stats.tensors += 1
+                    continue
                 src_dtype = dtype_name(state[name].dtype)
                 src = _permute_bits(_bits_of(state[name]), e.slot)
                 view = mm[e.offset : e.offset + e.nbytes].view(_UINT[e.file_dtype])
@@ -301,6 +329,7 @@ class GGUFFile:
         finally:
             del mm
         self.published = {n: dtype_name(t.dtype) for n, t in state.items()}
+        self._remember_unshifted(state)
         return stats
 
     def read_state(self) -> dict[str, torch.Tensor]:
@@ -317,6 +346,14 @@ class GGUFFile:
                 e = self.entries[name]
                 bits = mm[e.offset : e.offset + e.nbytes].view(_UINT[e.file_dtype])
                 want = self.published[name]
+                if e.slot.shift:
+                    kept = self._unshifted[name]
+                    if np.array_equal(np.asarray(bits), file_bits(kept, e.slot, e.file_dtype)):
+                        out[name] = kept.clone()
+                        continue
+                    # Not what the published values map to: the stored sums, visibly different.
+                    out[name] = tensor_from_bits(bits, e.slot, e.file_dtype)
+                    continue
                 if want != e.file_dtype:
                     narrow = _exact_narrowing(np.asarray(bits), e.file_dtype, want)
                     if narrow is not None:
@@ -327,3 +364,13 @@ class GGUFFile:
             del mm
         return out
 
+
+def _update_whole(mm: np.memmap, e: Entry, new: np.ndarray) -> int:
+    """Write the elements of ``new`` (the entry's whole file bits) that differ from the file's;
+    return how many did."""
+    view = mm[e.offset : e.offset + e.nbytes].view(_UINT[e.file_dtype])
+    diff = view != new
+    n = int(np.count_nonzero(diff))
+    if n:
+        np.copyto(view, new, where=diff)
+    return n

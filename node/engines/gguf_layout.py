@@ -1,104 +1,140 @@
-"""Which tensors a Llama-family GGUF holds, under which names, in which shapes and precisions.
+"""Which tensors a GGUF holds, under which names, in which shapes, precisions and transforms.
 
-:func:`layout_of` reads the hyper-parameters llama.cpp needs from a :class:`ModelSpec` or a
-transformers config, for the Llama family only:
+:func:`layout_of` reads a :class:`ModelSpec` or a transformers config into a :class:`GGUFLayout`:
+the hyper-parameters llama.cpp needs and one :class:`TensorSlot` per state tensor. The state's
+tensor names and shapes are those of the model itself, built from its config on the meta device
+(no weights allocated), with tied tensors once, as ``echo.models.weights.export_state`` gives
+them. Each name is mapped to llama.cpp's by gguf-py's ``TensorNameMap`` (maintained in the
+llama.cpp repository with its converter); what differs per architecture is the table of
+:mod:`echo.node.engines.gguf_arch`, whose :class:`UnsupportedArchitecture` says in one line why a
+model cannot be exported.
 
-- ``llama``: ``LlamaForCausalLM`` (the tiny model, Llama 2/3-style checkpoints with default RoPE;
-  optional attention biases). Q and K rows get the official converter's permutation, because
-  transformers rotates halves of each head (``rotate_half``) where llama.cpp's ``llama`` graph
-  rotates adjacent pairs.
-- ``qwen2``: ``Qwen2ForCausalLM`` (Q/K/V biases). llama.cpp runs it with NEOX RoPE, the layout
-  transformers uses, so nothing is permuted.
-
-:func:`expected_tensors` maps each state tensor (transformers name) to its GGUF name, shape and
-permutation; :func:`check_state` refuses a state that does not match before anything is written.
 Matrices are stored in the precision they were published in (F32, F16 or BF16, never quantized,
 so a weight patch stays exact); 1-D tensors (norms, biases) as F32, as the official converter does
-(:func:`storage_dtype`).
+(:func:`storage_dtype`). Transforms are the converter's: a Q/K row permutation (exact) and
+Gemma's norm shift ``w + 1`` in float32 (see :mod:`echo.node.engines.gguf_file` for how it is
+read back exactly).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from echo.models.spec import ModelSpec
 from echo.models.weights import dtype_name
+from echo.node.engines.gguf_arch import UnsupportedArchitecture, rope_of, rule_for
 
 # ggml type ids (ggml.h) of the float types we write; nothing quantized.
 GGML_F32, GGML_F16, GGML_BF16 = 0, 1, 30
 GGML_BY_DTYPE = {"float32": GGML_F32, "float16": GGML_F16, "bfloat16": GGML_BF16}
 
+__all__ = [
+    "GGML_BY_DTYPE",
+    "GGUFLayout",
+    "TensorSlot",
+    "UnsupportedArchitecture",
+    "check_state",
+    "expected_tensors",
+    "layout_of",
+    "storage_dtype",
+]
+
 
 @dataclass(frozen=True)
-class LlamaLayout:
-    """The hyper-parameters a Llama-family GGUF needs, from a :class:`ModelSpec` or HF config."""
+class TensorSlot:
+    """Where one state tensor goes: its GGUF name, its (torch-order) shape, the number of heads
+    its rows are permuted over (None: not permuted) and the value added to it in float32
+    (Gemma's norms: 1.0; 0.0: stored as is)."""
 
-    arch: Literal["llama", "qwen2"]
+    gguf_name: str
+    shape: tuple[int, ...]
+    permute_heads: int | None = None
+    shift: float = 0.0
+
+
+@dataclass(frozen=True, eq=False)
+class GGUFLayout:
+    """What a GGUF of one model holds: llama.cpp's architecture name, the hyper-parameters every
+    architecture writes, ``extra`` ones (GGUFWriter method name, value) and the tensor slots."""
+
+    arch: str
     layers: int
     hidden: int
     heads: int
     kv_heads: int
     head_dim: int
+    rope_dims: int
     intermediate: int
     vocab: int
     context_length: int
     rms_eps: float
     rope_theta: float
-    tied: bool
-    qkv_bias: bool
-    o_bias: bool
+    extra: tuple[tuple[str, Any], ...]
+    slots: Mapping[str, TensorSlot]
+
+    @property
+    def tied(self) -> bool:
+        """Whether the output projection is the token embedding (no ``lm_head`` tensor)."""
+        return "lm_head.weight" not in self.slots
 
 
-def layout_of(model: ModelSpec | LlamaLayout | Any) -> LlamaLayout:
-    """The :class:`LlamaLayout` of a :class:`ModelSpec` or a transformers ``PretrainedConfig``
-    (a :class:`LlamaLayout` is returned as it is).
+def layout_of(model: ModelSpec | GGUFLayout | Any) -> GGUFLayout:
+    """The :class:`GGUFLayout` of a :class:`ModelSpec` or a transformers ``PretrainedConfig``
+    (a :class:`GGUFLayout` is returned as it is).
 
-    Raises NotImplementedError for architectures or features this exporter does not write
-    (model types other than llama/qwen2, RoPE scaling, MLP biases, sliding windows).
+    Raises :class:`UnsupportedArchitecture` (a NotImplementedError) for architectures or
+    features llama.cpp would not compute as transformers does; the message is one line.
     """
-    if isinstance(model, LlamaLayout):
+    if isinstance(model, GGUFLayout):
         return model
     config = _config_of(model) if isinstance(model, ModelSpec) else model
-    model_type = getattr(config, "model_type", None)
-    if model_type not in ("llama", "qwen2"):
-        raise NotImplementedError(
-            f"GGUF export supports llama and qwen2 models, not {model_type!r}"
-        )
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise NotImplementedError(f"RoPE type {rope_type!r} is not supported by the GGUF export")
-    theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    if getattr(config, "mlp_bias", False):
-        raise NotImplementedError("MLP biases are not supported by the GGUF export")
-    if getattr(config, "use_sliding_window", False):
-        raise NotImplementedError("sliding-window attention is not supported by the GGUF export")
+    rule = rule_for(config)
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    if model_type == "qwen2":
-        qkv_bias, o_bias = True, False
-    else:
-        qkv_bias = o_bias = bool(getattr(config, "attention_bias", False))
-    return LlamaLayout(
-        arch=model_type,
+    rope = rope_of(config, rule.rope_layer_type)
+    partial = float(
+        rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    )
+    names = _state_shapes(config)
+    import gguf
+
+    tmap = gguf.get_tensor_name_map(
+        gguf.MODEL_ARCH[rule.gguf_arch.upper()], config.num_hidden_layers
+    )
+    slots: dict[str, TensorSlot] = {}
+    for name, shape in names.items():
+        gguf_name = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            raise UnsupportedArchitecture(
+                f"{config.model_type}: tensor {name!r} has no place in llama.cpp's "
+                f"{rule.gguf_arch} graph"
+            )
+        permute = None
+        if rule.permute_qk:
+            proj = name.rsplit(".", 2)[-2]  # "...self_attn.q_proj.weight" -> "q_proj"
+            permute = {"q_proj": heads, "k_proj": kv_heads}.get(proj)
+        shift = rule.norm_shift if name.endswith("norm.weight") else 0.0
+        slots[name] = TensorSlot(gguf_name, shape, permute, shift)
+    return GGUFLayout(
+        arch=rule.gguf_arch,
         layers=int(config.num_hidden_layers),
         hidden=int(config.hidden_size),
         heads=heads,
         kv_heads=kv_heads,
         head_dim=head_dim,
+        rope_dims=int(head_dim * partial),
         intermediate=int(config.intermediate_size),
         vocab=int(config.vocab_size),
-        context_length=int(config.max_position_embeddings),
+        context_length=rule.context_length(config),
         rms_eps=float(config.rms_norm_eps),
-        rope_theta=float(theta),
-        tied=bool(getattr(config, "tie_word_embeddings", False)),
-        qkv_bias=qkv_bias,
-        o_bias=o_bias,
+        rope_theta=float(rope["rope_theta"]),
+        extra=tuple(rule.extra(config)),
+        slots=slots,
     )
 
 
@@ -115,50 +151,28 @@ def _config_of(spec: ModelSpec) -> Any:
         return build_model(spec).config
 
 
-@dataclass(frozen=True)
-class TensorSlot:
-    """Where one state tensor goes: its GGUF name, its (torch-order) shape, and the number of
-    heads its rows are permuted over (None: not permuted)."""
+def _state_shapes(config: Any) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor ``export_state`` gives for a model of ``config`` (tied
+    tensors once, under their first name), from a model built on the meta device."""
+    from transformers import AutoModelForCausalLM
 
-    gguf_name: str
-    shape: tuple[int, ...]
-    permute_heads: int | None = None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    seen: set[int] = set()
+    out: dict[str, tuple[int, ...]] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            out[name] = tuple(t.shape)
+    return dict(sorted(out.items()))
 
 
-def expected_tensors(layout: LlamaLayout) -> dict[str, TensorSlot]:
+def expected_tensors(layout: GGUFLayout) -> dict[str, TensorSlot]:
     """State name (transformers) -> :class:`TensorSlot`, for every tensor the state must hold."""
-    h, hd, ff = layout.hidden, layout.head_dim, layout.intermediate
-    q_rows, kv_rows = layout.heads * hd, layout.kv_heads * hd
-    # Only the llama graph needs the rotate-half -> pairs permutation (see the module docstring).
-    pq = layout.heads if layout.arch == "llama" else None
-    pk = layout.kv_heads if layout.arch == "llama" else None
-    out = {
-        "model.embed_tokens.weight": TensorSlot("token_embd.weight", (layout.vocab, h)),
-        "model.norm.weight": TensorSlot("output_norm.weight", (h,)),
-    }
-    if not layout.tied:
-        out["lm_head.weight"] = TensorSlot("output.weight", (layout.vocab, h))
-    for i in range(layout.layers):
-        p, b = f"model.layers.{i}.", f"blk.{i}."
-        out[p + "input_layernorm.weight"] = TensorSlot(b + "attn_norm.weight", (h,))
-        out[p + "self_attn.q_proj.weight"] = TensorSlot(b + "attn_q.weight", (q_rows, h), pq)
-        out[p + "self_attn.k_proj.weight"] = TensorSlot(b + "attn_k.weight", (kv_rows, h), pk)
-        out[p + "self_attn.v_proj.weight"] = TensorSlot(b + "attn_v.weight", (kv_rows, h))
-        out[p + "self_attn.o_proj.weight"] = TensorSlot(b + "attn_output.weight", (h, q_rows))
-        if layout.qkv_bias:
-            out[p + "self_attn.q_proj.bias"] = TensorSlot(b + "attn_q.bias", (q_rows,), pq)
-            out[p + "self_attn.k_proj.bias"] = TensorSlot(b + "attn_k.bias", (kv_rows,), pk)
-            out[p + "self_attn.v_proj.bias"] = TensorSlot(b + "attn_v.bias", (kv_rows,))
-        if layout.o_bias:
-            out[p + "self_attn.o_proj.bias"] = TensorSlot(b + "attn_output.bias", (h,))
-        out[p + "post_attention_layernorm.weight"] = TensorSlot(b + "ffn_norm.weight", (h,))
-        out[p + "mlp.gate_proj.weight"] = TensorSlot(b + "ffn_gate.weight", (ff, h))
-        out[p + "mlp.up_proj.weight"] = TensorSlot(b + "ffn_up.weight", (ff, h))
-        out[p + "mlp.down_proj.weight"] = TensorSlot(b + "ffn_down.weight", (h, ff))
-    return out
+    return dict(layout.slots)
 
 
-def check_state(layout: LlamaLayout, state: Mapping[str, torch.Tensor]) -> dict[str, TensorSlot]:
+def check_state(layout: GGUFLayout, state: Mapping[str, torch.Tensor]) -> dict[str, TensorSlot]:
     """Validate ``state`` against ``layout``; return :func:`expected_tensors`.
 
     Raises ValueError naming the first missing, unexpected, mis-shaped or non-float (F32/F16/BF16)
@@ -191,4 +205,3 @@ def storage_dtype(published: str, ndim: int, override: str | None) -> str:
     if ndim <= 1:
         return "float32"
     return override or published
-

@@ -40,7 +40,7 @@ from echo.models.weights import state_digest as digest_of
 from echo.node.engines.base import Completion, Engine, GenRequest
 from echo.node.engines.gguf_export import write_gguf
 from echo.node.engines.gguf_file import GGUFFile
-from echo.node.engines.gguf_layout import LlamaLayout, check_state, expected_tensors, layout_of
+from echo.node.engines.gguf_layout import GGUFLayout, check_state, expected_tensors, layout_of
 from echo.node.engines.gguf_vocab import GGUFVocab, vocab_for
 from echo.node.engines.llamacpp_context import (
     KV_PAD,
@@ -370,7 +370,7 @@ class LlamaCppEngine(Engine):
 SMALL_MODEL_PARAMS = 100_000_000
 
 
-def _default_threads(layout: LlamaLayout) -> int:
+def _default_threads(layout: GGUFLayout) -> int:
     """One thread for small models, else every core. A decode step of a small model is a few
     hundred tiny ops, each ended by a spinning barrier across ggml's threads: threading gains
     little there, and on a busy machine (other processes on the cores) one descheduled thread
