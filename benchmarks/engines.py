@@ -42,7 +42,7 @@ from echo.models.spec import ModelSpec, build_model, encode_prompt  # noqa: E402
 from echo.models.weights import export_state, to_bits  # noqa: E402
 from echo.node.engines.base import Engine, GenRequest  # noqa: E402
 from echo.node.engines.factory import make_engine  # noqa: E402
-from echo.node.worker import lease_request  # noqa: E402
+from echo.node.worker import lease_prompt, lease_request  # noqa: E402
 from echo.protocol import codec, signing  # noqa: E402
 from echo.protocol import messages as m  # noqa: E402
 from echo.protocol.patch import encode_patch  # noqa: E402
@@ -112,6 +112,8 @@ class NodePath:
                     job_id="job1",
                     node_id="node1",
                     prompt_id=1000 + i,
+                    prompt_tokens=m.pack_tokens(
+                        encode_prompt(spec, self.task.prompt(1000 + i))),
                     group_size=group,
                     sampling=sampling[i],
                     min_version=0,
@@ -124,8 +126,7 @@ class NodePath:
 
     def requests(self, leases: list[m.Lease]) -> list[GenRequest]:
         return [
-            lease_request(lease, encode_prompt(self.spec, self.task.prompt(lease.prompt_id)))
-            for lease in leases
+            lease_request(lease, lease_prompt(lease, self.spec.vocab)) for lease in leases
         ]
 
     def open_leases(self) -> list[m.Lease]:

@@ -33,6 +33,9 @@ from echo.protocol.errors import SchemaError, SignatureError
 
 log = logging.getLogger("echo.coordinator")
 
+# A batch reply's own fields around its groups (current version, flags, list header).
+REPLY_OVERHEAD = 256
+
 # The signed requests a learner sends; each names its job.
 LearnerRecord = TypeVar("LearnerRecord", m.LearnerHello, m.BatchRequest, m.StepReport)
 
@@ -58,13 +61,20 @@ class LearnerRPC:
         self.broadcast = broadcast
         self.penalties = penalties
         self._host: EchoHost | None = None
+        # Bytes one batch reply may take; lowered only to exercise multi-reply batches.
+        self.batch_reply_bytes = limits.MAX_BATCH_REPLY_BYTES
 
     def install(self, host: EchoHost) -> None:
         """Serve the learner protocols on ``host``, which also gossips version announcements."""
         self._host = host
         small = SMALL_REQUEST_BYTES
         host.set_handler(ids.PROTO_LEARNER_HELLO, self.handle_learner_hello, max_request=small)
-        host.set_handler(ids.PROTO_LEARNER_BATCH, self.handle_learner_batch, max_request=small)
+        host.set_handler(
+            ids.PROTO_LEARNER_BATCH,
+            self.handle_learner_batch,
+            max_request=small,
+            max_response=limits.MAX_BATCH_REPLY_BYTES,
+        )
         host.set_handler(
             ids.PROTO_LEARNER_REPORT,
             self.handle_learner_report,
@@ -114,8 +124,11 @@ class LearnerRPC:
     async def handle_learner_batch(self, peer_id: ID, data: bytes) -> bytes:
         """Hand the learner up to ``max_groups`` buffered groups (none unless the job runs).
 
-        Each group is rebuilt from the rows stored when it was accepted; its prompt is re-derived
-        from the task. Raises what :meth:`_open` raises, SchemaError for a bad record.
+        A reply holds at most as many groups as fit :attr:`batch_reply_bytes` at the job's
+        group size and completion length (bounded before any group is read) and says, with
+        ``more``, when further groups wait: the learner asks again. Each group is rebuilt from
+        the rows stored when it was accepted; its prompt is re-derived from the task. Raises what
+        :meth:`_open` raises, SchemaError for a bad record.
         """
         job, req = self._open(data, m.BatchRequest, peer_id)
         row = self.store.job(req.job_id)
@@ -128,6 +141,8 @@ class LearnerRPC:
                     cancelled=row.status == "cancelled",
                 )
             )
+        per_group = m.training_group_bound(job.spec.group_size, job.max_new_tokens)
+        fit = max(1, (self.batch_reply_bytes - REPLY_OVERHEAD) // per_group)
         groups = [
             m.TrainingGroup(
                 rollout_id=g.rollout.rollout_id,
@@ -139,9 +154,11 @@ class LearnerRPC:
                 rewards=g.rollout.rewards,
                 completions=list(g.completions),
             )
-            for g in self.store.take_batch(req.job_id, req.max_groups, req.min_version)
+            for g in self.store.take_batch(req.job_id, min(req.max_groups, fit), req.min_version)
         ]
-        return m.encode(m.BatchReply(groups=groups, current_version=row.current_version))
+        # The budget, not the buffer, may have cut this reply: then the learner asks again at once.
+        more = len(groups) == fit < req.max_groups
+        return m.encode(m.BatchReply(groups=groups, current_version=row.current_version, more=more))
 
     async def handle_learner_report(self, peer_id: ID, data: bytes) -> bytes:
         """Publish the version a learner trained, then plan and announce its broadcast.

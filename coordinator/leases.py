@@ -4,11 +4,14 @@
 be valid (:meth:`NodeRPC.handle_lease <echo.coordinator.node_rpc.NodeRPC.handle_lease>` checks
 that): nothing while the job is not running or the node's weights are too old; otherwise as many
 leases as keep the job's buffer near its target without letting one node, especially a new one,
-tie up more than its quota. Each lease is stored before its signed copy leaves.
+tie up more than its quota. Each lease carries its prompt's token ids, computed here from the
+coordinator's own copy of the task (nodes need no dataset), and is stored before its signed copy
+leaves.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 
@@ -20,6 +23,8 @@ from echo.coordinator.store import Store
 from echo.p2p.identity import Identity
 from echo.protocol import messages as m
 from echo.protocol import signing
+
+log = logging.getLogger("echo.coordinator")
 
 # Leases ask the node to come back this soon when there is no work (the learner is busy).
 IDLE_RETRY_S = 0.5
@@ -76,11 +81,23 @@ class Leases:
         now = time.time()
         rows, sealed = [], []
         for prompt_id in self.store.next_prompt_ids(row.job_id, n):
+            prompt = job.prompt_tokens(prompt_id)
+            if not 0 < len(prompt) <= m.MAX_PROMPT_TOKENS:
+                # A lease cannot carry it; skipping it costs one prompt, not the job.
+                log.warning(
+                    "job %s: prompt %d has %d tokens (a lease carries 1 to %d): skipped",
+                    row.job_id,
+                    prompt_id,
+                    len(prompt),
+                    m.MAX_PROMPT_TOKENS,
+                )
+                continue
             lease = m.Lease(
                 lease_id=secrets.token_hex(12),
                 job_id=row.job_id,
                 node_id=node.node_id,
                 prompt_id=prompt_id,
+                prompt_tokens=m.pack_tokens(prompt),
                 group_size=job.spec.group_size,
                 sampling=m.SamplingSpec(
                     max_new_tokens=job.max_new_tokens,
@@ -108,6 +125,13 @@ class Leases:
                 )
             )
             sealed.append(signing.seal_record(self.identity.private_key, lease))
+        if not rows:  # every prompt drawn was too long
+            return m.LeaseReply(
+                leases=[],
+                current_version=current,
+                retry_after_s=IDLE_RETRY_S,
+                message="no prompt fits a lease",
+            )
         self.store.add_leases(rows)
         self.metrics.leases_issued.inc(len(rows))
         return m.LeaseReply(leases=sealed, current_version=current, retry_after_s=0.0)

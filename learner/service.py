@@ -33,7 +33,7 @@ from echo.p2p.host import EchoHost, open_host
 from echo.p2p.identity import Identity, public_key_from_peer_id
 from echo.p2p.lifecycle import run_until_signalled
 from echo.p2p.relay import Relay, RelayConfig, open_relay
-from echo.protocol import ids, signing
+from echo.protocol import ids, limits, signing
 from echo.protocol import messages as m
 from echo.protocol.errors import ProtocolError
 from echo.protocol.jobspec import JobSpec
@@ -87,8 +87,7 @@ class Learner:
         if ckpt is not None:
             self.version = ckpt.version
             self.pending_report = ckpt.report
-            self.publisher.reset(self.trainer.published_state(), ckpt.version,
-                                 ckpt.anchor_version)
+            self.publisher.reset(self.trainer.published_state(), ckpt.version, ckpt.anchor_version)
             log.info("resumed from checkpoint v%d", ckpt.version)
 
     def _publish(
@@ -133,12 +132,16 @@ class Learner:
     # ------------------------------------------------------------------ coordinator RPC
 
     async def _rpc(self, proto: str, record: m.Record, reply_cls):
+        """``record``, signed, to the coordinator; its reply as a ``reply_cls``. Replies are
+        bounded by the largest the coordinator sends (a batch). :raises RpcError: the call
+        failed. :raises ProtocolError: the reply does not decode."""
         assert self.host is not None
         sealed = signing.seal_record(self.identity.private_key, record)
+        cap = limits.MAX_BATCH_REPLY_BYTES
         data = await self.host.request(
-            self.coord_peer, proto, sealed, timeout=RPC_TIMEOUT, max_response=64 << 20
+            self.coord_peer, proto, sealed, timeout=RPC_TIMEOUT, max_response=cap
         )
-        return m.decode(reply_cls, data, max_bytes=64 << 20)
+        return m.decode(reply_cls, data, max_bytes=cap)
 
     async def _send_report(self, sealed: bytes) -> None:
         assert self.host is not None
@@ -161,7 +164,8 @@ class Learner:
         assert self.host is not None and self.relay is not None
         try:
             await self.relay.join_plan(
-                sealed_plan, public_key_from_peer_id(self.coord_peer), self.job_id)
+                sealed_plan, public_key_from_peer_id(self.coord_peer), self.job_id
+            )
         except ProtocolError as exc:
             log.warning("cannot push v%d down the plan: %s", self.version, exc)
 
@@ -169,16 +173,17 @@ class Learner:
         """Chunk bytes this learner has sent, pushed and pulled, since it started."""
         return self.served_bytes + (self.relay.pushed_out_total if self.relay else 0)
 
-    async def _take_groups(self, want: int) -> tuple[list[m.TrainingGroup], bool]:
+    async def _take_groups(self, want: int) -> m.BatchReply:
+        """Up to ``want`` groups within the staleness window from the coordinator's buffer (one
+        reply: ``more`` says the reply's size budget cut it short)."""
         min_version = max(0, self.version - self.spec.staleness)
-        reply = await self._rpc(
+        return await self._rpc(
             ids.PROTO_LEARNER_BATCH,
             m.BatchRequest(
                 job_id=self.job_id, max_groups=want, min_version=min_version, timestamp=time.time()
             ),
             m.BatchReply,
         )
-        return list(reply.groups), reply.cancelled
 
     # ------------------------------------------------------------------ main loop
 
@@ -241,7 +246,8 @@ class Learner:
             await self._send_report(self.pending_report)  # crashed before reporting
         elif hello.current_version < 0:
             sealed = await trio.to_thread.run_sync(
-                lambda: self._publish([], [], self.trainer.evaluate(force=True)))
+                lambda: self._publish([], [], self.trainer.evaluate(force=True))
+            )
             await self._send_report(sealed)
             log.info("published v0 (base policy)")
         if await self._train_loop():
@@ -266,10 +272,11 @@ class Learner:
         pending: list[m.TrainingGroup] = []
         last_wait_log = time.monotonic()
         while self.version < spec.steps:
-            groups, cancelled = await self._take_groups(spec.batch_groups - len(pending))
-            if cancelled:
+            reply = await self._take_groups(spec.batch_groups - len(pending))
+            if reply.cancelled:
                 log.info("job cancelled at v%d", self.version)
                 return False
+            groups = list(reply.groups)
             pending.extend(groups)
             floor = self.version - spec.staleness
             pending = [g for g in pending if g.version >= floor]
@@ -277,7 +284,10 @@ class Learner:
                 fresh = {g.rollout_id for g in groups}
                 if fresh:  # while we wait, re-score what came (off the step's critical path)
                     await trio.to_thread.run_sync(
-                        self.trainer.prescore, [g for g in pending if g.rollout_id in fresh])
+                        self.trainer.prescore, [g for g in pending if g.rollout_id in fresh]
+                    )
+                if reply.more:
+                    continue  # the reply's size budget cut it: the rest is waiting
                 if time.monotonic() - last_wait_log > 10:
                     log.info("waiting for rollouts (%d/%d groups)", len(pending), spec.batch_groups)
                     last_wait_log = time.monotonic()
@@ -288,8 +298,9 @@ class Learner:
             batch, pending = pending[: spec.batch_groups], []
             sealed, metrics = await trio.to_thread.run_sync(self._step, batch)
             if "eval_accuracy" in metrics:
-                log.info("v%d held-out greedy accuracy %.3f", self.version,
-                         metrics["eval_accuracy"])
+                log.info(
+                    "v%d held-out greedy accuracy %.3f", self.version, metrics["eval_accuracy"]
+                )
             await self._send_report(sealed)
             log.info(
                 "v%d reward %.3f loss %.4f mismatch %.2e groups %d rejected %d step %.2fs",
@@ -320,8 +331,12 @@ def main() -> None:
     ap.add_argument("--job-id", required=True)
     ap.add_argument("--coordinator", required=True, help="coordinator multiaddr")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--upload-limit-bps", type=float, default=None,
-                    help="cap on the learner's pushes to its relay children, bytes/s")
+    ap.add_argument(
+        "--upload-limit-bps",
+        type=float,
+        default=None,
+        help="cap on the learner's pushes to its relay children, bytes/s",
+    )
     args = ap.parse_args()
     if args.upload_limit_bps is not None and args.upload_limit_bps <= 0:
         ap.error("--upload-limit-bps must be positive")
@@ -330,7 +345,8 @@ def main() -> None:
     )
     for noisy in ("libp2p", "multiaddr", "async_service"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    learner = Learner(args.job_dir, args.job_id, args.coordinator, args.threads,
-                      args.upload_limit_bps)
+    learner = Learner(
+        args.job_dir, args.job_id, args.coordinator, args.threads, args.upload_limit_bps
+    )
     # The coordinator stops us with SIGTERM (job cancelled, or it is shutting down).
     run_until_signalled(learner.run)

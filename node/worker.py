@@ -6,9 +6,10 @@
 and a :class:`~echo.node.display.Display` (what the volunteer sees). It registers with the
 coordinator, syncs weights to the job's current version, then loops: ask for leases (saying which
 version it holds), check each lease's coordinator signature, generate the whole group of every
-lease in one batch in a worker thread, sign and submit each group, and show the volunteer what was
-accepted and why anything was rejected. A gossip listener and the lease replies both tell it when
-a newer version is out; it syncs before generating again.
+lease in one batch in a worker thread from the prompt token ids the signed lease carries (a node
+needs neither the dataset nor any task code), sign and submit each group, and show the volunteer
+what was accepted and why anything was rejected. A gossip listener and the lease replies both
+tell it when a newer version is out; it syncs before generating again.
 
 Generation and weight decoding run in trio worker threads so the host keeps serving chunks to
 peers meanwhile; every network wait has a timeout.
@@ -21,7 +22,7 @@ import time
 import trio
 from rich.console import Console
 
-from echo.models.spec import ModelSpec, encode_prompt, load_tokenizer
+from echo.models.spec import ModelSpec, load_tokenizer
 from echo.node.config import NodeConfig
 from echo.node.display import Display
 from echo.node.engines.base import Engine, GenRequest, SamplingParams
@@ -37,7 +38,6 @@ from echo.p2p.rpc import RemoteError, RpcError
 from echo.protocol import codec, ids, signing
 from echo.protocol import messages as m
 from echo.protocol.errors import ProtocolError
-from echo.tasks.registry import make_task
 
 SOFTWARE = "echo-swarm/0.1.0"
 # Stopping an engine's worker processes (vLLM's shutdown waits up to 2 s per process).
@@ -45,6 +45,15 @@ ENGINE_CLOSE_TIMEOUT_S = 10.0
 # When the job ends, a node finishes relaying the last version to its children (for at most
 # this long) before it leaves: its subtree may have nobody else to get it from.
 FINAL_FORWARD_S = 30.0
+
+
+def lease_prompt(lease: m.Lease, vocab_size: int) -> list[int]:
+    """The prompt token ids ``lease`` carries (signed by the coordinator).
+
+    :raises SchemaError: an id outside ``[0, vocab_size)`` or more than MAX_PROMPT_TOKENS ids.
+    """
+    ids = m.unpack_tokens(lease.prompt_tokens, vocab_size=vocab_size, max_len=m.MAX_PROMPT_TOKENS)
+    return ids.tolist()
 
 
 def lease_request(lease: m.Lease, prompt_ids: list[int]) -> GenRequest:
@@ -135,7 +144,8 @@ class Node:
         # Re-scoring thresholds are per engine and device: GPU kernels differ more from the
         # learner's CPU float32 than a CPU does.
         self.report_engine = (
-            f"torch-{device}" if self.engine_name == "torch" and device != "cpu"
+            f"torch-{device}"
+            if self.engine_name == "torch" and device != "cpu"
             else self.engine_name
         )
         try:
@@ -150,17 +160,15 @@ class Node:
             )
         except MemoryError:
             raise NodeError("the model does not fit in this machine's memory") from None
-        tokenizer = load_tokenizer(spec)
-        task = make_task(job.task.name, dict(job.task.params))
+        # The tokenizer only bounds the ids a lease may carry: prompts come tokenized.
+        vocab = spec.vocab if spec.kind == "tiny" else len(load_tokenizer(spec))
         sync = await self.policy.prepare(host, job)
         async with trio.open_nursery() as nursery:
             await self.policy.start(nursery, self.engine)
-            await self._lease_loop(job, spec, tokenizer, task, sync)
+            await self._lease_loop(job, vocab, sync)
             nursery.cancel_scope.cancel()
 
-    async def _lease_loop(
-        self, job: m.JobInfo, spec: ModelSpec, tokenizer, task, sync: WeightSync
-    ) -> None:
+    async def _lease_loop(self, job: m.JobInfo, vocab: int, sync: WeightSync) -> None:
         done_groups = 0
         while self.max_groups is None or done_groups < self.max_groups:
             if not self.cfg.working_now():
@@ -193,28 +201,33 @@ class Node:
             if not reply.leases:
                 if reply.message.startswith("job is") and "running" not in reply.message:
                     if not await self.policy.finish_forwarding(sync.version, FINAL_FORWARD_S):
-                        self.say(f"[yellow]still relaying v{sync.version} after "
-                                 f"{FINAL_FORWARD_S:.0f} s; leaving anyway[/yellow]")
+                        self.say(
+                            f"[yellow]still relaying v{sync.version} after "
+                            f"{FINAL_FORWARD_S:.0f} s; leaving anyway[/yellow]"
+                        )
                     self.say(f"{reply.message} at v{sync.version}; leaving")
                     return
                 await trio.sleep(max(reply.retry_after_s, 0.05))
                 continue
             leases = [self._open_lease(b) for b in reply.leases]
-            await self._work(leases, spec, tokenizer, task, sync)
+            work = []
+            for lease in leases:
+                try:
+                    work.append((lease, lease_prompt(lease, vocab)))
+                except ProtocolError as exc:  # the coordinator's bug: skip it, the lease expires
+                    self.say(f"[yellow]lease {lease.lease_id} skipped:[/yellow] {exc}")
+            if work:
+                await self._work(work, sync)
             done_groups += len(leases)
 
     def _open_lease(self, data: bytes) -> m.Lease:
         return signing.open_record(data, m.Lease, expected_signer=self.session.key)[1]
 
-    async def _work(
-        self, leases: list[m.Lease], spec: ModelSpec, tokenizer, task, sync: WeightSync
-    ) -> None:
+    async def _work(self, work: list[tuple[m.Lease, list[int]]], sync: WeightSync) -> None:
         assert self.engine is not None
         version, digest = sync.version, sync.digest
-        reqs = [
-            lease_request(lease, encode_prompt(spec, task.prompt(lease.prompt_id), tokenizer))
-            for lease in leases
-        ]
+        leases = [lease for lease, _ in work]
+        reqs = [lease_request(lease, prompt) for lease, prompt in work]
         t0 = time.perf_counter()
         results = await trio.to_thread.run_sync(self.engine.generate, reqs)
         gen_s = time.perf_counter() - t0

@@ -9,7 +9,9 @@
 # 4: messages.TrainingGroup no longer carries the node's signed envelope (the learner never read
 #    it; the coordinator builds batches from the groups it stored decoded); JobInfo.staleness
 #    may be 0 (synchronous jobs).
-PROTOCOL_VERSION = 4
+# 5: Lease.prompt_tokens (nodes generate from the signed lease's token ids, not from task code);
+#    BatchReply.more, and batch replies up to limits.MAX_BATCH_REPLY_BYTES (long completions).
+PROTOCOL_VERSION = 5
 
 # libp2p stream protocols (request/response, one frame each way).
 PROTO_REGISTER = "/echo/register/1.0.0"  # node -> coordinator

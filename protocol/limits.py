@@ -8,6 +8,12 @@ hostile peer can make us read at most a few of these per stream before we close 
 # 64 sequences x 4096 tokens x (4 B id + 4 B logprob) is 2 MiB.
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 
+# A learner's batch reply (messages.BatchReply) is the one bulk control message: the coordinator
+# fits as many whole groups as this allows and says when more are waiting. 32 MiB holds one
+# group at the protocol's extremes (256 completions of 8192 tokens, 16 MiB) and 58 groups of 16
+# completions of 4096 tokens, more than a typical batch of 8.
+MAX_BATCH_REPLY_BYTES = 32 * 1024 * 1024
+
 # Weight chunks travel on their own protocol; 4 MiB keeps per-chunk hashing and re-fetch cheap
 # while staying far from yamux's window sizes mattering.
 MAX_CHUNK_BYTES = 4 * 1024 * 1024

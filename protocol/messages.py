@@ -31,6 +31,9 @@ Version = Annotated[int, Field(ge=0, le=2**40)]
 # Per-completion bounds; a lease narrows them further (max_new_tokens).
 MAX_COMPLETION_TOKENS = 8192
 MAX_GROUP_SIZE = 256
+# Longest prompt a lease or a training group carries: 32 KiB of int32 ids per lease, so a reply
+# of 64 leases stays near 2 MiB, well inside a frame.
+MAX_PROMPT_TOKENS = 8192
 
 
 class Record(BaseModel):
@@ -141,7 +144,13 @@ class SamplingSpec(Record):
 
 
 class Lease(Record):
-    """Signed by the coordinator: one GRPO group of ``group_size`` samples of one prompt."""
+    """Signed by the coordinator: one GRPO group of ``group_size`` samples of one prompt.
+
+    ``prompt_tokens`` (protocol 5) is the prompt as the model sees it (chat template applied),
+    packed int32 little-endian: the coordinator computes it from its own copy of the task, so a
+    node generates from it without the dataset or any task code. It is signed with the rest of
+    the lease; the coordinator never takes prompt tokens back from a node.
+    """
 
     KIND: ClassVar[str] = "lease"
 
@@ -149,6 +158,7 @@ class Lease(Record):
     job_id: Id
     node_id: Id
     prompt_id: int = Field(ge=0, lt=2**62)
+    prompt_tokens: bytes = Field(min_length=4, max_length=4 * MAX_PROMPT_TOKENS)
     group_size: int = Field(ge=1, le=MAX_GROUP_SIZE)
     sampling: SamplingSpec
     min_version: int = Field(ge=0)
@@ -285,17 +295,38 @@ class TrainingGroup(Record):
     rollout_id: Id
     node_id: Id
     prompt_id: int = Field(ge=0)
-    prompt_tokens: bytes  # int32 little-endian, re-derived by the coordinator from the task
+    # int32 little-endian, re-derived by the coordinator from the task
+    prompt_tokens: bytes = Field(max_length=4 * MAX_PROMPT_TOKENS)
     version: Version
     engine: ShortStr
     rewards: list[float] = Field(max_length=MAX_GROUP_SIZE)
     completions: list[CompletionRecord] = Field(max_length=MAX_GROUP_SIZE)
 
 
+# Encoded size of a TrainingGroup beyond its token and log-prob bytes: field names, its strings
+# at their longest (UTF-8, 4 bytes a character), headers, and per completion its reward and the
+# map around its arrays. tests/test_protocol.py checks the bound against real encodings.
+_GROUP_OVERHEAD = 4096
+_COMPLETION_OVERHEAD = 96
+
+
+def training_group_bound(group_size: int, max_new_tokens: int) -> int:
+    """The most bytes one encoded :class:`TrainingGroup` of ``group_size`` completions of at most
+    ``max_new_tokens`` tokens can take (a prompt of up to ``MAX_PROMPT_TOKENS`` included): what
+    a batch reply budgets per group before it reads any group."""
+    per_completion = 8 * max_new_tokens + _COMPLETION_OVERHEAD  # int32 id + float32 log-prob
+    return 4 * MAX_PROMPT_TOKENS + _GROUP_OVERHEAD + group_size * per_completion
+
+
 class BatchReply(Record):
+    """Up to a request's ``max_groups`` groups, as many as fit one reply's byte budget
+    (``limits.MAX_BATCH_REPLY_BYTES``). ``more`` (protocol 5): the budget, not the buffer, cut
+    this reply short, so the learner asks again at once for the rest."""
+
     groups: list[TrainingGroup] = Field(max_length=4096)
     current_version: int = Field(ge=-1)
     cancelled: bool = False
+    more: bool = False
 
 
 class RescoreVerdict(Record):

@@ -305,6 +305,7 @@ def test_a_schema_1_database_keeps_its_buffer_trainable(tmp_path) -> None:
         job_id="job",
         node_id=ident.peer_id_str,
         prompt_id=3,
+        prompt_tokens=m.pack_tokens(encode(TASK.prompt(3))),
         group_size=2,
         sampling=m.SamplingSpec(max_new_tokens=8, temperature=1.0, top_p=1.0, seed=1),
         min_version=0,
