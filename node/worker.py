@@ -26,7 +26,7 @@ from echo.models.spec import ModelSpec, load_tokenizer
 from echo.node.config import NodeConfig
 from echo.node.display import Display
 from echo.node.engines.base import Engine, GenRequest, SamplingParams
-from echo.node.engines.factory import make_engine
+from echo.node.engines.factory import make_engine_or_torch
 from echo.node.errors import NodeError
 from echo.node.policy import PolicyFollower
 from echo.node.probe import choose_engine, probe
@@ -141,16 +141,9 @@ class Node:
         cfg = self.cfg
         spec = ModelSpec.from_dict(job.model)
         device = cfg.device if cfg.device != "auto" else ("cuda" if self.probe.cuda else "cpu")
-        # Re-scoring thresholds are per engine and device: GPU kernels differ more from the
-        # learner's CPU float32 than a CPU does.
-        self.report_engine = (
-            f"torch-{device}"
-            if self.engine_name == "torch" and device != "cpu"
-            else self.engine_name
-        )
         try:
-            self.engine = await trio.to_thread.run_sync(
-                lambda: make_engine(
+            choice = await trio.to_thread.run_sync(
+                lambda: make_engine_or_torch(
                     self.engine_name,
                     spec,
                     device=device,
@@ -160,6 +153,17 @@ class Node:
             )
         except MemoryError:
             raise NodeError("the model does not fit in this machine's memory") from None
+        self.engine = choice.engine
+        if choice.fallback:  # an architecture the chosen engine cannot run: one line, then torch
+            self.say(f"[yellow]{choice.fallback}; running the torch engine instead[/yellow]")
+            self.engine_name = self.policy.engine_name = choice.name
+        # Re-scoring thresholds are per engine and device: GPU kernels differ more from the
+        # learner's CPU float32 than a CPU does.
+        self.report_engine = (
+            f"torch-{device}"
+            if self.engine_name == "torch" and device != "cpu"
+            else self.engine_name
+        )
         # The tokenizer only bounds the ids a lease may carry: prompts come tokenized.
         vocab = spec.vocab if spec.kind == "tiny" else len(load_tokenizer(spec))
         sync = await self.policy.prepare(host, job)
