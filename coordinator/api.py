@@ -24,6 +24,7 @@ from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, R
 from starlette.routing import Route
 
 from echo.coordinator.capacity import NodeRate, plan, recommend_staleness, staleness_options
+from echo.coordinator.jobs import check_job
 from echo.coordinator.learners import tail
 from echo.coordinator.ports import ApiBackend
 from echo.protocol.jobspec import SpecError, load_job_toml, parse_job
@@ -187,6 +188,10 @@ def build_app(coord: ApiBackend) -> Starlette:
             else:
                 spec = load_job_toml(text)
         except (SpecError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        try:  # the task, its dataset and rewards, before anything is stored
+            await trio.to_thread.run_sync(check_job, spec)
+        except (ValueError, OSError) as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
         job_id = coord.submit_job(spec)
         return JSONResponse({"job_id": job_id}, status_code=201)

@@ -7,35 +7,49 @@ are published.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from echo.coordinator.rows import JobRow
 from echo.coordinator.store import Store
 from echo.coordinator.verify import JobContext
+from echo.models.prompts import PromptRenderer
 from echo.models.spec import (
     ModelSpec,
     decode_completion,
-    encode_prompt,
     eos_token_id,
     load_tokenizer,
 )
 from echo.protocol import messages as m
 from echo.protocol.jobspec import JobSpec
+from echo.tasks.base import Task
 from echo.tasks.registry import make_task
+from echo.tasks.scoring import JobReward
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class RunningJob:
-    """A stored job as the handlers use it: spec, model, tokenizer, verification context."""
+    """A stored job as the handlers use it: spec, model, tokenizer, verification context, and
+    how its prompts become token ids (:attr:`render`) and completions rewards (``ctx.reward``)."""
 
     spec: JobSpec
     model: ModelSpec
     ctx: JobContext
     tokenizer: object
+    render: PromptRenderer
+    reward: JobReward
 
     def prompt_tokens(self, prompt_id: int) -> list[int]:
-        """The prompt as the model sees it, re-derived here from the task, never from a node."""
-        return encode_prompt(self.model, self.ctx.task.prompt(prompt_id), self.tokenizer)
+        """The prompt as the model sees it (chat template or plain text, as the job resolved),
+        re-derived here from the task, never from a node."""
+        return self.render.ids(prompt_id)
+
+    @property
+    def prompt_format(self) -> str:
+        """``"chat template"`` or ``"plain text"``, for status displays."""
+        return self.render.prompt_format
 
     def info(self, row: JobRow) -> m.JobInfo:
         """What a node needs to serve this job, from ``row``, its current stored state."""
@@ -60,21 +74,62 @@ class RunningJob:
         """The completion length leases ask for: the spec's, capped by the task's."""
         return min(self.spec.sampling.max_new_tokens, self.ctx.task.max_new_tokens)
 
+    def close(self) -> None:
+        """Stop the job's reward processes (researcher functions); safe to call twice."""
+        self.reward.close()
+
+
+def _build(job_id: str, spec: JobSpec) -> tuple[ModelSpec, object, Task, PromptRenderer, JobReward]:
+    model = ModelSpec.from_dict(spec.model_spec_dict())
+    tokenizer = load_tokenizer(model)
+    task = make_task(spec.task.name, dict(spec.task.params))
+    render = PromptRenderer.for_job(model, task, tokenizer, spec.task.chat, job=job_id)
+    reward = JobReward(task, spec.reward)
+    log.info("job %s: reward = %s", job_id, reward.describe())
+    return model, tokenizer, task, render, reward
+
+
+def check_job(spec: JobSpec) -> None:
+    """Check what a job needs from this coordinator before it is stored: the model's tokenizer,
+    the task (its dataset read, both splits non-empty), the chat setting, a first prompt and a
+    held-out one rendered, and each ``python`` reward loaded in its process. Blocking (it may
+    read a dataset and start a process): run it in a worker thread.
+
+    :raises ValueError: the message names the bad task parameter, dataset file or field, chat
+        setting or reward entry point (RewardError for a reward function that does not load
+        is a ValueError too here).
+    :raises OSError: an unreadable model folder.
+    """
+    from echo.tasks.reward_worker import RewardError
+
+    _, _, task, render, reward = _build(spec.name, spec)
+    try:
+        render.ids(0)
+        if spec.eval.every:
+            held_out = task.eval_prompt_ids(1)
+            if not held_out:
+                raise ValueError(f"task {task.name!r} has no held-out prompts (set eval.every = 0)")
+            render.ids(held_out[0])
+        reward.start()
+    except RewardError as exc:
+        raise ValueError(str(exc)) from None
+    finally:
+        reward.close()
+
 
 def load_running_job(store: Store, job_id: str) -> RunningJob:
     """Build the runtime context of a stored job, including versions already published.
 
     Raises KeyError for an unknown job; a stored spec that no longer validates (or a model or
-    task this build lacks) raises what pydantic, the tokenizer or the task registry raise.
+    task this build lacks, or a dataset file that has gone) raises what pydantic, the
+    tokenizer or the task registry raise.
     """
     row = store.job(job_id)
     if row is None:
         raise KeyError(job_id)
     spec = JobSpec.model_validate(row.spec)
-    model = ModelSpec.from_dict(spec.model_spec_dict())
-    tokenizer = load_tokenizer(model)
-    task = make_task(spec.task.name, dict(spec.task.params))
-    vocab = model.vocab if model.kind == "tiny" else len(tokenizer)
+    model, tokenizer, task, render, reward = _build(job_id, spec)
+    vocab = model.vocab if model.kind == "tiny" else len(tokenizer)  # type: ignore[arg-type]
     ctx = JobContext(
         job_id=job_id,
         task=task,
@@ -83,7 +138,10 @@ def load_running_job(store: Store, job_id: str) -> RunningJob:
         eos_id=eos_token_id(model),
         staleness=spec.staleness,
         current_version=row.current_version,
+        reward=reward,
     )
     for v in store.versions(job_id):
         ctx.digests[v.version] = v.state_digest
-    return RunningJob(spec=spec, model=model, ctx=ctx, tokenizer=tokenizer)
+    return RunningJob(
+        spec=spec, model=model, ctx=ctx, tokenizer=tokenizer, render=render, reward=reward
+    )

@@ -47,6 +47,14 @@ class JobContext:
     staleness: int
     current_version: int = -1
     digests: dict[int, str] = field(default_factory=dict)  # version -> published state digest
+    # The job's reward (``echo.tasks.scoring.JobReward``: its [[job.reward]] components, which
+    # score 0 and log instead of raising); None: the task's own ``reward``.
+    reward: Callable[[int, str], float] | None = None
+
+    def score(self, prompt_id: int, completion: str) -> float:
+        """The reward of ``completion`` (decoded, EOS removed) for ``prompt_id``."""
+        fn = self.reward if self.reward is not None else self.task.reward
+        return float(fn(prompt_id, completion))
 
 
 @dataclass(frozen=True)
@@ -150,7 +158,7 @@ def check_submission(
                 R.BAD_TERMINATION, f"completion {i}: 'length' must fill max_new_tokens without EOS"
             )
         body = ids[:-1] if comp.finish_reason == "stop" else ids
-        rewards.append(float(ctx.task.reward(lease.prompt_id, ctx.decode(body.tolist()))))
+        rewards.append(ctx.score(lease.prompt_id, ctx.decode(body.tolist())))
         hasher.update(comp.token_ids)
         hasher.update(b"\x00")
         tokens += int(ids.size)

@@ -1,9 +1,14 @@
 """Held-out greedy accuracy: whether the policy has learned the task, not just its samples.
 
 Sampled reward mixes what the policy knows with how much it still explores; greedy accuracy on
-prompts it never trained on is the figure a researcher watches. Prompt ids from
-:data:`EVAL_PROMPT_BASE` on are never leased (the coordinator numbers training prompts from 0),
-so the evaluation set is disjoint from the training stream and the same on every run of a task.
+prompts it never trained on is the figure a researcher watches. The prompts are the task's
+held-out ids (:meth:`echo.tasks.base.Task.eval_prompt_ids`): for procedural tasks ids from
+:data:`EVAL_PROMPT_BASE` on, which are never leased (the coordinator numbers training prompts
+from 0); for dataset tasks their eval split. Either way the set is disjoint from the training
+stream and the same on every run of a task. Prompts are rendered as the coordinator renders
+training prompts (:class:`echo.models.prompts.PromptRenderer`, the same chat setting), and scored
+with the task's own scorer (a job's extra reward components, such as a format bonus or a
+researcher's function that runs on the coordinator only, do not count towards accuracy).
 The synchronous baseline (``scripts/grpo_local.py``) and the swarm's learner both call
 :func:`greedy_accuracy`, so their figures are comparable.
 """
@@ -14,11 +19,17 @@ from typing import Any
 
 import torch
 
-from echo.models.spec import ModelSpec, decode_completion, encode_prompt, eos_token_id
-from echo.tasks.base import Task
+from echo.models.prompts import PromptRenderer
+from echo.models.spec import (
+    ChatMode,
+    ModelSpec,
+    decode_completion,
+    eos_token_id,
+    use_chat_template,
+)
+from echo.tasks.base import EVAL_PROMPT_BASE, Task
 
-# Far above any prompt id a job leases (one id per group: 10**9 groups is beyond any run).
-EVAL_PROMPT_BASE = 10**9
+__all__ = ["EVAL_PROMPT_BASE", "EVAL_BATCH", "greedy_accuracy", "greedy_completions"]
 # Prompts per forward: bounds memory on real models while keeping the tiny model's calls few.
 EVAL_BATCH = 64
 
@@ -65,17 +76,28 @@ def greedy_completions(
 
 
 def greedy_accuracy(
-    model: torch.nn.Module, spec: ModelSpec, task: Task, n: int = 256, tokenizer: Any = None
+    model: torch.nn.Module,
+    spec: ModelSpec,
+    task: Task,
+    n: int = 256,
+    tokenizer: Any = None,
+    chat: ChatMode = "auto",
 ) -> float:
-    """Mean reward of greedy answers to held-out prompts ``EVAL_PROMPT_BASE .. + n``.
+    """Mean task reward of greedy answers to the task's first ``n`` held-out prompts (fewer when
+    a dataset's eval split is smaller), rendered with the job's ``chat`` setting.
 
-    :raises ValueError: if ``n`` is not positive, or an ``hf`` spec comes without its tokenizer.
+    :raises ValueError: if ``n`` is not positive, the task has no held-out prompt, an ``hf``
+        spec comes without its tokenizer, or ``chat = "always"`` meets a model without a
+        chat template.
     """
     if n <= 0:
         raise ValueError("need at least one evaluation prompt")
-    pids = range(EVAL_PROMPT_BASE, EVAL_PROMPT_BASE + n)
-    prompts = [encode_prompt(spec, task.prompt(i), tokenizer) for i in pids]
+    pids = task.eval_prompt_ids(n)
+    if not pids:
+        raise ValueError(f"task {task.name!r} has no held-out prompts")
+    render = PromptRenderer(spec, task, tokenizer, use_chat_template(spec, tokenizer, chat))
+    prompts = [render.ids(i) for i in pids]
     eos = eos_token_id(spec)
     comps = greedy_completions(model, prompts, task.max_new_tokens, eos)
     texts = [decode_completion(spec, c, tokenizer) for c in comps]
-    return sum(task.reward(i, t) for i, t in zip(pids, texts, strict=True)) / n
+    return sum(task.reward(i, t) for i, t in zip(pids, texts, strict=True)) / len(pids)

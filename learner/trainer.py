@@ -131,7 +131,8 @@ class Trainer:
             return {}
         t0 = time.perf_counter()
         acc = greedy_accuracy(self.learner.model, self.model_spec, self.task,
-                              n=self.spec.eval.prompts, tokenizer=self.tokenizer)
+                              n=self.spec.eval.prompts, tokenizer=self.tokenizer,
+                              chat=self.spec.task.chat)
         return {"eval_accuracy": acc, "eval_s": time.perf_counter() - t0}
 
     def _fused_version(self) -> int:

@@ -133,16 +133,64 @@ def eos_token_id(spec: ModelSpec) -> int:
     return int(eos)
 
 
-def encode_prompt(spec: ModelSpec, text: str, tokenizer: Any = None) -> list[int]:
-    """Token ids of a prompt as every engine and the learner see it (with the model's BOS).
+ChatMode = Literal["auto", "always", "never"]
 
-    ``tiny`` uses the pure byte encoder (no tokenizer object needed); ``hf`` needs ``tokenizer``.
+
+def has_chat_template(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` carries a chat template (the byte tokenizer does not)."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def use_chat_template(spec: ModelSpec, tokenizer: Any, mode: ChatMode) -> bool:
+    """Resolve a job's ``[job.task] chat`` setting for this model.
+
+    ``auto``: the template when the tokenizer has one; ``always``: the template, and an error
+    without one; ``never``: plain text. The ``tiny`` byte model has no template.
+
+    :raises ValueError: ``always`` for a model without a chat template, or an unknown mode.
     """
-    if spec.kind == "tiny":
-        return byte_encode(text, add_bos=True)
-    if tokenizer is None:
-        raise ValueError("encode_prompt for an 'hf' spec needs its tokenizer")
-    return list(tokenizer(text).input_ids)
+    if mode not in ("auto", "always", "never"):
+        raise ValueError(f"chat must be 'auto', 'always' or 'never', not {mode!r}")
+    has = spec.kind == "hf" and has_chat_template(tokenizer)
+    if mode == "always" and not has:
+        where = "the tiny byte model" if spec.kind == "tiny" else f"the tokenizer at {spec.path}"
+        raise ValueError(f"task.chat = 'always' but {where} has no chat template")
+    return has and mode != "never"
+
+
+def encode_prompt(
+    spec: ModelSpec,
+    text: str,
+    tokenizer: Any = None,
+    *,
+    system: str | None = None,
+    chat: bool = False,
+) -> list[int]:
+    """Token ids of a prompt as every engine and the learner see it.
+
+    Plain text (``chat`` False): the model's BOS, then the text, with ``system`` (if any) and a
+    blank line before it. ``tiny`` uses the pure byte encoder (no tokenizer object needed).
+
+    Chat (``chat`` True, ``hf`` only): the tokenizer's chat template rendered over
+    ``[system?, user]`` with ``add_generation_prompt=True``, then tokenized without adding
+    special tokens again (the template writes BOS itself where the model wants one).
+
+    :raises ValueError: an ``hf`` spec without its tokenizer, or ``chat`` without a template.
+    """
+    if not chat:
+        if system:
+            text = f"{system}\n\n{text}"
+        if spec.kind == "tiny":
+            return byte_encode(text, add_bos=True)
+        if tokenizer is None:
+            raise ValueError("encode_prompt for an 'hf' spec needs its tokenizer")
+        return list(tokenizer(text).input_ids)
+    if tokenizer is None or not has_chat_template(tokenizer):
+        raise ValueError("encode_prompt with chat=True needs a tokenizer with a chat template")
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": text})
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(rendered, add_special_tokens=False).input_ids)
 
 
 def decode_completion(spec: ModelSpec, ids: list[int], tokenizer: Any = None) -> str:

@@ -4,6 +4,11 @@ A task is pure: :meth:`Task.prompt` depends only on the task's parameters and th
 the coordinator re-derives any prompt from a lease and never trusts a node's copy, and
 :meth:`Task.reward` is recomputed by the coordinator from the completion text alone.
 Completions are decoded text with EOS (and other special tokens) removed.
+
+Prompt ids: the coordinator numbers training prompts from 0, one per group. Ids from
+:data:`EVAL_PROMPT_BASE` on are reserved for held-out evaluation and never leased;
+:meth:`Task.eval_prompt_ids` lists the ones a task evaluates on (procedural tasks: the first ``n``
+of that range; dataset tasks: their eval split).
 """
 
 from __future__ import annotations
@@ -17,6 +22,16 @@ from pydantic import BaseModel, ConfigDict
 
 # Prompt ids travel in leases; bounding them keeps them a plain signed 64-bit integer everywhere.
 MAX_PROMPT_ID = (1 << 63) - 1
+# Far above any prompt id a job leases (one id per group: 10**9 groups is beyond any run).
+EVAL_PROMPT_BASE = 10**9
+
+
+def check_prompt_id(prompt_id: int) -> None:
+    """Raise TypeError for a non-int (bools included) and ValueError outside [0, 2**63 - 1]."""
+    if isinstance(prompt_id, bool) or not isinstance(prompt_id, int):
+        raise TypeError(f"prompt_id must be an int, not {type(prompt_id).__name__}")
+    if not 0 <= prompt_id <= MAX_PROMPT_ID:
+        raise ValueError(f"prompt_id {prompt_id} outside [0, 2**63 - 1]")
 
 
 class TaskParams(BaseModel):
@@ -56,6 +71,25 @@ class Task(ABC):
         """A real-format prompt and a completion in the answer's format but with random content,
         for the supervised format warm-up (it teaches shape and stopping, not the task)."""
 
+    def system_prompt(self, prompt_id: int) -> str | None:
+        """The system prompt for ``prompt_id``, or None (the default: tasks without one)."""
+        return None
+
+    def eval_prompt_ids(self, n: int) -> list[int]:
+        """At most ``n`` held-out prompt ids, the same on every call and every machine.
+
+        Procedural tasks draw fresh prompts from ``EVAL_PROMPT_BASE`` on, so they always give
+        ``n``; a dataset task gives its eval split's first ``n`` rows (fewer if the split is
+        smaller). Raises ValueError if ``n`` is negative.
+        """
+        if n < 0:
+            raise ValueError(f"n must be >= 0, not {n}")
+        return list(range(EVAL_PROMPT_BASE, EVAL_PROMPT_BASE + n))
+
+    def row_id(self, prompt_id: int) -> str:
+        """A stable name of the prompt's source (a dataset row's id); procedural: the id."""
+        return str(prompt_id)
+
     def params_dict(self) -> dict[str, Any]:
         """The parameters as plain JSON-able data."""
         return self.params.model_dump()
@@ -67,10 +101,7 @@ class Task(ABC):
     def prompt_rng(self, prompt_id: int) -> random.Random:
         """A random stream owned by one prompt: seeded by sha256 of (task, params, prompt id), so it
         is the same on every machine and Python version (unlike ``hash()``)."""
-        if isinstance(prompt_id, bool) or not isinstance(prompt_id, int):
-            raise TypeError(f"prompt_id must be an int, not {type(prompt_id).__name__}")
-        if not 0 <= prompt_id <= MAX_PROMPT_ID:
-            raise ValueError(f"prompt_id {prompt_id} outside [0, 2**63 - 1]")
+        check_prompt_id(prompt_id)
         key = f"{self.name}|{self.params.model_dump_json()}|{prompt_id}".encode()
         return random.Random(int.from_bytes(hashlib.sha256(key).digest()[:8], "little"))
 

@@ -4,16 +4,32 @@ from __future__ import annotations
 
 import random
 import re
+from pathlib import Path
 
 import pytest
 
 from echo.tasks import TASKS, make_task
 
+DATA = str(Path(__file__).parent / "data" / "gsm8k_mini.jsonl")
+# The smallest valid params of every registered task: a new task must add itself here.
+CASES = {
+    "addition": {},
+    "reverse": {},
+    "dataset": {"path": DATA},
+    "gym": {"dataset": "basic_arithmetic"},
+}
 
-@pytest.mark.parametrize("name", sorted(TASKS))
+
+def test_every_task_has_a_case() -> None:
+    assert set(CASES) == set(TASKS)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_prompts_are_pure_and_answers_score_one(name: str) -> None:
-    task, again = make_task(name, {}), make_task(name, {})
-    for pid in [0, 1, 2, 17, 10**12, 2**63 - 1]:
+    task, again = make_task(name, CASES[name]), make_task(name, CASES[name])
+    # Procedural tasks take any id; a dataset's held-out ids end with its eval split.
+    big = [] if name == "dataset" else [10**12, 2**63 - 1]
+    for pid in [0, 1, 2, 17, *task.eval_prompt_ids(2), *big]:
         assert task.prompt(pid) == again.prompt(pid)
         assert task.reward(pid, task.answer(pid)) == 1.0
         assert task.reward(pid, f" {task.answer(pid)}\n") == 1.0
@@ -59,7 +75,7 @@ FORMATS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(TASKS))
+@pytest.mark.parametrize("name", sorted(FORMATS))
 def test_format_examples(name: str) -> None:
     task = make_task(name, {})
     prompt_re, completion_re = FORMATS[name]

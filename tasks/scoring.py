@@ -1,0 +1,172 @@
+"""The job's reward: a weighted sum of ``[[job.reward]]`` components over one task.
+
+Kinds (see :class:`~echo.protocol.jobspec.RewardSection` for the keys each reads):
+
+- ``task``: the task's own scorer (``Task.reward``); the whole reward when a job lists none;
+- ``math``: math-verify of the completion against the reference answer (boxed answers, LaTeX,
+  the last number; :func:`~echo.tasks.rewards.math_score`), ``timeout_s`` per call (default 5);
+- ``exact``: the completion's final answer equals the reference (``rewards.final_answer``);
+- ``regex``: ``pattern`` found in the completion, ``{answer}`` standing for the escaped answer;
+- ``format``: exactly one non-empty ``<tag>...</tag>`` (default ``answer``) ending the text;
+- ``python``: a researcher's function registered as entry point ``entry_point`` in group
+  ``echo_swarm.rewards``, called as ``fn(prompt=str, completion=str, answer=str,
+  prompt_id=int) -> float`` in a child process with ``timeout_s`` per call (default 5).
+
+A component that fails (a python reward that raises, hangs or returns a non-number, or a task
+scorer that raises on odd text) scores 0.0 for that completion and logs the reason: the
+completion is still scored, and verification goes on. ``python`` components run where the reward
+is computed, on the coordinator; the learner's evaluation uses the task's own scorer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import echo.tasks.rewards as rw
+from echo.tasks.base import Task
+from echo.tasks.reward_worker import RewardError, RewardWorker, find_entry_point
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 5
+
+
+class RewardConfig(Protocol):
+    """One component's settings, as ``[[job.reward]]`` gives them (``RewardSection`` in
+    ``echo.protocol.jobspec``, which validates which keys apply to which kind)."""
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def weight(self) -> float: ...
+    @property
+    def tag(self) -> str | None: ...
+    @property
+    def pattern(self) -> str | None: ...
+    @property
+    def entry_point(self) -> str | None: ...
+    @property
+    def timeout_s(self) -> int | None: ...
+
+
+@dataclass(frozen=True)
+class TaskReward:
+    """The component a job without ``[[job.reward]]`` is scored by: the task's own scorer."""
+
+    kind: str = "task"
+    weight: float = 1.0
+    tag: str | None = None
+    pattern: str | None = None
+    entry_point: str | None = None
+    timeout_s: int | None = None
+
+
+@dataclass(frozen=True)
+class Component:
+    """One weighted term: ``score(prompt_id, completion)`` in [0, 1] for built-ins."""
+
+    label: str
+    weight: float
+    score: Callable[[int, str], float]
+
+
+class JobReward:
+    """``reward(prompt_id, completion)``: the weighted sum of the job's components.
+
+    Built from validated sections, so the only errors left are about the environment:
+    :raises ValueError: a ``python`` component whose entry point is not registered.
+    """
+
+    def __init__(self, task: Task, sections: Sequence[RewardConfig] = ()) -> None:
+        self.task = task
+        self._workers: list[RewardWorker] = []
+        sections = list(sections) or [TaskReward()]
+        self.components = [self._component(i, s) for i, s in enumerate(sections)]
+
+    def _component(self, i: int, s: RewardConfig) -> Component:
+        task, tag = self.task, s.tag or "answer"
+        timeout = s.timeout_s or DEFAULT_TIMEOUT_S
+        score: Callable[[int, str], float]
+        if s.kind == "task":
+            score = task.reward
+        elif s.kind == "math":
+            score = lambda pid, text: rw.math_score(text, task.answer(pid), timeout, tag)  # noqa: E731
+        elif s.kind == "exact":
+            score = lambda pid, text: rw.exact_score(text, task.answer(pid), tag)  # noqa: E731
+        elif s.kind == "regex":
+            pattern = s.pattern or ""
+            score = lambda pid, text: rw.regex_score(text, pattern, task.answer(pid))  # noqa: E731
+        elif s.kind == "format":
+            score = lambda pid, text: rw.format_score(text, tag)  # noqa: E731
+        elif s.kind == "python":
+            name = s.entry_point or ""
+            find_entry_point(name)  # fail at job load, not at the first completion
+            worker = RewardWorker(f"entry:{name}", timeout_s=timeout)
+            self._workers.append(worker)
+            score = self._python(worker)
+            return Component(f"python:{name}", s.weight, score)
+        else:
+            raise ValueError(f"reward #{i}: unknown kind {s.kind!r}")
+        return Component(f"{s.kind}#{i}" if s.kind != "task" else "task", s.weight, score)
+
+    def _python(self, worker: RewardWorker) -> Callable[[int, str], float]:
+        task = self.task
+
+        def score(pid: int, text: str) -> float:
+            return worker.call(
+                prompt=task.prompt(pid), completion=text, answer=task.answer(pid), prompt_id=pid
+            )
+
+        return score
+
+    def __call__(self, prompt_id: int, completion: str) -> float:
+        """The weighted sum for one completion; never raises for what the completion says."""
+        return sum(
+            c.weight * s
+            for c, s in zip(self.components, self._scores(prompt_id, completion), strict=True)
+        )
+
+    def breakdown(self, prompt_id: int, completion: str) -> dict[str, float]:
+        """Each component's unweighted score, by label (for logs and tests)."""
+        return dict(
+            zip(
+                (c.label for c in self.components), self._scores(prompt_id, completion), strict=True
+            )
+        )
+
+    def _scores(self, prompt_id: int, completion: str) -> list[float]:
+        out = []
+        for c in self.components:
+            try:
+                out.append(float(c.score(prompt_id, completion)))
+            except RewardError as exc:
+                log.warning("reward %s scored 0 for prompt %d: %s", c.label, prompt_id, exc)
+                out.append(0.0)
+            except Exception as exc:  # noqa: BLE001 - odd node text must not stop verification
+                log.warning(
+                    "reward %s raised on prompt %d, scored 0: %s: %s",
+                    c.label,
+                    prompt_id,
+                    type(exc).__name__,
+                    exc,
+                )
+                out.append(0.0)
+        return out
+
+    def start(self) -> None:
+        """Start the child processes of ``python`` components now (so the first group does not
+        wait for them). :raises RewardError: a function that does not load (says why)."""
+        for w in self._workers:
+            w.start()
+
+    def close(self) -> None:
+        """Stop the child processes (a later call starts them again)."""
+        for w in self._workers:
+            w.close()
+
+    def describe(self) -> str:
+        """``"1*math#0 + 0.1*format#1"``: what the job is trained on, for logs."""
+        return " + ".join(f"{c.weight:g}*{c.label}" for c in self.components)
