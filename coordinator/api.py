@@ -20,10 +20,17 @@ from hypercorn.trio import serve
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from starlette.responses import (
+    FileResponse,
+    HTMLResponse,
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+)
 from starlette.routing import Route
 
 from echo.coordinator.capacity import NodeRate, plan, recommend_staleness, staleness_options
+from echo.coordinator.exports import Exports, ExportUnavailable
 from echo.coordinator.jobs import check_job
 from echo.coordinator.learners import tail
 from echo.coordinator.ports import ApiBackend
@@ -242,6 +249,32 @@ def build_app(coord: ApiBackend) -> Starlette:
     async def capacity(job_id: str, request: Request) -> Response:
         return JSONResponse(job_plan(coord, job_id))
 
+    exports = Exports(coord.store, coord.job_dir)
+
+    @job_route
+    async def export(job_id: str, request: Request) -> Response:
+        """Write (once) and list the Hugging Face folder of ``?version=N`` (default: newest)."""
+        raw = request.query_params.get("version")
+        try:
+            version = None if raw is None else int(raw)
+        except ValueError:
+            return JSONResponse({"error": "version must be an integer"}, status_code=400)
+        try:
+            return JSONResponse(await exports.prepare(job_id, version))
+        except ExportUnavailable as exc:
+            return JSONResponse({"error": str(exc)}, status_code=404)
+
+    @job_route
+    async def export_file(job_id: str, request: Request) -> Response:
+        try:
+            version = int(request.path_params["version"])
+        except ValueError:
+            return JSONResponse({"error": "version must be an integer"}, status_code=400)
+        path = exports.file(job_id, version, request.path_params["name"])
+        if path is None:
+            return JSONResponse({"error": "no such export file"}, status_code=404)
+        return FileResponse(path, media_type="application/octet-stream")
+
     @guard
     async def nodes(request: Request) -> Response:
         return JSONResponse(node_list(coord))
@@ -272,6 +305,8 @@ def build_app(coord: ApiBackend) -> Starlette:
             Route("/v1/jobs/{job_id}/cancel", cancel, methods=["POST"]),
             Route("/v1/jobs/{job_id}/logs", logs),
             Route("/v1/jobs/{job_id}/plan", capacity),
+            Route("/v1/jobs/{job_id}/export", export, methods=["POST"]),
+            Route("/v1/jobs/{job_id}/export/{version}/{name}", export_file),
             Route("/v1/nodes", nodes),
         ]
     )

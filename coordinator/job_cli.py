@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -119,6 +120,7 @@ def _print_status(st: dict[str, Any]) -> None:
         console.print(f"[red]{st['error']}[/red]")
     ln = st.get("learning") or {}
     if ln.get("versions"):
+
         def fmt(key: str, spec: str) -> str:
             return "-" if ln.get(key) is None else format(ln[key], spec)
 
@@ -126,7 +128,8 @@ def _print_status(st: dict[str, Any]) -> None:
             f"last {ln['versions']} versions: groups {fmt('staleness_mean', '.2f')} versions "
             f"old on average (max {fmt('staleness_max', '.0f')}); importance weight pi/mu mean "
             f"{fmt('is_w_mean', '.3f')}, {fmt('is_w_outside_trust_region', '.1%')} of tokens "
-            f"outside the trust region")
+            f"outside the trust region"
+        )
     if ln.get("eval_last") is not None:
         console.print(f"held-out greedy accuracy: {ln['eval_first']:.3f} -> {ln['eval_last']:.3f}")
     curve = st["reward_by_version"]
@@ -142,22 +145,30 @@ def _print_status(st: dict[str, Any]) -> None:
 def plan(job_id: str, url: UrlOpt = "http://127.0.0.1:8080", token: TokenOpt = "") -> None:
     """The capacity model with the terms measured so far: will the learner wait for rollouts?"""
     p = _call(url, token, "GET", f"/v1/jobs/{job_id}/plan")
-    console.print(f"R = {p['R']} rollouts per update, T_train = {p['T_train_s']:.3f} s, "
-                  f"T_bcast = {p['T_bcast_s']:.3f} s, kappa = {p['kappa']}")
+    console.print(
+        f"R = {p['R']} rollouts per update, T_train = {p['T_train_s']:.3f} s, "
+        f"T_bcast = {p['T_bcast_s']:.3f} s, kappa = {p['kappa']}"
+    )
     need = p["required_rollouts_per_s"]
     need_s = "unreachable" if need is None else f"{need:.1f} rollouts/s"
-    console.print(f"required: {need_s}   available: "
-                  f"{p['available_rollouts_per_s']:.1f} rollouts/s "
-                  f"({p['tokens_per_rollout']:.1f} tokens per rollout)")
+    console.print(
+        f"required: {need_s}   available: "
+        f"{p['available_rollouts_per_s']:.1f} rollouts/s "
+        f"({p['tokens_per_rollout']:.1f} tokens per rollout)"
+    )
     verdict = "[green]feasible[/green]" if p["feasible"] else "[red]not feasible[/red]"
     console.print(f"{verdict}: {p['note']}")
     console.print(f"active: {len(p['active'])} node(s); standby: {len(p['standby'])}")
-    console.print(f"staleness: this job runs S = {p['staleness']}; recommended "
-                  f"S = {p['recommended_staleness']}: {p['recommendation']}")
+    console.print(
+        f"staleness: this job runs S = {p['staleness']}; recommended "
+        f"S = {p['recommended_staleness']}: {p['recommendation']}"
+    )
     for o in p["staleness_options"]:
         period = "-" if o["period_s"] is None else f"{o['period_s']:.2f} s"
-        console.print(f"  S = {o['staleness']}: a version every {period}, learner busy "
-                      f"{o['learner_busy']:.0%}, {o['speedup_vs_sync']:.2f}x S = 0")
+        console.print(
+            f"  S = {o['staleness']}: a version every {period}, learner busy "
+            f"{o['learner_busy']:.0%}, {o['speedup_vs_sync']:.2f}x S = 0"
+        )
 
 
 @app.command()
@@ -178,6 +189,88 @@ def cancel(job_id: str, url: UrlOpt = "http://127.0.0.1:8080", token: TokenOpt =
     """Cancel a job: its learner stops and no more leases are issued."""
     out = _call(url, token, "POST", f"/v1/jobs/{job_id}/cancel")
     console.print("cancelled" if out["cancelled"] else "job was not running")
+
+
+# Writing a large model's export on the coordinator takes minutes; the POST waits for it.
+EXPORT_TIMEOUT = httpx.Timeout(10.0, read=3600.0)
+
+
+@app.command()
+def export(
+    job_id: str,
+    out_dir: Annotated[Path, typer.Argument(help="new or empty folder to write the model into")],
+    version: Annotated[
+        int | None, typer.Option("--version", "-v", help="version to export (default: newest)")
+    ] = None,
+    url: UrlOpt = "http://127.0.0.1:8080",
+    token: TokenOpt = "",
+) -> None:
+    """Download a published version as a Hugging Face model folder (safetensors, config,
+    tokenizer and chat template): AutoModelForCausalLM.from_pretrained(OUT_DIR) loads it."""
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        console.print(f"[red]{out_dir} is not an empty folder:[/red] choose a new or empty one")
+        raise typer.Exit(2)
+    params = {} if version is None else {"version": version}
+    with console.status("the coordinator is writing the export..."):
+        listing = _call(
+            url, token, "POST", f"/v1/jobs/{job_id}/export", params=params, timeout=EXPORT_TIMEOUT
+        )
+    v = listing["version"]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        _download(url, token, f"/v1/jobs/{job_id}/export/{v}", listing["files"], out_dir)
+    except _DownloadError as exc:
+        console.print(f"[red]export download failed:[/red] {exc}")
+        raise typer.Exit(1) from None
+    console.print(f"{job_id} v{v} -> {out_dir} ({len(listing['files'])} files)")
+
+
+class _DownloadError(Exception):
+    pass
+
+
+def _download(url: str, token: str, base: str, files: list[dict[str, Any]], out: Path) -> None:
+    """Fetch every listed file into ``out``, checking its size and sha256 as it streams; a file
+    is renamed into place only once it checks out. :raises _DownloadError: what went wrong."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+    total = sum(int(f["size"]) for f in files)
+    with (
+        _client(url, token) as c,
+        Progress(
+            "[progress.description]{task.description}",
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            console=console,
+        ) as bar,
+    ):
+        task = bar.add_task("export", total=total)
+        for f in files:
+            name, size = str(f["name"]), int(f["size"])
+            if "/" in name or name.startswith("."):
+                raise _DownloadError(f"the coordinator listed a bad file name {name!r}")
+            part = out / f".{name}.part"
+            h = hashlib.sha256()
+            got = 0
+            try:
+                with c.stream("GET", f"{base}/{name}", timeout=EXPORT_TIMEOUT) as r:
+                    if r.status_code >= 400:
+                        raise _DownloadError(f"{name}: HTTP {r.status_code}")
+                    with part.open("wb") as fh:
+                        for block in r.iter_bytes(1 << 20):
+                            got += len(block)
+                            if got > size:
+                                raise _DownloadError(f"{name}: more than the {size} bytes listed")
+                            h.update(block)
+                            fh.write(block)
+                            bar.advance(task, len(block))
+            except httpx.HTTPError as exc:
+                raise _DownloadError(f"{name}: {exc}") from None
+            if got != size or h.hexdigest() != f["sha256"]:
+                part.unlink(missing_ok=True)
+                raise _DownloadError(f"{name}: size or sha256 differs from the listing")
+            part.replace(out / name)
 
 
 def token_from_dir(data_dir: Path) -> str:

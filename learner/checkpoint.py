@@ -1,7 +1,8 @@
 """Learner checkpoints: model, optimizer and the step report of the version they hold.
 
-One folder per version under ``<job dir>/checkpoints``, written to a temporary name and renamed,
-so a crash leaves the previous checkpoint intact. Only local files of our own are read back:
+One folder per version under ``<job dir>/checkpoints`` (the newest :data:`KEEP`), written to a
+temporary name and renamed, so a crash leaves the previous checkpoint intact; ``echo-job export``
+reads their model weights back (:func:`load_model_state`). Only local files of our own are read back:
 tensors through safetensors, optimizer state through ``torch.load(weights_only=True)``.
 """
 
@@ -50,6 +51,33 @@ def save(root: Path, ckpt: Checkpoint) -> None:
     os.replace(tmp, final)
     for old in sorted(p for p in root.iterdir() if p.name.startswith("v"))[:-KEEP]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def versions(root: Path) -> list[int]:
+    """The versions whose checkpoint is complete under ``root``, oldest first (only the newest
+    :data:`KEEP` are kept)."""
+    if not root.exists():
+        return []
+    out = []
+    for d in root.iterdir():
+        if d.name.startswith("v") and (d / "meta.json").exists():
+            try:
+                out.append(int(d.name[1:]))
+            except ValueError:
+                continue
+    return sorted(out)
+
+
+def load_model_state(root: Path, version: int) -> dict[str, torch.Tensor]:
+    """The model weights of ``version``'s checkpoint (the learner's float32 master weights, every
+    ``state_dict`` name; no optimizer state is read).
+
+    :raises FileNotFoundError: no checkpoint of ``version`` is kept under ``root``.
+    """
+    path = _dir(root, version) / "model.safetensors"
+    if not path.exists():
+        raise FileNotFoundError(f"no checkpoint of version {version} under {root}")
+    return load_file(str(path))
 
 
 def latest(root: Path) -> Checkpoint | None:

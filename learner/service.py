@@ -26,6 +26,7 @@ import trio
 
 from echo.learner import checkpoint
 from echo.learner.publish import Publisher
+from echo.learner.tracking import Tracker, TrackingError, open_tracker
 from echo.learner.trainer import Trainer
 from echo.models.spec import ModelSpec
 from echo.p2p.chunkstore import ChunkStore, serve_chunks
@@ -80,6 +81,10 @@ class Learner:
         self.coord_peer = None
         self.relay: Relay | None = None
         self.served_bytes = 0  # chunk bytes nodes pulled from us
+        # Raises TrackingError now, before any work, when the job's backend cannot start.
+        self.tracker: Tracker | None = open_tracker(
+            self.spec.tracking, job_dir, job_id, self.spec.model_dump(mode="json")
+        )
 
     def build(self) -> None:
         """Build (or restore) the model; runs in a worker thread."""
@@ -127,6 +132,8 @@ class Learner:
             ),
         )
         self.trainer.remember(self.version, state)
+        if self.tracker is not None:
+            self.tracker.log(self.version, metrics)
         return sealed
 
     # ------------------------------------------------------------------ coordinator RPC
@@ -205,6 +212,15 @@ class Learner:
         (self.job_dir / "learner.port").write_text(port)
 
     async def run(self) -> None:
+        """Build the model, attach to the coordinator and train until the job ends; the
+        tracking run is closed on the way out."""
+        try:
+            await self._run()
+        finally:
+            if self.tracker is not None:
+                self.tracker.close()
+
+    async def _run(self) -> None:
         await trio.to_thread.run_sync(self.build)
         async with open_host(self.identity, [self._listen_addr()]) as host:
             self._remember_port(host)
@@ -345,8 +361,12 @@ def main() -> None:
     )
     for noisy in ("libp2p", "multiaddr", "async_service"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    learner = Learner(
-        args.job_dir, args.job_id, args.coordinator, args.threads, args.upload_limit_bps
-    )
+    try:
+        learner = Learner(
+            args.job_dir, args.job_id, args.coordinator, args.threads, args.upload_limit_bps
+        )
+    except TrackingError as exc:  # one clear line in learner.log, not a traceback
+        log.error("%s", exc)
+        raise SystemExit(2) from None
     # The coordinator stops us with SIGTERM (job cancelled, or it is shutting down).
     run_until_signalled(learner.run)

@@ -95,7 +95,9 @@ class Trainer:
         task = make_task(spec.task.name, dict(spec.task.params))
         tokenizer = load_tokenizer(model_spec) if model_spec.kind == "hf" else None
         ckpt = checkpoint.latest(job_dir / "checkpoints")
-        if ckpt is None and spec.warmup.steps and model_spec.kind == "tiny":
+        # A validated spec holds the steps its model kind defaults to (0 for a pretrained
+        # model), or those the job asked for.
+        if ckpt is None and spec.warmup.steps:
             t0 = time.perf_counter()
             warmup(model, model_spec, task, steps=spec.warmup.steps, lr=spec.warmup.lr,
                    seed=spec.model.seed, cache_dir=job_dir.parent.parent / "cache")

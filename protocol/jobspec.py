@@ -6,6 +6,7 @@ valid job. Unknown keys are refused by name: a typo must not silently fall back 
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import tomllib
 from pathlib import Path
@@ -134,10 +135,67 @@ class SamplingSection(BaseModel):
     max_new_tokens: int = Field(default=8, ge=1, le=8192)
 
 
+# Format warm-up steps when ``[job.warmup] steps`` is unset, by model kind: a random tiny model
+# needs the answer's shape; random labels would damage a pretrained one.
+WARMUP_STEPS_BY_KIND = {"tiny": 150, "hf": 0}
+
+
 class WarmupSection(BaseModel):
+    """``[job.warmup]``: supervised format warm-up before GRPO (``echo.learner.warmup``)."""
+
     model_config = ConfigDict(extra="forbid")
-    steps: int = Field(default=150, ge=0, le=100_000)
+    steps: int | None = Field(
+        default=None,
+        ge=0,
+        le=100_000,
+        description="format warm-up steps on random-content answers; unset: 150 for the tiny "
+        "model, 0 for a pretrained model (kind 'hf'), which random labels would damage: set it "
+        "to warm a pretrained model up anyway. A validated job always holds the number",
+    )
     lr: float = Field(default=3e-3, gt=0)
+
+
+# Tracking backend -> (module to import, the echo-swarm extra that installs it).
+TRACKING_PACKAGES = {
+    "tensorboard": ("tensorboard", "tracking"),
+    "trackio": ("trackio", "trackio"),
+    "wandb": ("wandb", "wandb"),
+}
+
+
+class TrackingSection(BaseModel):
+    """``[job.tracking]``: where the learner logs its per-version metrics
+    (``echo.learner.tracking``); off unless a backend is named."""
+
+    model_config = ConfigDict(extra="forbid")
+    backend: Literal["none", "tensorboard", "trackio", "wandb"] = Field(
+        default="none", description="tensorboard, trackio or wandb (offline); none: no tracking"
+    )
+    dir: str | None = Field(
+        default=None,
+        max_length=4096,
+        description="folder the backend writes to (a relative path is under the job's folder); "
+        "unset: <job folder>/tracking",
+    )
+    project: str = Field(
+        default="echo-swarm", min_length=1, max_length=128, description="trackio/wandb project"
+    )
+    run_name: str | None = Field(
+        default=None, max_length=128, description="the run's name; unset: the job id"
+    )
+
+    def missing_package(self) -> str | None:
+        """What to install when the backend's package is not importable here (one line naming
+        the extra), else None. Looks the module up without importing it."""
+        if self.backend == "none":
+            return None
+        module, extra = TRACKING_PACKAGES[self.backend]
+        if importlib.util.find_spec(module) is not None:
+            return None
+        return (
+            f"backend {self.backend!r} needs the {module} package, which is not installed: "
+            f"pip install 'echo-swarm[{extra}]'"
+        )
 
 
 class EvalSection(BaseModel):
@@ -160,6 +218,7 @@ class JobSpec(BaseModel):
     grpo: GRPOParams = Field(default_factory=GRPOParams)
     sampling: SamplingSection = Field(default_factory=SamplingSection)
     warmup: WarmupSection = Field(default_factory=WarmupSection)
+    tracking: TrackingSection = Field(default_factory=TrackingSection)
     eval: EvalSection = Field(default_factory=EvalSection)
     steps: int = Field(default=60, ge=1, le=10_000_000, description="policy versions to train")
     group_size: int = Field(default=16, ge=2, le=256)
@@ -174,6 +233,13 @@ class JobSpec(BaseModel):
     learner_public_key: str | None = Field(
         default=None, description="hex Ed25519 key of an external learner; unset = local learner"
     )
+
+    @model_validator(mode="after")
+    def _warmup_default(self) -> JobSpec:
+        # Resolved here, once, so the stored job and the learner read the same number.
+        if self.warmup.steps is None:
+            self.warmup.steps = WARMUP_STEPS_BY_KIND[self.model.kind]
+        return self
 
     def model_spec_dict(self) -> dict[str, Any]:
         m = self.model
@@ -205,13 +271,19 @@ def read_toml(path: Path | None) -> dict[str, Any]:
 
 
 def parse_job(data: dict[str, Any]) -> JobSpec:
-    """Validate a job mapping (the ``[job]`` table of job.toml, or the same as JSON)."""
+    """Validate a job mapping (the ``[job]`` table of job.toml, or the same as JSON) as it is
+    submitted: a tracking backend a local learner could not import is refused here (an
+    external learner checks its own when it starts). Raises SpecError naming the bad key."""
     if "job" in data and isinstance(data["job"], dict) and len(data) == 1:
         data = data["job"]
     try:
-        return JobSpec.model_validate(data)
+        spec = JobSpec.model_validate(data)
     except ValidationError as exc:
         raise explain_validation(exc, "job") from None
+    missing = None if spec.learner_public_key else spec.tracking.missing_package()
+    if missing:
+        raise SpecError(f"job: tracking.backend: {missing}")
+    return spec
 
 
 def load_job_toml(text: str) -> JobSpec:
