@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import trio
 
-from echo.models.spec import build_model, encode_prompt
+from echo.models.spec import ModelSpec, build_model, encode_prompt
 from echo.models.tokenizer import EOS_ID, VOCAB_SIZE
 from echo.node.config import NodeConfig
 from echo.node.engines.base import GenRequest, SamplingParams
@@ -27,6 +27,7 @@ from echo.p2p.lifecycle import run_until_signalled
 from echo.protocol import codec, signing
 from echo.protocol import messages as m
 from echo.protocol import reasons as R
+from echo.tasks.registry import make_task
 
 # The reason the coordinator or learner must give for each adversary's submissions.
 EXPECTED = {
@@ -70,25 +71,32 @@ class Adversary(Node):
         logp = torch.log_softmax(logits / lease.sampling.temperature, dim=-1)
         return logp.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
 
-    async def _work(self, leases, spec, tokenizer, task, sync) -> None:
-        for lease in leases:
+    async def _serve_job(self, host, job: m.JobInfo) -> None:
+        # Honest nodes need no task code (leases carry prompt ids); the prompt-swapping
+        # adversary needs the task to find another prompt.
+        self.spec = ModelSpec.from_dict(job.model)
+        self.task = make_task(job.task.name, dict(job.task.params))
+        await super()._serve_job(host, job)
+
+    async def _work(self, work, sync) -> None:
+        spec, tokenizer, task = self.spec, None, self.task
+        for lease, prompt in work:
             # Replayers first need one honest accepted submission to replay; a stale claim needs
             # versions old enough to fall outside the window.
             cheat = not (
                 (self.kind.startswith("replay") and self.first_accepted is None)
                 or (self.kind == "stale_version" and sync.version <= STALE_BY)
             )
-            payload = await trio.to_thread.run_sync(self._cheat, lease, spec, tokenizer, task, sync)
+            payload = await trio.to_thread.run_sync(
+                self._cheat, lease, prompt, spec, tokenizer, task, sync
+            )
             with open(self.cfg.data_dir / "adversary.jsonl", "a") as log:
                 log.write(json.dumps({"lease_id": lease.lease_id, "cheat": cheat}) + "\n")
             reply = await self._submit(payload)
             if reply is not None and reply.accepted and self.first_accepted is None:
                 self.first_accepted = payload
 
-    def _honest(self, lease: m.Lease, spec, tokenizer, task, prompt_id: int | None = None):
-        prompt = encode_prompt(
-            spec, task.prompt(lease.prompt_id if prompt_id is None else prompt_id), tokenizer
-        )
+    def _honest(self, lease: m.Lease, prompt: list[int]):
         return prompt, self.engine.generate([lease_request(lease, prompt)])[0]
 
     def _submission(self, lease, comps, sync, **over) -> m.Submission:
@@ -112,7 +120,7 @@ class Adversary(Node):
             finish_reason=finish,
         )
 
-    def _cheat(self, lease: m.Lease, spec, tokenizer, task, sync) -> bytes:  # noqa: C901
+    def _cheat(self, lease: m.Lease, lease_prompt, spec, tokenizer, task, sync) -> bytes:  # noqa: C901
         k = self.kind
         if k in ("replay", "replay_new_version") and self.first_accepted is not None:
             if k == "replay":
@@ -123,7 +131,7 @@ class Adversary(Node):
             return bytes(self.rng.randrange(256) for _ in range(200))
         if k == "oversized":
             return codec.compress(b"\x00" * (16 << 20))  # 16 MiB once decompressed
-        prompt, group = self._honest(lease, spec, tokenizer, task)
+        prompt, group = self._honest(lease, lease_prompt)
         comps = [self._record(c.token_ids, c.logprobs, c.finish_reason) for c in group]
         if k == "random_tokens":
             comps = []
@@ -179,7 +187,7 @@ class Adversary(Node):
             other_id = lease.prompt_id + 1
             while task.prompt(other_id) == task.prompt(lease.prompt_id):
                 other_id += 1  # the same text is no swap at all
-            _, other = self._honest(lease, spec, tokenizer, task, prompt_id=other_id)
+            _, other = self._honest(lease, encode_prompt(spec, task.prompt(other_id), tokenizer))
             comps = [self._record(c.token_ids, c.logprobs, c.finish_reason) for c in other]
         return self.encode_submission(self._submission(lease, comps, sync))
 
