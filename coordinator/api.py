@@ -91,8 +91,11 @@ def learning_summary(versions: list[dict[str, Any]]) -> dict[str, Any]:
     how stale the trained groups were, the importance weights pi/mu (mean, share outside the
     trust region) and the held-out accuracy first and last measured."""
     recent = [v["metrics"] for v in versions[-RECENT_VERSIONS:] if "staleness_mean" in v["metrics"]]
-    evals = [(v["version"], v["metrics"]["eval_accuracy"]) for v in versions
-             if "eval_accuracy" in v["metrics"]]
+    evals = [
+        (v["version"], v["metrics"]["eval_accuracy"])
+        for v in versions
+        if "eval_accuracy" in v["metrics"]
+    ]
 
     def mean(key: str) -> float | None:
         xs = [m[key] for m in recent if key in m]
@@ -123,21 +126,29 @@ def job_plan(coord: ApiBackend, job_id: str) -> dict[str, Any] | None:
     tta = sorted(v.all_nodes_at - v.published_at for v in versions if v.all_nodes_at)
     tokens_per_rollout = coord.store.mean_tokens_per_rollout(job_id) or 1.0
     now = time.time()
-    rates = [NodeRate(n.node_id, n.tokens_per_s / tokens_per_rollout)
-             for n in coord.store.nodes()
-             if not n.excluded and now - n.last_seen < PLAN_NODE_ACTIVE_S and n.tokens_per_s > 0]
+    rates = [
+        NodeRate(n.node_id, n.tokens_per_s / tokens_per_rollout)
+        for n in coord.store.nodes()
+        if not n.excluded and now - n.last_seen < PLAN_NODE_ACTIVE_S and n.tokens_per_s > 0
+    ]
     R = spec["batch_groups"] * spec["group_size"]
     t_train = steps[len(steps) // 2] if steps else 0.0
     t_bcast = tta[len(tta) // 2] if tta else 0.0
     p = plan(R, t_train, t_bcast, spec["staleness"], rates)
     options = staleness_options(R, t_train, t_bcast, p.available_rollouts_per_s)
     recommended, why = recommend_staleness(options)
-    return {**p.to_dict(), "tokens_per_rollout": tokens_per_rollout,
-            "measured_versions": len(versions), "staleness": spec["staleness"],
-            "staleness_options": [
-                {**asdict(o), "period_s": o.period_s if math.isfinite(o.period_s) else None}
-                for o in options],
-            "recommended_staleness": recommended, "recommendation": why}
+    return {
+        **p.to_dict(),
+        "tokens_per_rollout": tokens_per_rollout,
+        "measured_versions": len(versions),
+        "staleness": spec["staleness"],
+        "staleness_options": [
+            {**asdict(o), "period_s": o.period_s if math.isfinite(o.period_s) else None}
+            for o in options
+        ],
+        "recommended_staleness": recommended,
+        "recommendation": why,
+    }
 
 
 def node_list(coord: ApiBackend) -> list[dict[str, Any]]:

@@ -2,8 +2,8 @@
 
 One folder per version under ``<job dir>/checkpoints`` (the newest :data:`KEEP`), written to a
 temporary name and renamed, so a crash leaves the previous checkpoint intact; ``echo-job export``
-reads their model weights back (:func:`load_model_state`). Only local files of our own are read back:
-tensors through safetensors, optimizer state through ``torch.load(weights_only=True)``.
+reads their model weights back (:func:`load_model_state`). Only local files of our own are read
+back: tensors through safetensors, optimizer state through ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations

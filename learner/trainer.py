@@ -48,12 +48,16 @@ def decode_batch(
     groups, finish = [], []
     for g in batch:
         prompt = m.unpack_tokens(g.prompt_tokens, vocab_size=vocab_size, max_len=MAX_SEQ_TOKENS)
-        comps = [m.unpack_tokens(c.token_ids, vocab_size=vocab_size, max_len=MAX_SEQ_TOKENS)
-                 for c in g.completions]
-        lps = [np.frombuffer(c.logprobs, dtype="<f4").astype(float).tolist()
-               for c in g.completions]
-        groups.append(TrainGroup(prompt.tolist(), [c.tolist() for c in comps], lps,
-                                 list(g.rewards), g.version))
+        comps = [
+            m.unpack_tokens(c.token_ids, vocab_size=vocab_size, max_len=MAX_SEQ_TOKENS)
+            for c in g.completions
+        ]
+        lps = [np.frombuffer(c.logprobs, dtype="<f4").astype(float).tolist() for c in g.completions]
+        groups.append(
+            TrainGroup(
+                prompt.tolist(), [c.tolist() for c in comps], lps, list(g.rewards), g.version
+            )
+        )
         finish.append([c.finish_reason for c in g.completions])
     return groups, finish
 
@@ -70,22 +74,30 @@ class StepResult:
 class Trainer:
     """The policy, its re-scorer and its evaluation for one job; see the module docstring."""
 
-    def __init__(self, spec: JobSpec, model_spec: ModelSpec, learner: GRPOLearner,
-                 task: Any, tokenizer: Any = None) -> None:
+    def __init__(
+        self,
+        spec: JobSpec,
+        model_spec: ModelSpec,
+        learner: GRPOLearner,
+        task: Any,
+        tokenizer: Any = None,
+    ) -> None:
         self.spec = spec
         self.model_spec = model_spec
         self.learner = learner
         self.task = task
         self.tokenizer = tokenizer
-        self.rescorer = Rescorer(model_spec, keep=spec.staleness + 1,
-                                 temperature=spec.sampling.temperature)
+        self.rescorer = Rescorer(
+            model_spec, keep=spec.staleness + 1, temperature=spec.sampling.temperature
+        )
         # Verdicts reached ahead of the step, by rollout id, and the seconds spent reaching them.
         self._early: dict[str, Verdict] = {}
         self._early_s = 0.0
 
     @classmethod
-    def build(cls, spec: JobSpec, model_spec: ModelSpec,
-              job_dir: Path) -> tuple[Trainer, checkpoint.Checkpoint | None]:
+    def build(
+        cls, spec: JobSpec, model_spec: ModelSpec, job_dir: Path
+    ) -> tuple[Trainer, checkpoint.Checkpoint | None]:
         """The trainer at its newest checkpoint under ``job_dir`` (returned too), else a fresh
         model after the job's format warm-up. Blocking: run it in a worker thread.
 
@@ -99,8 +111,15 @@ class Trainer:
         # model), or those the job asked for.
         if ckpt is None and spec.warmup.steps:
             t0 = time.perf_counter()
-            warmup(model, model_spec, task, steps=spec.warmup.steps, lr=spec.warmup.lr,
-                   seed=spec.model.seed, cache_dir=job_dir.parent.parent / "cache")
+            warmup(
+                model,
+                model_spec,
+                task,
+                steps=spec.warmup.steps,
+                lr=spec.warmup.lr,
+                seed=spec.model.seed,
+                cache_dir=job_dir.parent.parent / "cache",
+            )
             log.info("format warm-up done in %.1f s", time.perf_counter() - t0)
         if ckpt is not None:
             model.load_state_dict(ckpt.model_state)
@@ -132,9 +151,14 @@ class Trainer:
         if not every or not (force or v % every == 0 or v == self.spec.steps):
             return {}
         t0 = time.perf_counter()
-        acc = greedy_accuracy(self.learner.model, self.model_spec, self.task,
-                              n=self.spec.eval.prompts, tokenizer=self.tokenizer,
-                              chat=self.spec.task.chat)
+        acc = greedy_accuracy(
+            self.learner.model,
+            self.model_spec,
+            self.task,
+            n=self.spec.eval.prompts,
+            tokenizer=self.tokenizer,
+            chat=self.spec.task.chat,
+        )
         return {"eval_accuracy": acc, "eval_s": time.perf_counter() - t0}
 
     def _fused_version(self) -> int:
@@ -173,12 +197,21 @@ class Trainer:
         decoded, finish = decode_batch(batch, self.learner.vocab_size)
         engines = [g.engine for g in batch]
         current = self._fused_version()
-        results: dict[int, Verdict] = {i: self._early[g.rollout_id] for i, g in enumerate(batch)
-                                       if g.rollout_id in self._early}
+        results: dict[int, Verdict] = {
+            i: self._early[g.rollout_id] for i, g in enumerate(batch) if g.rollout_id in self._early
+        }
         older = [i for i, g in enumerate(decoded) if g.version != current and i not in results]
-        results.update(zip(older, self.rescorer.check(
-            [decoded[i] for i in older], [finish[i] for i in older],
-            [engines[i] for i in older]), strict=True))
+        results.update(
+            zip(
+                older,
+                self.rescorer.check(
+                    [decoded[i] for i in older],
+                    [finish[i] for i in older],
+                    [engines[i] for i in older],
+                ),
+                strict=True,
+            )
+        )
         rescore_s = self.rescorer.last_seconds if older else 0.0
         prescore_s = self._early_s
         self._early, self._early_s = {}, 0.0
@@ -194,16 +227,20 @@ class Trainer:
             return [results[i].ok for i in order]
 
         if order:
-            metrics = self.learner.step([decoded[i] for i in order], gate=gate,
-                                        gate_stats=token_stats)
+            metrics = self.learner.step(
+                [decoded[i] for i in order], gate=gate, gate_stats=token_stats
+            )
         else:
             metrics = {"reward": 0.0, "step_s": 0.0}
             self.learner.version += 1
         trained, verdicts = [], []
         for i, g in enumerate(batch):
             res = results.get(i) or Verdict(False, R.UNSCORABLE)
-            verdicts.append(m.RescoreVerdict(rollout_id=g.rollout_id, ok=res.ok,
-                                             reason=res.reason, stats=res.stats))
+            verdicts.append(
+                m.RescoreVerdict(
+                    rollout_id=g.rollout_id, ok=res.ok, reason=res.reason, stats=res.stats
+                )
+            )
             if res.ok:
                 trained.append(g.rollout_id)
         metrics["rejected"] = float(len(batch) - len(trained))
@@ -211,8 +248,9 @@ class Trainer:
         # batch. Their share of the learner's time is the re-scoring cost a researcher pays.
         metrics["rescore_s"] = rescore_s
         metrics["prescore_s"] = prescore_s
-        metrics["rescored_early"] = float(sum(1 for i in results if i not in older
-                                              and batch[i].version != current))
+        metrics["rescored_early"] = float(
+            sum(1 for i in results if i not in older and batch[i].version != current)
+        )
         metrics["rescored_in_step"] = float(len(older))
         metrics.update(self.evaluate())
         return StepResult(trained, verdicts, metrics)

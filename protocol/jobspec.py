@@ -69,15 +69,18 @@ class RewardSection(BaseModel):
     kind: Literal["task", "math", "exact", "regex", "format", "python"]
     weight: float = Field(default=1.0, ge=-1000, le=1000, allow_inf_nan=False)
     tag: str | None = Field(
-        default=None, pattern=r"^[A-Za-z][\w-]{0,31}$",
+        default=None,
+        pattern=r"^[A-Za-z][\w-]{0,31}$",
         description="answer tag read by math/exact and required by format (default 'answer')",
     )
     pattern: str | None = Field(
-        default=None, max_length=1024,
+        default=None,
+        max_length=1024,
         description="regex searched in the completion; {answer} stands for the escaped answer",
     )
     entry_point: str | None = Field(
-        default=None, max_length=128,
+        default=None,
+        max_length=128,
         description="name of a function registered in entry point group echo_swarm.rewards",
     )
     timeout_s: int | None = Field(
@@ -112,7 +115,9 @@ class GRPOParams(BaseModel):
     weight_decay: float = Field(default=0.0, ge=0)
     max_grad_norm: float = Field(default=1.0, gt=0, description="gradient norm clip")
     clip_eps: float = Field(
-        default=0.2, gt=0, le=1,
+        default=0.2,
+        gt=0,
+        le=1,
         description="PPO trust region around the behaviour policy: ratio in [1-eps, 1+eps]",
     )
     dual_clip: float = Field(
@@ -212,7 +217,8 @@ class JobSpec(BaseModel):
     model: ModelSection = Field(default_factory=ModelSection)
     task: TaskSection = Field(default_factory=TaskSection)
     reward: list[RewardSection] = Field(
-        default_factory=list, max_length=16,
+        default_factory=list,
+        max_length=16,
         description="[[job.reward]] components, summed with their weights; none: the task's own",
     )
     grpo: GRPOParams = Field(default_factory=GRPOParams)
@@ -224,7 +230,9 @@ class JobSpec(BaseModel):
     group_size: int = Field(default=16, ge=2, le=256)
     batch_groups: int = Field(default=8, ge=1, le=4096, description="GRPO groups per step")
     staleness: int = Field(
-        default=2, ge=0, le=64,
+        default=2,
+        ge=0,
+        le=64,
         description="max versions a rollout may lag; 0 = synchronous (train only on groups "
         "sampled from the current version)",
     )

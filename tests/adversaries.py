@@ -180,9 +180,7 @@ class Adversary(Node):
             ]
         elif k == "foreign_signature":
             sub = self._submission(lease, comps, sync)
-            return codec.compress(
-                signing.seal_record(self.foreign.private_key, sub)
-            )
+            return codec.compress(signing.seal_record(self.foreign.private_key, sub))
         elif k == "swapped_prompt":
             other_id = lease.prompt_id + 1
             while task.prompt(other_id) == task.prompt(lease.prompt_id):
