@@ -20,9 +20,23 @@ class VerificationSection(BaseModel):
     )
     max_open_leases_per_node: int = Field(default=8, ge=1)
     lease_quota_ramp: int = Field(
-        default=3, ge=0,
+        default=3,
+        ge=0,
         description="a node gets one more open lease per this many valid groups in a row "
         "(0: full quota at once)",
+    )
+    expired_lease_window_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="a lease a node let expire costs it one open lease for this long; as many "
+        "as its quota and it gets none until they age out",
+    )
+    fresh_lease_share: float = Field(
+        default=0.25,
+        gt=0,
+        le=1,
+        description="share of a job's lease window that nodes without an accepted group may "
+        "hold together (identities are free: fresh ones never take the whole window)",
     )
     buffer_groups: int = Field(
         default=0, ge=0, description="accepted groups to keep ahead of the learner (0 = 2 batches)"
@@ -32,6 +46,67 @@ class VerificationSection(BaseModel):
     )
     submissions_per_minute: int = Field(
         default=6000, ge=1, description="per-node rate limit (a fast node sends ~10 groups/s)"
+    )
+
+
+class AdmissionSection(BaseModel):
+    """``[admission]``: what one peer (and one network prefix) may ask of the coordinator.
+
+    Every node RPC is charged per (peer, rpc) and per (/24 or /48 prefix, rpc) before its request
+    is read (see :mod:`echo.coordinator.budgets`); a peer over budget has its stream closed and
+    serves a backoff.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+    requests_per_s: float = Field(
+        default=20.0, gt=0, description="sustained requests/s per peer for lease, status, manifest"
+    )
+    burst_requests: float = Field(default=60.0, gt=0, description="burst of the same")
+    registers_per_minute: float = Field(
+        default=12.0, gt=0, description="registrations per peer per minute (a node registers once)"
+    )
+    submit_bytes_per_s: float = Field(
+        default=16e6, gt=0, description="submission bytes/s per peer (a fast node sends ~1 MB/s)"
+    )
+    prefix_factor: float = Field(
+        default=8.0,
+        ge=1,
+        description="a /24 (IPv4) or /48 (IPv6) prefix gets this many peers' budget",
+    )
+    backoff_s: float = Field(
+        default=2.0, gt=0, description="first backoff after a violation; doubles per repeat"
+    )
+    max_backoff_s: float = Field(default=300.0, gt=0)
+    max_tracked_peers: int = Field(
+        default=20_000, ge=100, description="per-peer entries kept (least recently seen dropped)"
+    )
+
+
+class RetentionSection(BaseModel):
+    """``[retention]``: how long the coordinator keeps what it no longer needs (see
+    :meth:`Store.prune <echo.coordinator.store_prune.Pruning.prune>`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    closed_leases_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description="submitted / expired leases are deleted this long after their deadline "
+        "(at least the expiry penalty window)",
+    )
+    trained_envelopes_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description="a trained rollout's signed envelope (kept for audit) is cleared this long "
+        "after it was trained",
+    )
+    rejections_s: float = Field(
+        default=86400.0, gt=0, description="rejection log rows older than this are deleted"
+    )
+    idle_nodes_s: float = Field(
+        default=86400.0,
+        gt=0,
+        description="a node that never had a group accepted and was not heard from for this "
+        "long is forgotten",
     )
 
 
@@ -51,15 +126,19 @@ class BroadcastSection(BaseModel):
         default=True, description="plan a relay tree per version (false: every node pulls)"
     )
     learner_upload_bps: float = Field(
-        default=12.5e6, gt=0, description="the learner host's uplink in bytes/s (plans size the "
-        "learner's fan-out by it)",
+        default=12.5e6,
+        gt=0,
+        description="the learner host's uplink in bytes/s (plans size the learner's fan-out by it)",
     )
     default_node_upload_bps: float = Field(
-        default=2.5e6, gt=0,
+        default=2.5e6,
+        gt=0,
         description="a node's uplink until it has measured its own push rate, bytes/s",
     )
     learner_pace: float = Field(
-        default=0.0, ge=0, le=1,
+        default=0.0,
+        ge=0,
+        le=1,
         description="the learner caps its pushes at this fraction of learner_upload_bps (0: no "
         "cap); about 0.9 when its uplink is one drop-tail queue rather than fair-queued",
     )
@@ -81,6 +160,8 @@ class CoordinatorConfig(BaseModel):
     verification: VerificationSection = Field(default_factory=VerificationSection)
     learner: LearnerSection = Field(default_factory=LearnerSection)
     broadcast: BroadcastSection = Field(default_factory=BroadcastSection)
+    admission: AdmissionSection = Field(default_factory=AdmissionSection)
+    retention: RetentionSection = Field(default_factory=RetentionSection)
 
     def ensure_token(self) -> str:
         """The API token: configured, or generated once and kept in data_dir (mode 0600)."""

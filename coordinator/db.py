@@ -72,6 +72,8 @@ CREATE TABLE IF NOT EXISTS leases (
     status TEXT NOT NULL                 -- open | submitted | expired
 );
 CREATE INDEX IF NOT EXISTS leases_open ON leases (job_id, status);
+-- A node's leases by status: the submit path's "has an open lease" gate and the expiry penalty.
+CREATE INDEX IF NOT EXISTS leases_node ON leases (node_id, status, deadline);
 CREATE TABLE IF NOT EXISTS rollouts (
     rollout_id TEXT PRIMARY KEY,          -- = lease_id: one submission per lease
     job_id TEXT NOT NULL,

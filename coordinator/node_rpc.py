@@ -15,6 +15,8 @@ import time
 
 from libp2p.peer.id import ID
 
+from echo.coordinator.budgets import configure_gate
+from echo.coordinator.config import AdmissionSection
 from echo.coordinator.dissemination import Dissemination
 from echo.coordinator.jobs import RunningJob
 from echo.coordinator.leases import Leases
@@ -23,6 +25,7 @@ from echo.coordinator.penalties import Penalties
 from echo.coordinator.rows import LeaseRow, NodeRow
 from echo.coordinator.store import Store, StoreError
 from echo.coordinator.verify import Accepted, Rejected, check_submission
+from echo.p2p.budget import Gate
 from echo.p2p.host import EchoHost
 from echo.p2p.identity import public_key_from_peer_id
 from echo.protocol import broadcast as b
@@ -47,9 +50,7 @@ def active_nodes(store: Store) -> list[NodeRow]:
     return [n for n in store.nodes() if not n.excluded and now - n.last_seen < NODE_ACTIVE_S]
 
 
-def open_signed(
-    data: bytes, cls: type[RecordT], peer_id: ID
-) -> tuple[signing.Envelope, RecordT]:
+def open_signed(data: bytes, cls: type[RecordT], peer_id: ID) -> tuple[signing.Envelope, RecordT]:
     """Open a ``cls`` record that the authenticated peer ``peer_id`` must have signed.
 
     Raises ProtocolError (a SignatureError for another signer or a bad signature, a SchemaError
@@ -76,9 +77,13 @@ class NodeRPC:
         self.dissemination = dissemination
         self.leases = leases
         self.penalties = penalties
+        # The host's admission gate (set by install): strangers' submissions put them in backoff.
+        self.gate: Gate | None = None
 
-    def install(self, host: EchoHost) -> None:
-        """Serve the node protocols on ``host`` and book its framing violations."""
+    def install(self, host: EchoHost, admission: AdmissionSection | None = None) -> None:
+        """Serve the node protocols on ``host``, budget them per peer and per network prefix
+        (``admission``, else its defaults), and book the host's framing violations."""
+        self.gate = configure_gate(host.gate, admission or AdmissionSection())
         small = SMALL_REQUEST_BYTES
         host.set_handler(ids.PROTO_REGISTER, self.handle_register, max_request=small)
         host.set_handler(ids.PROTO_LEASE, self.handle_lease, max_request=small)
@@ -155,57 +160,97 @@ class NodeRPC:
     async def handle_submit(self, peer_id: ID, data: bytes) -> bytes:
         """Verify and store one group; the reply says accepted or the reason it was not.
 
-        Raises nothing for bad input: every failure is a rejection reply, booked against the node
-        (and its lease closed) when it is a registered node's.
+        Cost before trust: a peer that is not a registered node, an excluded one, or one with no
+        open lease is answered from one indexed read, before anything is decompressed,
+        signature-checked or written (a stranger also serves a backoff). Raises nothing for
+        bad input: every failure is a rejection reply, booked against the node (and its lease
+        closed) when it is a registered node's.
         """
         node_id = str(peer_id)
-        t0 = time.perf_counter()
         node = self.store.node(node_id)
-        lease_id, job_id = "", ""
+        refused = self._untrusted(node_id, node)
+        if refused is not None:
+            return refused
+        assert node is not None
+        t0 = time.perf_counter()
+        # The lease check_submission looks up, kept so a rejection can close it without
+        # parsing the submission a second time.
+        seen: list[LeaseRow] = []
+
+        def lookup_lease(lease_id: str) -> LeaseRow | None:
+            row = self.store.lease(lease_id)
+            if row is not None:
+                seen.append(row)
+            return row
+
         try:
+            if not self.penalties.rate_ok(node_id):
+                raise Rejected(R.RATE_LIMITED, "too many submissions per minute")
             if codec.is_zstd(data):
                 try:
                     data = codec.decompress(data, max_output=limits.MAX_MESSAGE_BYTES)
                 except ProtocolError as exc:
                     raise Rejected(R.MALFORMED, str(exc)) from None
-            if not self.penalties.rate_ok(node_id):
-                raise Rejected(R.RATE_LIMITED, "too many submissions per minute")
             result = check_submission(
                 data,
                 peer_key=public_key_from_peer_id(peer_id),
-                node_key=node.public_key if node is not None else None,
-                node_excluded=node.excluded if node is not None else False,
-                lookup_lease=self.store.lease,
+                node_key=node.public_key,
+                node_excluded=node.excluded,
+                lookup_lease=lookup_lease,
                 jobs={k: j.ctx for k, j in self.jobs.items()},
             )
-            lease_id, job_id = result.lease.lease_id, result.lease.job_id
             if result.lease.node_id != node_id:
                 raise Rejected(R.LEASE_NOT_YOURS, "lease was issued to another node")
             self._store_accepted(node_id, data, result)
         except Rejected as rej:
-            lease = self._lease_of(data) if not lease_id else None
-            if lease is not None and lease.node_id == node_id:
-                lease_id, job_id = lease.lease_id, lease.job_id
-                if rej.reason not in (R.DUPLICATE,):
-                    self.store.close_lease(lease_id)
-            if node is not None:
-                self.store.record_rejection(
-                    job_id,
-                    node_id,
-                    lease_id,
-                    rej.reason,
-                    rej.detail,
-                    counts_against=rej.reason in R.COUNTS_AGAINST,
-                )
-                self.penalties.maybe_exclude(node_id)
-            self.metrics.submissions.labels(result="rejected", reason=rej.reason).inc()
-            log.info("rejected %s from %s: %s", lease_id or "?", node_id[-8:], rej)
+            self._book_rejection(node_id, seen[0] if seen else None, rej)
             return self._submit_reply(node_id, False, rej.reason, rej.detail)
         finally:
             self.metrics.verify_seconds.observe(time.perf_counter() - t0)
         self.metrics.submissions.labels(result="accepted", reason="ok").inc()
         self.metrics.rollout_tokens.inc(result.tokens)
         return self._submit_reply(node_id, True, "ok", "")
+
+    def _untrusted(self, node_id: str, node: NodeRow | None) -> bytes | None:
+        """The reply to a submission not worth reading (None: it is a registered, admitted node
+        with an open lease). Writes nothing; strangers also serve a backoff."""
+        if node is None:
+            reason, detail, punish = R.UNKNOWN_NODE, "register before submitting", True
+        elif node.excluded:
+            # No backoff: it keeps getting the clear answer (one read, no write) it can show.
+            reason, detail, punish = (
+                R.NODE_EXCLUDED,
+                "this node failed verification too often",
+                False,
+            )
+        elif not self.store.has_open_lease(node_id):
+            reason, detail, punish = R.UNKNOWN_LEASE, "no open lease: ask for one first", False
+        else:
+            return None
+        if punish and self.gate is not None:
+            self.gate.punish(node_id)
+        self.metrics.submissions.labels(result="refused", reason=reason).inc()
+        log.debug("submission from %s refused unread: %s", node_id[-8:], reason)
+        return self._submit_reply(node_id, False, reason, detail)
+
+    def _book_rejection(self, node_id: str, lease: LeaseRow | None, rej: Rejected) -> None:
+        """Record a registered node's rejected submission; close its lease unless a duplicate."""
+        lease_id = job_id = ""
+        if lease is not None and lease.node_id == node_id:
+            lease_id, job_id = lease.lease_id, lease.job_id
+            if rej.reason != R.DUPLICATE:
+                self.store.close_lease(lease_id)
+        self.store.record_rejection(
+            job_id,
+            node_id,
+            lease_id,
+            rej.reason,
+            rej.detail,
+            counts_against=rej.reason in R.COUNTS_AGAINST,
+        )
+        self.penalties.maybe_exclude(node_id)
+        self.metrics.submissions.labels(result="rejected", reason=rej.reason).inc()
+        log.info("rejected %s from %s: %s", lease_id or "?", node_id[-8:], rej)
 
     def _store_accepted(self, node_id: str, data: bytes, result: Accepted) -> None:
         """Store the verified group decoded (a batch reads it back), its envelope for audit."""
@@ -225,14 +270,6 @@ class NodeRPC:
             )
         except StoreError as exc:
             raise Rejected(R.DUPLICATE, str(exc)) from None
-
-    def _lease_of(self, data: bytes) -> LeaseRow | None:
-        """Best-effort: the lease a (rejected) submission names, to close it and log against it."""
-        try:
-            _, body = signing.open_record(data, m.Submission)
-        except ProtocolError:
-            return None
-        return self.store.lease(body.lease_id)
 
     def _submit_reply(self, node_id: str, ok: bool, reason: str, detail: str) -> bytes:
         node = self.store.node(node_id)

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict, deque
+from collections import deque
 
 from libp2p.peer.id import ID
 
 from echo.coordinator.config import VerificationSection
 from echo.coordinator.metrics import Metrics
 from echo.coordinator.store import Store
+from echo.p2p.budget import LruMap
 from echo.protocol import reasons as R
 from echo.protocol.errors import ProtocolError
 
@@ -25,6 +26,8 @@ log = logging.getLogger("echo.coordinator")
 
 # The rate limit's window; ``submissions_per_minute`` counts submissions within it.
 RATE_WINDOW_S = 60.0
+# Nodes whose submission windows are kept at once (only registered nodes with a lease get one).
+MAX_TRACKED_NODES = 20_000
 
 
 class Penalties:
@@ -34,11 +37,12 @@ class Penalties:
         self.store = store
         self.metrics = metrics
         self.verification = verification
-        self._submit_times: dict[str, deque[float]] = defaultdict(deque)
+        # Bounded: a flood of identities cannot grow it (the least recently seen are dropped).
+        self._submit_times: LruMap[str, deque[float]] = LruMap(MAX_TRACKED_NODES)
 
     def rate_ok(self, node_id: str) -> bool:
         """Count one submission of the node; False (and not counted) when over its rate."""
-        window = self._submit_times[node_id]
+        window = self._submit_times.setdefault(node_id, deque)
         now = time.monotonic()
         while window and now - window[0] > RATE_WINDOW_S:
             window.popleft()
@@ -60,12 +64,15 @@ class Penalties:
             log.warning("node %s excluded after %d failures", node_id[-8:], node.failures)
 
     def on_violation(self, peer_id: ID, error: ProtocolError) -> None:
-        """The host's listener for framing violations: a failure of a registered node."""
+        """The host's listener for framing violations: a failure of a registered node that is
+        not excluded yet (an excluded one's junk is not worth a row; the host's gate already
+        put it in backoff)."""
         node_id = str(peer_id)
         self.metrics.violations.labels(code=error.code).inc()
-        if self.store.node(node_id) is not None:
+        node = self.store.node(node_id)
+        if node is not None and not node.excluded:
             self.store.record_rejection(
                 "", node_id, "", R.MALFORMED, str(error), counts_against=True
             )
             self.maybe_exclude(node_id)
-        log.warning("framing violation from %s: %s", node_id, error)
+        log.info("framing violation from %s: %s", node_id, error)

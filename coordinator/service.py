@@ -88,7 +88,7 @@ class Coordinator:
         """
         async with open_host(self.identity, self.config.listen) as host:
             self.host = host
-            self.node_rpc.install(host)
+            self.node_rpc.install(host, self.config.admission)
             self.learner_rpc.install(host)
             async with trio.open_nursery() as nursery:
                 self.http_addrs = await nursery.start(serve_http, self)

@@ -50,6 +50,13 @@ class LeaseTables(Database):
             ).fetchone()[0]
         )
 
+    def has_open_lease(self, node_id: str) -> bool:
+        """Whether the node holds any open lease (one indexed read: the submit path's gate)."""
+        row = self._db.execute(
+            "SELECT 1 FROM leases WHERE node_id=? AND status='open' LIMIT 1", (node_id,)
+        ).fetchone()
+        return row is not None
+
     def close_lease(self, lease_id: str) -> None:
         """Close an open lease whose submission was rejected: its prompt is not issued again."""
         with self._tx() as db:

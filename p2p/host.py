@@ -38,6 +38,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from libp2p.transport.tcp.tcp import TCP
 from multiaddr import Multiaddr
 
+from echo.p2p.budget import Gate, UploadLimiter
 from echo.p2p.identity import Identity
 from echo.p2p.pubsub import PubsubConfig, PubsubService, Subscription, Validator
 from echo.p2p.rpc import (
@@ -85,6 +86,12 @@ class EchoHost:
         self.identity = identity
         self.pubsub = pubsub
         self._violations = ViolationLog()
+        # Every request handler's admission: per-peer and per-prefix budgets, backoff. The
+        # defaults are generous; a daemon sets tighter limits per protocol (gate.set_limit).
+        self.gate = Gate()
+        # Optional shared cap on what this host uploads to peers (relay pushes and chunks served):
+        # set by the relay when its config has an upload limit; chunk serving waits on it too.
+        self.upload_limiter: UploadLimiter | None = None
         self._closed = False
 
     def _check_open(self) -> None:
@@ -146,14 +153,15 @@ class EchoHost:
     ) -> None:
         """Serve ``protocol_id``: ``await handler(peer_id, request) -> response``.
 
-        Requests over ``max_request`` bytes are refused before their body is read. A handler that
+        Requests over ``max_request`` bytes are refused before their body is read, and every
+        request is charged to its peer's budget in :attr:`gate` first. A handler that
         raises ``ProtocolError`` sends ``"{code}: {message}"`` to the client; any other exception
         is logged and answered with a generic error.
         """
         spec = HandlerSpec(handler, max_request, max_response, handler_timeout)
 
         async def _stream_handler(stream: INetStream) -> None:
-            await serve_stream(stream, spec, self._violations)
+            await serve_stream(stream, spec, self._violations, self.gate)
 
         self.libp2p.set_stream_handler(TProtocol(protocol_id), _stream_handler)
 

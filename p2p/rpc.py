@@ -8,7 +8,10 @@ Wire format (all frames per :mod:`echo.protocol.framing`):
 
 Server side (:func:`serve_stream`) owns the inbound stream it is given and always closes or
 resets it; it never raises (errors are logged, framing violations are recorded in a
-:class:`ViolationLog`). Client side (:func:`call`) owns the stream it opens and raises
+:class:`ViolationLog`). With a :class:`~echo.p2p.budget.Gate`, a stream is admitted against the
+peer's budget before its header is read, and the announced body against its byte budget before
+the body is read; a refusal resets the stream and puts the peer in backoff.
+Client side (:func:`call`) owns the stream it opens and raises
 :class:`RemoteError`, :class:`RpcTimeout`, :class:`RpcConnectionError` or
 :class:`~echo.protocol.errors.FrameError`.
 """
@@ -26,6 +29,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.exceptions import BaseLibp2pError
 from libp2p.peer.id import ID
 
+from echo.p2p.budget import Gate
 from echo.p2p.streams import end_stream, read_exactly, read_frame, write_frame
 from echo.protocol.errors import FrameError, ProtocolError
 from echo.protocol.framing import HEADER_LEN, decode_length
@@ -119,13 +123,31 @@ def _error_payload(message: str) -> bytes:
     return bytes([STATUS_ERROR]) + data
 
 
-async def _read_request(stream: INetStream, max_request: int) -> bytes:
-    """Read the request frame under the slow-loris deadlines; FrameError on any failure."""
+class OverBudget(Exception):
+    """The peer's budget refused the request (see :class:`~echo.p2p.budget.Gate`)."""
+
+
+def remote_ip(stream: INetStream) -> str | None:
+    """The remote IP address of ``stream``'s connection, or None when the transport has none."""
+    try:
+        addr = stream.get_remote_address()
+    except Exception:
+        return None
+    return str(addr[0]) if addr else None
+
+
+async def _read_request(
+    stream: INetStream, max_request: int, admit_body: Callable[[int], bool] | None = None
+) -> bytes:
+    """Read the request frame under the slow-loris deadlines; FrameError on any failure,
+    OverBudget when ``admit_body(n)`` refuses the announced length (before the body is read)."""
     with trio.move_on_after(REQUEST_HEADER_TIMEOUT) as scope:
         header = await read_exactly(stream, HEADER_LEN)
     if scope.cancelled_caught:
         raise FrameError("no request header in time", code="frame_timeout")
     n = decode_length(header, max_request)
+    if admit_body is not None and not admit_body(n):
+        raise OverBudget(f"request of {n} bytes is over the peer's byte budget")
     with trio.move_on_after(transfer_timeout(n, REQUEST_BODY_BASE_TIMEOUT)) as scope:
         body = await read_exactly(stream, n)
     if scope.cancelled_caught:
@@ -160,16 +182,42 @@ async def _run_handler(spec: HandlerSpec, peer_id: ID, request: bytes, protocol:
     return bytes([STATUS_OK]) + bytes(response)
 
 
-async def serve_stream(stream: INetStream, spec: HandlerSpec, violations: ViolationLog) -> None:
-    """Serve one inbound request on ``stream``, then close it. Never raises (except Cancelled)."""
+async def serve_stream(
+    stream: INetStream, spec: HandlerSpec, violations: ViolationLog, gate: Gate | None = None
+) -> None:
+    """Serve one inbound request on ``stream``, then close it. Never raises (except Cancelled).
+
+    With ``gate``, the request is charged to the peer's budget for the stream's protocol first:
+    a peer in backoff or over budget has its stream reset before a byte is read.
+    """
     peer_id = stream.muxed_conn.peer_id
     protocol = str(stream.get_protocol())
+    peer, address = str(peer_id), remote_ip(stream)
     ok = False
     try:
+        admit_body = None
+        if gate is not None:
+            if gate.in_backoff(peer):
+                gate.admit(peer, address, protocol)  # counted as refused, nothing charged
+                return
+            if not gate.admit(peer, address, protocol):
+                gate.punish(peer)
+                logger.info("%s from %s refused: over its request budget", protocol, peer)
+                return
+
+            def admit_body(n: int) -> bool:
+                return gate.admit_bytes(peer, address, protocol, n)
+
         try:
-            request = await _read_request(stream, spec.max_request)
+            request = await _read_request(stream, spec.max_request, admit_body)
         except FrameError as exc:
+            # Booked (its listeners decide what it costs the peer); its bytes were budgeted.
             violations.record(peer_id, exc)
+            return
+        except OverBudget as exc:
+            assert gate is not None
+            gate.punish(peer)
+            logger.info("%s from %s refused: %s", protocol, peer, exc)
             return
         payload = await _run_handler(spec, peer_id, request, protocol)
         with trio.move_on_after(transfer_timeout(len(payload), REQUEST_BODY_BASE_TIMEOUT)) as sc:

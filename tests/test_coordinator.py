@@ -177,6 +177,7 @@ def test_verification_reasons(tmp_path) -> None:
         await expect(node.seal(group_for(a, n=3)), R.INCOMPLETE_GROUP)
         # The lease is consumed by the failed attempt: a retry is a duplicate.
         await expect(node.seal(group_for(a)), R.DUPLICATE)
+        await other.leases(job_id, 0, 1)  # a peer without an open lease is not even read
         await expect(other.seal(group_for(b)), R.LEASE_NOT_YOURS, who=other)
         await expect(node.seal(group_for(b, version=1)), R.FUTURE_VERSION)
         await expect(node.seal(group_for(c, digest="forged")), R.WRONG_WEIGHTS)
@@ -193,6 +194,7 @@ def test_verification_reasons(tmp_path) -> None:
             }
         )
         await expect(node.seal(bad_tokens), R.BAD_TOKENS)
+        await node.leases(job_id, 0, 1)  # an open lease, so what follows is read at all
         # Signed by another key than the peer's own.
         await expect(other.seal(group_for(d)), R.WRONG_SIGNER)
         await expect(b"\xdd\xff\xff\xff\xff", R.MALFORMED)

@@ -16,7 +16,7 @@ from echo.node.config import NodeConfig
 from echo.node.worker import Node
 from echo.p2p.identity import Identity
 from echo.p2p.relay import RelayConfig
-from echo.p2p.relay.push import _TokenBucket
+from echo.p2p.budget import UploadLimiter
 
 
 def test_node_declares_its_cap_until_it_measures(tmp_path: Path) -> None:
@@ -44,7 +44,7 @@ def test_learner_pace_reaches_the_learner_command(tmp_path: Path) -> None:
 
 def test_token_bucket_keeps_to_its_rate() -> None:
     async def main() -> float:
-        bucket = _TokenBucket(1e6, burst=64 * 1024)
+        bucket = UploadLimiter(1e6, burst=64 * 1024)
         start = time.monotonic()
         for _ in range(24):  # 3 MiB in 128 KiB writes, as a relay takes them
             await bucket.take(128 * 1024)

@@ -34,7 +34,7 @@ class RelayConfig:
     write_base_timeout_s: float = 10.0
     # Versions tracked at once; beyond it the oldest (completed first) are dropped.
     max_transfers: int = 4
-    # Optional cap on this relay's push upload (a token bucket; pulls it serves are not counted).
+    # Optional cap on this host's upload: relay pushes and the chunks it serves to pullers share it.
     upload_limit_bps: float | None = None
     # Recently arrived chunks kept in memory for forwarding (saves a disk read per child).
     forward_cache_bytes: int = 32 * 1024 * 1024

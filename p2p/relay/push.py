@@ -92,23 +92,6 @@ class _Acks:
         return int(min(ceiling, max(floor, rate * _WINDOW_S)))
 
 
-class _TokenBucket:
-    """Upload shaping in-process: ``take(n)`` waits until ``n`` bytes of budget accrued."""
-
-    def __init__(self, rate_bps: float, burst: float) -> None:
-        self.rate, self.burst = rate_bps, burst
-        self.tokens = burst
-        self.stamp = trio.current_time()
-
-    async def take(self, n: int) -> None:
-        now = trio.current_time()
-        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
-        self.stamp = now
-        self.tokens -= n
-        if self.tokens < 0:
-            await trio.sleep(-self.tokens / self.rate)
-
-
 class Pusher:
     """Pushes the transfers of one relay to their children (see the module docstring)."""
 
@@ -117,7 +100,6 @@ class Pusher:
         self.config = config
         self.peers = peers
         self.intake = intake
-        self._bucket: _TokenBucket | None = None
         # Chunk bytes pushed to children over the relay's life (all transfers).
         self.pushed_out_total = 0
 
@@ -135,8 +117,14 @@ class Pusher:
                 stream = await self.host.libp2p.new_stream(
                     ID.from_base58(child.peer_id), [TProtocol(b.PROTO_PUSH)]
                 )
-            hello = b.PushHello(job_id=t.job_id, version=t.version, stripe=stripe,
-                                stripes=t.stripes, manifest=t.envelope, weights=t.weights)
+            hello = b.PushHello(
+                job_id=t.job_id,
+                version=t.version,
+                stripe=stripe,
+                stripes=t.stripes,
+                manifest=t.envelope,
+                weights=t.weights,
+            )
             await self._write(stream, encode_frame(b.encode(hello), b.MAX_HELLO_BYTES))
             t.child_state[key] = "pushing"
             acks = _Acks()
@@ -146,8 +134,7 @@ class Pusher:
                 nursery.start_soon(self._read_acks, stream, t, key, acks)
                 try:
                     reason = await self._push_stripe(t, stripe, key, stream, acks)
-                    end = b.PushHeader(op="end", job_id=t.job_id, version=t.version,
-                                       reason=reason)
+                    end = b.PushHeader(op="end", job_id=t.job_id, version=t.version, reason=reason)
                     await self._write(stream, encode_frame(b.encode(end), b.MAX_HEADER_BYTES))
                     # Half-close and let the child acknowledge what is in flight and close its
                     # side: closing both ways now would make its late acks draw a reset, and a
@@ -164,16 +151,26 @@ class Pusher:
             t.child_state[key] = reason
             ok = True
             if reason == "lagging":
-                log.info("%s v%d: child %s lags its siblings; it will pull", t.job_id, t.version,
-                         child.peer_id[-8:])
+                log.info(
+                    "%s v%d: child %s lags its siblings; it will pull",
+                    t.job_id,
+                    t.version,
+                    child.peer_id[-8:],
+                )
         except _PUSH_ERRORS as exc:
             if t.child_state[key] == "pushing" and t.cursors[key] >= t.stripe_size(stripe):
                 # Everything arrived; the child, complete, reset the stream before our "end".
                 t.child_state[key] = "done"
             else:
                 t.child_state[key] = "failed"
-                log.info("%s v%d: pushing stripe %d to %s stopped: %r", t.job_id, t.version,
-                         stripe, child.peer_id[-8:], exc)
+                log.info(
+                    "%s v%d: pushing stripe %d to %s stopped: %r",
+                    t.job_id,
+                    t.version,
+                    stripe,
+                    child.peer_id[-8:],
+                    exc,
+                )
         finally:
             if stream is not None:
                 await end_stream(stream, clean=ok)
@@ -206,8 +203,11 @@ class Pusher:
                     t.stats.first_push_at = time.monotonic()
                 # Counted as sent before the write returns: the child may acknowledge it first.
                 acks.sent_bytes.append(acks.sent_bytes[-1] + len(data))
-                await self._write(stream, encode_frame(b.encode(hdr), b.MAX_HEADER_BYTES)
-                                  + encode_frame(data, MAX_CHUNK_BYTES))
+                await self._write(
+                    stream,
+                    encode_frame(b.encode(hdr), b.MAX_HEADER_BYTES)
+                    + encode_frame(data, MAX_CHUNK_BYTES),
+                )
                 t.stats.pushed_out_bytes += len(data)
                 self.pushed_out_total += len(data)
                 if acks.sent < total and self._lagging(t, stripe, key):
@@ -228,8 +228,7 @@ class Pusher:
         cfg = self.config
         last_ack = time.monotonic()
         floor = 2 * max(size, 1)
-        while (acks.unacked + size > acks.window(floor, cfg.push_window_bytes)
-               and acks.unacked > 0):
+        while acks.unacked + size > acks.window(floor, cfg.push_window_bytes) and acks.unacked > 0:
             if self._lagging(t, stripe, key):
                 return False
             changed, before = acks.changed, acks.count
@@ -242,8 +241,9 @@ class Pusher:
         return True
 
     @staticmethod
-    async def _read_acks(stream: INetStream, t: Transfer, key: tuple[int, str],
-                         acks: _Acks) -> None:
+    async def _read_acks(
+        stream: INetStream, t: Transfer, key: tuple[int, str], acks: _Acks
+    ) -> None:
         """Read the child's acknowledgements until the stream ends (errors end it quietly)."""
         try:
             while True:
@@ -264,11 +264,11 @@ class Pusher:
             acks.ended.set()
 
     async def _write(self, stream: INetStream, data: bytes) -> None:
-        limit = self.config.upload_limit_bps
-        if limit and self._bucket is None:  # made here: trio's clock exists only inside trio.run
-            self._bucket = _TokenBucket(limit, burst=max(64 * 1024, limit / 20))
-        if self._bucket is not None:
-            await self._bucket.take(len(data))
+        # The host's upload cap (set by Relay.run from upload_limit_bps), shared with the
+        # chunks this host serves to pullers.
+        limiter = self.host.upload_limiter
+        if limiter is not None:
+            await limiter.take(len(data))
         with trio.fail_after(transfer_timeout(len(data), self.config.write_base_timeout_s)):
             await stream.write(data)
 

@@ -16,6 +16,7 @@ import trio
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
+from echo.p2p.budget import UploadLimiter
 from echo.p2p.chunkstore import ChunkStore, serve_chunks
 from echo.p2p.host import EchoHost
 from echo.p2p.relay.config import RelayConfig
@@ -76,8 +77,13 @@ class Relay:
         self._pusher = Pusher(host, self.config, self.peers, self._intake)
         self._puller = Puller(host, self.config, self.peers, self._intake, self.transfers)
         self._watchdog = Watchdog(self.config, self.peers, self._puller)
-        self._receiver = Receiver(self.config, self.peers, self._intake, self._open_transfer,
-                                  running=lambda: self._nursery is not None)
+        self._receiver = Receiver(
+            self.config,
+            self.peers,
+            self._intake,
+            self._open_transfer,
+            running=lambda: self._nursery is not None,
+        )
 
     @property
     def excluded(self) -> set[str]:
@@ -96,11 +102,18 @@ class Relay:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
-                self.host.libp2p.set_stream_handler(TProtocol(b.PROTO_PUSH),
-                                                    self._receiver.on_push)
-                self.host.set_handler(b.PROTO_HAVE, self._puller.on_have,
-                                      max_request=b.MAX_HAVE_REQUEST_BYTES,
-                                      max_response=b.MAX_HAVE_REPLY_BYTES)
+                limit = self.config.upload_limit_bps
+                if limit and self.host.upload_limiter is None:
+                    # Made here: trio's clock exists only inside trio.run.
+                    burst = max(64 * 1024, limit / 20)
+                    self.host.upload_limiter = UploadLimiter(limit, burst=burst)
+                self.host.libp2p.set_stream_handler(TProtocol(b.PROTO_PUSH), self._receiver.on_push)
+                self.host.set_handler(
+                    b.PROTO_HAVE,
+                    self._puller.on_have,
+                    max_request=b.MAX_HAVE_REQUEST_BYTES,
+                    max_response=b.MAX_HAVE_REPLY_BYTES,
+                )
                 if self.serve_pulls:
                     serve_chunks(self.host, self.store)
                 task_status.started(self)
@@ -139,8 +152,9 @@ class Relay:
         with trio.move_on_after(self.config.hello_timeout_s):
             await t.started.wait()
         if not t.started.is_set() or t.dropped.is_set():
-            raise ProtocolError(f"{t.job_id} v{t.version} is older than the versions kept",
-                                code=R.STALE_VERSION)
+            raise ProtocolError(
+                f"{t.job_id} v{t.version} is older than the versions kept", code=R.STALE_VERSION
+            )
         if t.route is None:
             t.route = route
             t.set_stripes(route.stripes, route.weights)
@@ -168,9 +182,12 @@ class Relay:
             for the version it announces.
         :raises RuntimeError: the relay is not running.
         """
-        _, ann = signing.open_record(sealed_plan, b.PlanAnnouncement,
-                                     expected_signer=coordinator_key,
-                                     max_bytes=b.MAX_PLAN_ENVELOPE_BYTES)
+        _, ann = signing.open_record(
+            sealed_plan,
+            b.PlanAnnouncement,
+            expected_signer=coordinator_key,
+            max_bytes=b.MAX_PLAN_ENVELOPE_BYTES,
+        )
         if job_id is not None and ann.job_id != job_id:
             return None
         route = route_from_announcement(ann, self.peers.me)
@@ -230,26 +247,30 @@ class Relay:
         t = self.transfers.get((hello.job_id, hello.version))
         if t is not None:
             return t
-        man = verify_manifest(hello.manifest, self._key_for(hello.job_id), hello.job_id,
-                              hello.version)
+        man = verify_manifest(
+            hello.manifest, self._key_for(hello.job_id), hello.job_id, hello.version
+        )
         t = self.transfers.get((hello.job_id, hello.version))  # another stream may have won
         if t is not None:
             return t
         return await self._launch(man, hello.manifest, hello.stripes, hello.weights)
 
-    async def _launch(self, man: m.Manifest, envelope: bytes, stripes: int,
-                      weights: Sequence[int] = ()) -> Transfer:
+    async def _launch(
+        self, man: m.Manifest, envelope: bytes, stripes: int, weights: Sequence[int] = ()
+    ) -> Transfer:
         if self._nursery is None:
             raise RuntimeError("the relay is not running")
         if man.version <= self._floor.get(man.job_id, -1):
-            raise ProtocolError(f"{man.job_id} v{man.version} is older than the versions kept",
-                                code=R.STALE_VERSION)
+            raise ProtocolError(
+                f"{man.job_id} v{man.version} is older than the versions kept", code=R.STALE_VERSION
+            )
         t = Transfer(man, envelope, stripes, weights)
         self.transfers[(t.job_id, t.version)] = t
         self._retire_old()
         if t.dropped.is_set():
-            raise ProtocolError(f"{t.job_id} v{t.version} is older than the versions kept",
-                                code=R.STALE_VERSION)
+            raise ProtocolError(
+                f"{t.job_id} v{t.version} is older than the versions kept", code=R.STALE_VERSION
+            )
         self._intake.adopt_stored(t)
         await self._nursery.start(self._transfer_task, t)
         self._new_transfer.set()
@@ -292,8 +313,14 @@ async def open_relay(
     serve_pulls: bool = True,
 ) -> AsyncIterator[Relay]:
     """A running :class:`Relay` for the duration of the block (cancelled on exit)."""
-    relay = Relay(host, store, learner_keys=learner_keys, on_bad_peer=on_bad_peer, config=config,
-                  serve_pulls=serve_pulls)
+    relay = Relay(
+        host,
+        store,
+        learner_keys=learner_keys,
+        on_bad_peer=on_bad_peer,
+        config=config,
+        serve_pulls=serve_pulls,
+    )
     async with trio.open_nursery() as nursery:
         await nursery.start(relay.run)
         try:

@@ -1,0 +1,270 @@
+"""Per-peer budgets in rate and bytes: token buckets keyed by (peer, rpc) and (network prefix, rpc).
+
+:class:`Gate` owns every bucket and every backoff of one host. A request is admitted when the
+peer is not in backoff and both its own bucket and its network prefix's bucket (/24 for IPv4, /48
+for IPv6: one machine or one home cannot escape its budget by minting identities) have a token
+for the request and room for its bytes. A refusal costs the refused peer, not the host: the
+caller closes the stream without reading further, and :meth:`Gate.punish` puts the peer in an
+exponentially growing backoff during which every stream it opens is closed before a byte is read.
+
+Every map is a bounded LRU (:class:`LruMap`): the least recently seen keys are dropped first, so
+a flood of fresh identities costs at most ``max_keys`` small entries. Forgetting a peer forgets
+its debt, which only ever errs towards a stranger's favour for peers not seen for a long time.
+
+The buckets are pure and synchronous over an injectable monotonic clock; :class:`UploadLimiter`
+(the host-wide upload cap) is the one part that waits. Nothing here raises for any input.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import trio
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+# Keys each map holds at most (per host): a few hundred bytes each, so about 10 MB at worst.
+DEFAULT_MAX_KEYS = 20_000
+# Backoff after a first violation, doubled per violation within the backoff's memory, capped.
+BACKOFF_BASE_S = 2.0
+BACKOFF_MAX_S = 300.0
+# A prefix holds this many peers' worth of budget: a NAT or a lab shares one address honestly.
+DEFAULT_PREFIX_FACTOR = 8.0
+
+
+@dataclass(frozen=True)
+class Limit:
+    """The budget of one rpc for one peer: sustained requests/s and bytes/s, and their bursts."""
+
+    requests_per_s: float
+    burst_requests: float
+    bytes_per_s: float
+    burst_bytes: float
+
+    def scaled(self, factor: float) -> Limit:
+        """The same limit ``factor`` times larger (a network prefix's share)."""
+        return Limit(
+            self.requests_per_s * factor,
+            self.burst_requests * factor,
+            self.bytes_per_s * factor,
+            self.burst_bytes * factor,
+        )
+
+
+# Generous enough that no honest exchange of ours comes near it (a node sends a few requests a
+# second); protocols without their own entry get it.
+DEFAULT_LIMIT = Limit(requests_per_s=50.0, burst_requests=200.0, bytes_per_s=32e6, burst_bytes=64e6)
+
+
+class LruMap(Generic[K, V]):
+    """A dict that keeps at most ``max_keys`` keys, dropping the least recently used first."""
+
+    def __init__(self, max_keys: int) -> None:
+        self.max_keys = max(1, max_keys)
+        self._d: OrderedDict[K, V] = OrderedDict()
+
+    def get(self, key: K) -> V | None:
+        """The value of ``key`` (now the most recently used), or None."""
+        value = self._d.get(key)
+        if value is not None:
+            self._d.move_to_end(key)
+        return value
+
+    def setdefault(self, key: K, make: Callable[[], V]) -> V:
+        """The value of ``key``, created with ``make()`` (evicting the oldest key) if absent."""
+        value = self.get(key)
+        if value is None:
+            value = make()
+            self._d[key] = value
+            while len(self._d) > self.max_keys:
+                self._d.popitem(last=False)
+        return value
+
+    def pop(self, key: K) -> V | None:
+        return self._d.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+class Bucket:
+    """Two token buckets (requests, bytes) refilled at a limit's rates up to its bursts."""
+
+    __slots__ = ("limit", "requests", "bytes", "stamp")
+
+    def __init__(self, limit: Limit, now: float) -> None:
+        self.limit = limit
+        self.requests = limit.burst_requests
+        self.bytes = limit.burst_bytes
+        self.stamp = now
+
+    def _refill(self, now: float) -> None:
+        dt = max(0.0, now - self.stamp)
+        self.stamp = now
+        lim = self.limit
+        self.requests = min(lim.burst_requests, self.requests + dt * lim.requests_per_s)
+        self.bytes = min(lim.burst_bytes, self.bytes + dt * lim.bytes_per_s)
+
+    def can(self, now: float, requests: float, nbytes: float) -> bool:
+        self._refill(now)
+        return self.requests >= requests and self.bytes >= nbytes
+
+    def take(self, requests: float, nbytes: float) -> None:
+        self.requests -= requests
+        self.bytes -= nbytes
+
+
+@dataclass
+class _Backoff:
+    until: float
+    strikes: int
+
+
+def network_prefix(address: str | None) -> str | None:
+    """The /24 (IPv4) or /48 (IPv6) network of ``address``; None for none or a malformed one."""
+    if not address:
+        return None
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return None
+    bits = 24 if ip.version == 4 else 48
+    return str(ipaddress.ip_network(f"{ip}/{bits}", strict=False))
+
+
+class Gate:
+    """Admission of requests per (peer, rpc) and per (prefix, rpc); see the module docstring.
+
+    ``limits`` maps an rpc name (a protocol id) to its per-peer :class:`Limit`; others get
+    ``default``. A prefix's limit is the peer's times ``prefix_factor``.
+    """
+
+    def __init__(
+        self,
+        limits: Mapping[str, Limit] | None = None,
+        *,
+        default: Limit = DEFAULT_LIMIT,
+        prefix_factor: float = DEFAULT_PREFIX_FACTOR,
+        max_keys: int = DEFAULT_MAX_KEYS,
+        backoff_base_s: float = BACKOFF_BASE_S,
+        backoff_max_s: float = BACKOFF_MAX_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.limits = dict(limits or {})
+        self.default = default
+        self.prefix_factor = prefix_factor
+        self.backoff_base_s = backoff_base_s
+        self.backoff_max_s = backoff_max_s
+        self.clock = clock
+        self._buckets: LruMap[tuple[str, str], Bucket] = LruMap(max_keys)
+        self._backoff: LruMap[str, _Backoff] = LruMap(max_keys)
+        # The last address each peer was seen at, so that charges made without one (a handler
+        # that knows only the peer id) still reach its prefix.
+        self._where: LruMap[str, str] = LruMap(max_keys)
+        # Refusals since the gate started, by rpc (for metrics and tests).
+        self.refused: dict[str, int] = {}
+
+    def set_limit(self, rpc: str, limit: Limit) -> None:
+        """Budget ``rpc`` with ``limit`` per peer from now on (buckets already made keep theirs)."""
+        self.limits[rpc] = limit
+
+    def resize(self, max_keys: int) -> None:
+        """Keep at most ``max_keys`` keys per map from now on (applied as keys are added)."""
+        for lru in (self._buckets, self._backoff, self._where):
+            lru.max_keys = max(1, max_keys)
+
+    def limit(self, rpc: str) -> Limit:
+        """The per-peer limit of ``rpc``."""
+        return self.limits.get(rpc, self.default)
+
+    def in_backoff(self, peer: str) -> bool:
+        """True while ``peer`` serves a backoff (every stream it opens is closed unread)."""
+        b = self._backoff.get(peer)
+        return b is not None and self.clock() < b.until
+
+    def admit(self, peer: str, address: str | None, rpc: str, nbytes: int = 0) -> bool:
+        """Charge one request of ``nbytes`` to ``peer`` and its prefix; False (nothing charged)
+        when the peer is in backoff or either budget is spent."""
+        return self._charge(peer, address, rpc, 1.0, float(nbytes))
+
+    def admit_bytes(self, peer: str, address: str | None, rpc: str, nbytes: int) -> bool:
+        """Charge ``nbytes`` more of a request already admitted (e.g. a body announced by its
+        header, or a response about to be sent); False (nothing charged) when over budget."""
+        return self._charge(peer, address, rpc, 0.0, float(nbytes))
+
+    def _charge(
+        self, peer: str, address: str | None, rpc: str, requests: float, nbytes: float
+    ) -> bool:
+        now = self.clock()
+        if self.in_backoff(peer):
+            self._refuse(rpc)
+            return False
+        if address:
+            self._where.setdefault(peer, lambda: address)
+        else:
+            address = self._where.get(peer)
+        limit = self.limit(rpc)
+        mine = self._buckets.setdefault((peer, rpc), lambda: Bucket(limit, now))
+        prefix = network_prefix(address)
+        theirs = None
+        if prefix is not None:
+            scaled = limit.scaled(self.prefix_factor)
+            theirs = self._buckets.setdefault((prefix, rpc), lambda: Bucket(scaled, now))
+        if not mine.can(now, requests, nbytes) or (
+            theirs is not None and not theirs.can(now, requests, nbytes)
+        ):
+            self._refuse(rpc)
+            return False
+        mine.take(requests, nbytes)
+        if theirs is not None:
+            theirs.take(requests, nbytes)
+        return True
+
+    def _refuse(self, rpc: str) -> None:
+        self.refused[rpc] = self.refused.get(rpc, 0) + 1
+
+    def punish(self, peer: str) -> float:
+        """Put ``peer`` in backoff (doubling with each violation it commits while remembered);
+        returns the backoff's length in seconds."""
+        now = self.clock()
+        b = self._backoff.get(peer)
+        strikes = 1 if b is None else b.strikes + 1
+        length = min(self.backoff_max_s, self.backoff_base_s * 2 ** (strikes - 1))
+        if b is None:
+            self._backoff.setdefault(peer, lambda: _Backoff(now + length, strikes))
+        else:
+            b.until, b.strikes = now + length, strikes
+        return length
+
+    def sizes(self) -> dict[str, int]:
+        """How many keys each map holds (they level off at ``max_keys``)."""
+        return {
+            "buckets": len(self._buckets),
+            "backoff": len(self._backoff),
+            "addresses": len(self._where),
+        }
+
+
+class UploadLimiter:
+    """A host's upload cap, shared by everything that uploads (relay pushes, chunks served):
+    ``await take(n)`` waits until ``n`` bytes of budget accrued at ``rate_bps``."""
+
+    def __init__(self, rate_bps: float, burst: float) -> None:
+        self.rate, self.burst = rate_bps, burst
+        self.tokens = burst
+        self.stamp = trio.current_time()
+
+    async def take(self, n: int) -> None:
+        """Spend ``n`` bytes, sleeping off any debt (the caller uploads after it returns)."""
+        now = trio.current_time()
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        self.tokens -= n
+        if self.tokens < 0:
+            await trio.sleep(-self.tokens / self.rate)
