@@ -11,7 +11,7 @@ from __future__ import annotations
 from echo.coordinator.config import AdmissionSection
 from echo.p2p.budget import Gate, Limit
 from echo.protocol import broadcast as b
-from echo.protocol import ids, limits
+from echo.protocol import ids
 
 # Small requests are a few hundred bytes; their byte budget is 64 KiB per request of burst.
 _SMALL = 64 * 1024
@@ -35,8 +35,7 @@ def node_limits(cfg: AdmissionSection) -> dict[str, Limit]:
         requests_per_s=cfg.requests_per_s,
         burst_requests=cfg.burst_requests,
         bytes_per_s=cfg.submit_bytes_per_s,
-        # Two whole messages at once, whatever the rate.
-        burst_bytes=max(cfg.submit_bytes_per_s, 2 * limits.MAX_MESSAGE_BYTES),
+        burst_bytes=cfg.submit_burst_bytes,
     )
     return {
         ids.PROTO_REGISTER: register,

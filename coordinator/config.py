@@ -68,6 +68,11 @@ class AdmissionSection(BaseModel):
     submit_bytes_per_s: float = Field(
         default=16e6, gt=0, description="submission bytes/s per peer (a fast node sends ~1 MB/s)"
     )
+    submit_burst_bytes: float = Field(
+        default=16 * 1024 * 1024,
+        ge=64 * 1024,
+        description="submission bytes a peer may send at once (at least its largest submission)",
+    )
     prefix_factor: float = Field(
         default=8.0,
         ge=1,

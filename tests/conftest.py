@@ -21,8 +21,9 @@ from echo.protocol.jobspec import parse_job
 TEST_DEADLINE = 60.0
 
 
-def make_coordinator(tmp: Path, **verification) -> Coordinator:
+def make_coordinator(tmp: Path, admission: dict | None = None, **verification) -> Coordinator:
     cfg = CoordinatorConfig(
+        admission=admission or {},
         data_dir=tmp / "coord",
         listen=["/ip4/127.0.0.1/tcp/0"],
         http_port=0,
@@ -97,9 +98,10 @@ def learner_publish_v0(coord: Coordinator, job_id: str, digest: str = "digest-v0
 def run_with_coordinator(
     tmp: Path,
     body: Callable[[Coordinator, Callable[..., Awaitable[Client]]], Awaitable[None]],
+    admission: dict | None = None,
     **verification,
 ) -> None:
-    coord = make_coordinator(tmp, **verification)
+    coord = make_coordinator(tmp, admission, **verification)
 
     async def main() -> None:
         with trio.fail_after(TEST_DEADLINE):
