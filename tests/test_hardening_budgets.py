@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import trio
 from libp2p.custom_types import TProtocol
+from libp2p.exceptions import BaseLibp2pError
 
 from echo.p2p.budget import Gate, Limit, network_prefix
 from echo.p2p.rpc import RpcConnectionError
@@ -115,7 +116,7 @@ def test_announced_body_over_byte_budget_is_refused_unread(tmp_path) -> None:
             while not coord.host.gate.in_backoff(me):
                 await trio.sleep(0.02)
         assert coord.host.gate.in_backoff(me)
-        with pytest.raises(Exception):  # the coordinator reset the stream
+        with pytest.raises(BaseLibp2pError):  # the coordinator reset the stream
             for _ in range(100):
                 await stream.write(b"x" * 65536)
                 await trio.sleep(0.01)
