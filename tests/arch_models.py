@@ -33,6 +33,22 @@ COMMON: dict[str, Any] = {
 # sequences where llama.cpp applies them (Gemma), so the window is exercised.
 ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {}),
+    # Llama 3.1/3.2's RoPE scaling (a rope_freqs tensor in the GGUF), with an original context
+    # shorter than the test sequences so the scaled frequencies matter.
+    "llama3_rope": (
+        "LlamaConfig",
+        {
+            "head_dim": 32,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "rope_theta": 500000.0,
+            },
+        },
+    ),
     "mistral": ("MistralConfig", {"sliding_window": 32}),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {"head_dim": 32}),

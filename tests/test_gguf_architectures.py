@@ -1,6 +1,7 @@
 """Every architecture the GGUF export claims, through the llama.cpp engine, against transformers.
 
-For each of Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 and Phi-3: a tiny random checkpoint
+For each of Llama (also with Llama 3's RoPE scaling), Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 and
+Phi-3: a tiny random checkpoint
 (``tests/arch_models.py``) is loaded by the llama.cpp engine exactly as a real one is (a Hugging
 Face folder); the engine's weights read back from its GGUF equal the published state bit for bit;
 the log-prob it reports for each sampled token is within the llama.cpp re-scoring threshold of

@@ -14,6 +14,8 @@ converter does it:
   ``layer_types`` differ is refused. Architectures without it that still declare a window
   (Mistral, Phi-3) are run with the context capped at the window, where both agree.
 - ``extra``: hyper-parameters only this architecture writes (soft-capping, the window).
+- ``rope_types``: the RoPE scalings llama.cpp's graph reproduces; Llama 3's (``llama3``) is a
+  constant ``rope_freqs`` tensor of per-frequency divisors (:func:`constant_tensors`).
 
 :func:`rule_for` returns the rule of a config after :meth:`ArchRule.check` refuses what llama.cpp
 would compute differently, raising :class:`UnsupportedArchitecture` with one line that says why.
@@ -23,9 +25,12 @@ Adding an architecture is a new entry in :data:`RULES` (plus its test in
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 
 class UnsupportedArchitecture(NotImplementedError):
@@ -99,6 +104,7 @@ class ArchRule:
     swa_pattern: int = 0
     qkv_bias: bool | None = None  # True: required, False: refused, None: optional
     rope_layer_type: str | None = None
+    rope_types: tuple[str, ...] = ("default",)
     extra: Callable[[Any], list[tuple[str, Any]]] = field(default=lambda config: [])
 
     def check(self, config: Any) -> None:
@@ -107,7 +113,7 @@ class ArchRule:
         if act != self.act:
             raise UnsupportedArchitecture(f"activation {act!r} (llama.cpp's graph uses {self.act})")
         rope = rope_of(config, self.rope_layer_type)
-        if rope["rope_type"] != "default":
+        if rope["rope_type"] not in self.rope_types:
             raise UnsupportedArchitecture(f"RoPE scaling {rope['rope_type']!r} is not exported")
         if getattr(config, "mlp_bias", False):
             raise UnsupportedArchitecture("MLP biases are not exported")
@@ -141,7 +147,7 @@ class ArchRule:
 
 # transformers model_type -> rule. Mistral is a Llama graph in llama.cpp (as in the converter).
 RULES: dict[str, ArchRule] = {
-    "llama": ArchRule("llama", permute_qk=True),
+    "llama": ArchRule("llama", permute_qk=True, rope_types=("default", "llama3")),
     "mistral": ArchRule("llama", permute_qk=True, qkv_bias=False),
     "qwen2": ArchRule("qwen2", qkv_bias=True),
     "qwen3": ArchRule("qwen3", qkv_bias=False),
@@ -181,3 +187,26 @@ def rule_for(config: Any) -> ArchRule:
     except UnsupportedArchitecture as exc:
         raise UnsupportedArchitecture(f"{model_type}: {exc}") from None
     return rule
+
+
+def constant_tensors(rope: dict[str, Any], rope_dims: int) -> list[tuple[str, np.ndarray]]:
+    """Tensors llama.cpp needs that are not weights (never patched): for Llama 3's RoPE scaling,
+    ``rope_freqs.weight``, the factor each inverse frequency is divided by, computed as
+    transformers' ``_compute_llama3_parameters`` scales them."""
+    if rope["rope_type"] != "llama3":
+        return []
+    factor = float(rope["factor"])
+    low, high = float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+    old_ctx = float(rope["original_max_position_embeddings"])
+    base = float(rope["rope_theta"])
+    factors = []
+    for i in range(0, rope_dims, 2):
+        wavelen = 2 * math.pi * base ** (i / rope_dims)
+        if wavelen < old_ctx / high:
+            factors.append(1.0)
+        elif wavelen > old_ctx / low:
+            factors.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            factors.append(1.0 / ((1.0 - smooth) / factor + smooth))
+    return [("rope_freqs.weight", np.asarray(factors, dtype=np.float32))]

@@ -124,6 +124,8 @@ def write_gguf(
             w.add_tensor(slot.gguf_name, bits.view(np.float16))
         else:
             w.add_tensor(slot.gguf_name, bits, raw_dtype=gguf.GGMLQuantizationType.BF16)
+    for const_name, values in layout.constants:
+        w.add_tensor(const_name, values)
     w.add_file_type(_FILE_TYPE[matrix_dtypes.pop()] if len(matrix_dtypes) == 1 else 0)
 
     try:
@@ -146,8 +148,9 @@ def write_gguf(
         ):
             raise ValueError(f"{path}: tensor {slot.gguf_name!r} was not written as expected")
         entries[hf_name] = Entry(slot, fd, info.offset, int(np.prod(slot.shape)))
-    if len(infos) != len(entries):
-        raise ValueError(f"{path} holds {len(infos)} tensors, expected {len(entries)}")
+    if len(infos) != len(entries) + len(layout.constants):
+        want = len(entries) + len(layout.constants)
+        raise ValueError(f"{path} holds {len(infos)} tensors, expected {want}")
     return GGUFFile(path, layout, entries, published, dtype, state)
 
 

@@ -26,7 +26,12 @@ import torch
 
 from echo.models.spec import ModelSpec
 from echo.models.weights import dtype_name
-from echo.node.engines.gguf_arch import UnsupportedArchitecture, rope_of, rule_for
+from echo.node.engines.gguf_arch import (
+    UnsupportedArchitecture,
+    constant_tensors,
+    rope_of,
+    rule_for,
+)
 
 # ggml type ids (ggml.h) of the float types we write; nothing quantized.
 GGML_F32, GGML_F16, GGML_BF16 = 0, 1, 30
@@ -59,7 +64,8 @@ class TensorSlot:
 @dataclass(frozen=True, eq=False)
 class GGUFLayout:
     """What a GGUF of one model holds: llama.cpp's architecture name, the hyper-parameters every
-    architecture writes, ``extra`` ones (GGUFWriter method name, value) and the tensor slots."""
+    architecture writes, ``extra`` ones (GGUFWriter method name, value), the tensor slots, and
+    ``constants``: tensors that are not weights (GGUF name, float32 array; never patched)."""
 
     arch: str
     layers: int
@@ -75,6 +81,7 @@ class GGUFLayout:
     rope_theta: float
     extra: tuple[tuple[str, Any], ...]
     slots: Mapping[str, TensorSlot]
+    constants: tuple[tuple[str, Any], ...] = ()
 
     @property
     def tied(self) -> bool:
@@ -135,6 +142,7 @@ def layout_of(model: ModelSpec | GGUFLayout | Any) -> GGUFLayout:
         rope_theta=float(rope["rope_theta"]),
         extra=tuple(rule.extra(config)),
         slots=slots,
+        constants=tuple(constant_tensors(rope, int(head_dim * partial))),
     )
 
 

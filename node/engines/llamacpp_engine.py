@@ -223,6 +223,7 @@ class LlamaCppEngine(Engine):
             raise
         t1 = time.perf_counter()
         expected = sum(e.count for e in self._file.entries.values())
+        expected += sum(int(values.size) for _, values in self.layout.constants)
         self._llama.load(self.gguf_path, expected, self.seq_len)
         self._live = self._mapped_live()
         stats.write_seconds, stats.load_seconds = t1 - t0, time.perf_counter() - t1
