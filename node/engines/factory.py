@@ -57,10 +57,13 @@ def unsupported_reason(name: str, spec: ModelSpec) -> str | None:
     if name != "llamacpp":
         return None
     from echo.node.engines.gguf_arch import UnsupportedArchitecture
-    from echo.node.engines.gguf_layout import layout_of
 
     try:
+        from echo.node.engines.gguf_layout import layout_of
+
         layout_of(spec)
+    except ImportError:
+        return None  # gguf missing: make_engine then says what to install
     except UnsupportedArchitecture as exc:
         return str(exc)
     return None
