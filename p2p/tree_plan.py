@@ -93,8 +93,10 @@ class TreePlan:
         it feeds (as a fair-queueing link shares it: per connection, not per stream), then by
         the stripes it feeds this child in; and the child's downlink shared by its parents
         (one per stripe)."""
-        links = self._links.get(parent, Counter())
-        up = self.ups.get(parent, 0.0) / max(1, len(links)) / max(1, links[child])
+        up = self.ups.get(parent, 0.0)
+        links = self._links.get(parent)
+        if links:
+            up = up / len(links) / max(1, links[child])
         down = self.downs.get(child, math.inf) / len(self.stripes)
         return min(up, down)
 
@@ -116,25 +118,33 @@ class TreePlan:
             n_s = sizes[s]
             if n_s == 0:
                 continue
-            parents = stripe.parents()
+            # Down the tree from the source: each node's summed chunk times along its path and
+            # its path's slowest edge, from its parent's (one pass, not one walk per node).
+            hops: dict[str, float] = {self.source: 0.0}
+            slowest: dict[str, float] = {self.source: math.inf}
+            frontier = [self.source]
+            while frontier:
+                nxt = []
+                for p in frontier:
+                    for c in stripe.children.get(p, ()):
+                        r = self.edge_rate(p, c)
+                        if r <= 0:
+                            return math.inf
+                        hops[c] = hops[p] + chunk / r
+                        slowest[c] = min(slowest[p], r)
+                        nxt.append(c)
+                frontier = nxt
             for node in self.nodes:
-                path = []
-                c = node
-                while c != self.source:
-                    p = parents[c]
-                    path.append(self.edge_rate(p, c))
-                    c = p
-                slowest = min(path)
-                if slowest <= 0:
-                    return math.inf
-                t = sum(chunk / r for r in path) + (n_s - 1) * chunk / slowest
+                t = hops[node] + (n_s - 1) * chunk / slowest[node]
                 worst = max(worst, t)
         return worst
 
     def stripe_rate(self, stripe: int) -> float:
         """The slowest edge of ``stripe``: the rate its chunks pipeline through the tree at."""
-        return min((self.edge_rate(p, c) for p, cs in self.stripes[stripe].children.items()
-                    for c in cs), default=0.0)
+        return min(
+            (self.edge_rate(p, c) for p, cs in self.stripes[stripe].children.items() for c in cs),
+            default=0.0,
+        )
 
     def summary(self) -> dict[str, object]:
         return {

@@ -16,10 +16,11 @@ from dataclasses import replace
 
 from echo.p2p.tree_equal import (
     DEFAULT_MAX_FANOUT,
-    min_source_slots,
     place,
     plan_tree,
+    source_slots_needed,
     stripe_orders,
+    uplinks_in_order,
 )
 from echo.p2p.tree_plan import Stripe, TreePlan
 
@@ -51,8 +52,9 @@ def plan_weighted(
     each stripe's slowest edge (:meth:`TreePlan.stripe_rate`), so shares follow what the trees
     deliver, the source's uplink shared equally among its children as fair queueing does.
     """
-    base = plan_tree(source, source_up_bps, nodes, stripes=stripes, downs=downs,
-                     max_fanout=max_fanout)
+    base = plan_tree(
+        source, source_up_bps, nodes, stripes=stripes, downs=downs, max_fanout=max_fanout
+    )
     k = len(base.stripes)
     if k == 1:
         return base
@@ -62,8 +64,9 @@ def plan_weighted(
     # Raising one stripe takes source budget from the next, so the order matters: try both ways
     # and keep the plan that delivers more in all (sum of the stripes' sustained rates).
     for order in (range(k), range(k - 1, -1, -1)):
-        built = _raise_stripes(source, source_up_bps, orders, caps, base.stripes[0].rate_bps,
-                               list(order), max_fanout)
+        built = _raise_stripes(
+            source, source_up_bps, orders, caps, base.stripes[0].rate_bps, list(order), max_fanout
+        )
         shaped = replace(base, stripes=built, kind=f"tree/{k}w")
         thr = [shaped.stripe_rate(s) for s in range(k)]
         if min(thr) <= 0 or sum(thr) <= best_rate:
@@ -86,9 +89,10 @@ def _raise_stripes(
     """From a common ``rate``, raise each stripe's rate in turn (``order``) as far as its group
     and the source's remaining uplink allow; spare source slots then go round-robin."""
     k = len(orders)
+    ups = [uplinks_in_order(c, o) for o, c in zip(orders, caps, strict=True)]
 
     def slots(s: int, r: float) -> int:
-        return min_source_slots(source, caps[s], orders[s], r, max_fanout)[0]
+        return source_slots_needed(ups[s], r, max_fanout)
 
     rates = [rate] * k
     used = [slots(s, rate) for s in range(k)]
