@@ -4,7 +4,6 @@ registered as real entry points and run in a child process with a time limit."""
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from pathlib import Path
@@ -219,8 +218,3 @@ def test_reward_sections_in_job_toml() -> None:
             load_job_toml(f'[job]\nname = "x"\n[[job.reward]]\n{body}\n')
     with pytest.raises(SpecError, match="task.chat"):
         load_job_toml('[job]\nname = "x"\n[job.task]\nchat = "sometimes"\n')
-
-
-def test_sys_path_is_restored() -> None:
-    # The entry point fixture must not leak into other tests.
-    assert not any("my_rewards" in p for p in sys.modules)
