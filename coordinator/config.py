@@ -36,7 +36,8 @@ class VerificationSection(BaseModel):
         gt=0,
         le=1,
         description="share of a job's lease window that nodes without an accepted group may "
-        "hold together (identities are free: fresh ones never take the whole window)",
+        "hold together (identities are free: fresh ones never take the whole window); "
+        "not applied with lease_quota_ramp = 0",
     )
     buffer_groups: int = Field(
         default=0, ge=0, description="accepted groups to keep ahead of the learner (0 = 2 batches)"

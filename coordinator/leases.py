@@ -70,7 +70,9 @@ class Leases:
                 retry_after_s=UPDATE_FIRST_RETRY_S,
                 message=f"update to v{current} first",
             )
-        n = self._budget(row.job_id, node.node_id, job, req.max_leases, node.streak)
+        n = self._budget(
+            row.job_id, node.node_id, job, req.max_leases, node.streak, fresh=node.accepted == 0
+        )
         if n <= 0:
             return m.LeaseReply(
                 leases=[],
@@ -136,12 +138,18 @@ class Leases:
         self.metrics.leases_issued.inc(len(rows))
         return m.LeaseReply(leases=sealed, current_version=current, retry_after_s=0.0)
 
-    def _budget(self, job_id: str, node_id: str, job: RunningJob, wanted: int, streak: int) -> int:
+    def _budget(
+        self, job_id: str, node_id: str, job: RunningJob, wanted: int, streak: int, *, fresh: bool
+    ) -> int:
         """How many new leases keep the buffer near its target without starving other nodes.
 
         A node's quota grows with its run of valid results (one more open lease per
         ``lease_quota_ramp`` valid groups): identities are free, so a fresh one, honest or not,
-        cannot tie up more than one lease of the buffer before it has proven itself.
+        cannot tie up more than one lease of the buffer before it has proven itself. Each lease
+        the node let expire within ``expired_lease_window_s`` takes one off its quota (then it
+        gets none until they age out), and nodes without an accepted group (``fresh``) share
+        ``fresh_lease_share`` of the window (unless ``lease_quota_ramp`` is 0): however many
+        identities hoard, the rest of the window stays with nodes that have delivered.
         """
         cfg = self.verification
         # Synchronously (S = 0) every group still unsampled when the learner steps is wasted:
@@ -152,5 +160,10 @@ class Leases:
         quota = cfg.max_open_leases_per_node
         if cfg.lease_quota_ramp:
             quota = min(quota, 1 + streak // cfg.lease_quota_ramp)
+        quota -= self.store.expired_lease_count(node_id, time.time() - cfg.expired_lease_window_s)
         per_node = quota - self.store.open_lease_count(job_id, node_id)
-        return max(0, min(wanted, per_node, target - in_flight))
+        room = target - in_flight
+        if fresh and cfg.lease_quota_ramp:  # ramp 0: the operator trusts identities at once
+            allowance = max(1, int(target * cfg.fresh_lease_share))
+            room = min(room, allowance - self.store.open_lease_count_fresh(job_id))
+        return max(0, min(wanted, per_node, room))

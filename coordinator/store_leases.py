@@ -50,6 +50,25 @@ class LeaseTables(Database):
             ).fetchone()[0]
         )
 
+    def open_lease_count_fresh(self, job_id: str) -> int:
+        """Open leases of the job held by nodes that never had a group accepted."""
+        return int(
+            self._db.execute(
+                "SELECT COUNT(*) FROM leases JOIN nodes USING (node_id)"
+                " WHERE leases.job_id=? AND leases.status='open' AND nodes.accepted=0",
+                (job_id,),
+            ).fetchone()[0]
+        )
+
+    def expired_lease_count(self, node_id: str, since: float) -> int:
+        """Leases the node let expire with a deadline at or after ``since`` (all jobs)."""
+        return int(
+            self._db.execute(
+                "SELECT COUNT(*) FROM leases WHERE node_id=? AND status='expired' AND deadline>=?",
+                (node_id, since),
+            ).fetchone()[0]
+        )
+
     def has_open_lease(self, node_id: str) -> bool:
         """Whether the node holds any open lease (one indexed read: the submit path's gate)."""
         row = self._db.execute(

@@ -127,12 +127,15 @@ class _Backoff:
 
 
 def network_prefix(address: str | None) -> str | None:
-    """The /24 (IPv4) or /48 (IPv6) network of ``address``; None for none or a malformed one."""
+    """The /24 (IPv4) or /48 (IPv6) network of ``address``; None for none, a malformed one, or
+    loopback (one machine running many nodes on purpose: a test swarm, a benchmark)."""
     if not address:
         return None
     try:
         ip = ipaddress.ip_address(address)
     except ValueError:
+        return None
+    if ip.is_loopback:
         return None
     bits = 24 if ip.version == 4 else 48
     return str(ipaddress.ip_network(f"{ip}/{bits}", strict=False))

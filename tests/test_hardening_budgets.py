@@ -33,6 +33,7 @@ def test_prefixes() -> None:
     assert network_prefix("203.0.113.77") == "203.0.113.0/24"
     assert network_prefix("2001:db8:1:2::5") == "2001:db8:1::/48"
     assert network_prefix("not an ip") is None and network_prefix(None) is None
+    assert network_prefix("127.0.0.1") is None and network_prefix("::1") is None
 
 
 def test_gate_rate_bytes_and_refill() -> None:
@@ -95,7 +96,7 @@ def test_flooding_peer_is_closed_and_backed_off_honest_node_is_not(tmp_path) -> 
                 refused += 1
         assert refused >= 20  # 5 of burst, then closed and in backoff
         assert coord.host.gate.in_backoff(str(flooder.host.peer_id))
-        # The honest node, on the same address (127.0.0.1), is still served.
+        # The honest node, on the same machine, is still served.
         for _ in range(3):
             assert (await honest.leases(job_id, 0, 1)).current_version == 0
 
