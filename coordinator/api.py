@@ -6,6 +6,7 @@ read-only dashboard ``/`` do not. Bad job specs get 400 with one line per bad ke
 
 from __future__ import annotations
 
+import hmac
 import json
 import math
 import time
@@ -33,6 +34,7 @@ from echo.coordinator.capacity import NodeRate, plan, recommend_staleness, stale
 from echo.coordinator.exports import Exports, ExportUnavailable
 from echo.coordinator.jobs import check_job
 from echo.coordinator.learners import tail
+from echo.coordinator.names import check_job_name
 from echo.coordinator.ports import ApiBackend
 from echo.protocol.jobspec import SpecError, load_job_toml, parse_job
 
@@ -174,6 +176,24 @@ def node_list(coord: ApiBackend) -> list[dict[str, Any]]:
     return out
 
 
+async def read_capped(request: Request, limit: int) -> bytes | None:
+    """The request body, or None when it is over ``limit`` bytes: refused on its announced
+    Content-Length before a byte is read, else as soon as the streamed body passes the cap."""
+    announced = request.headers.get("content-length")
+    if announced is not None:
+        try:
+            if int(announced) > limit:
+                return None
+        except ValueError:
+            return None
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            return None
+    return bytes(body)
+
+
 def build_app(coord: ApiBackend) -> Starlette:
     """The Starlette app of the API, the dashboard and /metrics over ``coord``.
 
@@ -181,8 +201,12 @@ def build_app(coord: ApiBackend) -> Starlette:
     they raise nothing for bad requests.
     """
 
+    expected = f"Bearer {coord.token}".encode()
+
     def authorized(request: Request) -> bool:
-        return request.headers.get("authorization", "") == f"Bearer {coord.token}"
+        # Constant time: how much of a guess matched must not show in the response time.
+        given = request.headers.get("authorization", "").encode("utf-8", "replace")
+        return hmac.compare_digest(given, expected)
 
     def guard(
         fn: Callable[[Request], Awaitable[Response]],
@@ -196,9 +220,11 @@ def build_app(coord: ApiBackend) -> Starlette:
 
     @guard
     async def submit(request: Request) -> Response:
-        body = await request.body()
-        if len(body) > MAX_BODY:
-            return JSONResponse({"error": "job spec too large"}, status_code=413)
+        body = await read_capped(request, MAX_BODY)
+        if body is None:
+            return JSONResponse(
+                {"error": f"job spec too large (at most {MAX_BODY} bytes)"}, status_code=413
+            )
         try:
             text = body.decode()
             if request.headers.get("content-type", "").startswith("application/json"):
@@ -207,7 +233,8 @@ def build_app(coord: ApiBackend) -> Starlette:
                 spec = load_job_toml(text)
         except (SpecError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
-        try:  # the task, its dataset and rewards, before anything is stored
+        try:  # the name, the task, its dataset and rewards, before anything is stored
+            check_job_name(spec.name)
             await trio.to_thread.run_sync(check_job, spec)
         except (ValueError, OSError) as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)

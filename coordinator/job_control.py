@@ -16,10 +16,12 @@ from pathlib import Path
 
 import trio
 
+from echo.coordinator import names
 from echo.coordinator.config import CoordinatorConfig
 from echo.coordinator.jobs import RunningJob, load_running_job
 from echo.coordinator.learners import supervise_learner
 from echo.coordinator.metrics import Metrics
+from echo.coordinator.names import check_job_name
 from echo.coordinator.store import Store
 from echo.p2p.identity import Identity
 from echo.protocol.jobspec import JobSpec
@@ -54,12 +56,18 @@ class JobControl:
     def resume(self, nursery: trio.Nursery) -> None:
         """Load every pending or running job, and start their learners in ``nursery``.
 
-        Jobs submitted later start theirs there too. Raises what :func:`load_running_job` raises
-        for a stored job this build cannot load.
+        Jobs submitted later start theirs there too. A stored job this build cannot load (its
+        task, model or dataset gone, or a spec an older build let through) is marked failed
+        with the reason, and the others start: one bad job never stops the coordinator.
         """
         self._nursery = nursery
         for row in self.store.jobs(["pending", "running"]):
-            self._start(row.job_id)
+            try:
+                self._start(row.job_id)
+            except Exception as exc:  # whatever loading raised: the job fails, not the daemon
+                self.jobs.pop(row.job_id, None)
+                self.store.set_job_status(row.job_id, "failed", f"cannot load the job: {exc}")
+                log.error("job %s cannot be loaded, marked failed: %s", row.job_id, exc)
 
     def _start(self, job_id: str) -> None:
         self.jobs[job_id] = load_running_job(self.store, job_id)
@@ -72,8 +80,9 @@ class JobControl:
 
     def submit(self, spec: JobSpec) -> str:
         """Store a new job, pin its learner key (the spec's, or one generated in its folder),
-        and start it; returns its id. Raises OSError if the job folder cannot be written."""
-        job_id = f"{spec.name[:32]}-{secrets.token_hex(4)}"
+        and start it; returns its id. Raises ValueError for a name that may not name a folder
+        (see :mod:`echo.coordinator.names`), OSError if the job folder cannot be written."""
+        job_id = f"{check_job_name(spec.name)[:32]}-{secrets.token_hex(4)}"
         job_dir = self.job_dir(job_id)
         job_dir.mkdir(parents=True, exist_ok=True)
         (job_dir / "job.json").write_text(spec.model_dump_json(indent=2))
@@ -100,8 +109,11 @@ class JobControl:
         return True
 
     def job_dir(self, job_id: str) -> Path:
-        """The job's folder: its spec, learner key, checkpoints and learner log."""
-        return self.config.data_dir / "jobs" / job_id
+        """The job's folder: its spec, learner key, checkpoints and learner log.
+
+        :raises ValueError: ``job_id`` cannot name a folder under ``data_dir/jobs``.
+        """
+        return names.job_dir(self.config.data_dir, job_id)
 
     def learner_command(self, job_id: str) -> list[str]:
         """The command line of the job's local learner (it dials the first listen address)."""
