@@ -8,21 +8,38 @@ over the nodes active now (:func:`echo.p2p.tree.best_plan`: fast uploaders near 
 where that uses more uplinks) and returns the :class:`~echo.protocol.broadcast.PlanAnnouncement`
 the coordinator signs, returns to the learner and gossips to the nodes.
 
-Trust: nodes verify every chunk against the learner-signed manifest, so a plan can slow a version
-down but never change it. A report of a bad chunk cannot be proven to the coordinator, so it does
-not expel the relay from the swarm: the reported peer is planned as a leaf from then on (it
-receives, it no longer forwards). A lying reporter can demote honest peers, not exclude them.
+Planning never holds up a version: :meth:`Dissemination.plan` patches the job's last plan for
+the nodes that joined or left since (:func:`echo.p2p.tree_patch.patch_plan`, linear in the nodes)
+and leaves the full search (:func:`echo.p2p.tree.best_plan`, seconds at a thousand nodes) to
+:meth:`Dissemination.refresh_forever`, a background task that re-plans in a worker thread for the
+next version. A job's first plan is a single equal-rate tree, also linear.
 
-Nothing here does I/O; it raises nothing for well-formed input.
+Trust: nodes verify every chunk against the learner-signed manifest, so a plan can slow a version
+down but never change it. So that no single identity can steer a plan:
+
+- a declared uplink counts only up to the fastest uplink measured in the swarm (the default
+  before any measurement): claiming a fast link does not buy a place near the root;
+- a report of a bad chunk cannot be proven to the coordinator, so it never expels the relay;
+  reports from :data:`DEMOTE_REPORTERS` different nodes plan it as a leaf from then on (it
+  receives, it no longer forwards). Lying reporters can demote honest peers, not exclude them.
+
+Nothing here does I/O except :meth:`Dissemination.refresh_forever` (a trio task that only
+sleeps and runs the planner in a thread); it raises nothing for well-formed input.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import trio
+
 from echo.p2p import tree
+from echo.p2p.tree_equal import plan_tree
+from echo.p2p.tree_patch import patch_plan
+from echo.p2p.tree_plan import TreePlan
 from echo.protocol import broadcast as b
 from echo.protocol.limits import MAX_CHUNK_BYTES
 
@@ -30,6 +47,12 @@ log = logging.getLogger("echo.coordinator.dissemination")
 
 # Measured push rates are noisy (a chunk may wait for the upstream): smooth them.
 UPLOAD_EWMA = 0.3
+# Distinct reporters of bad chunks before a relay is planned as a leaf: one liar cannot demote.
+DEMOTE_REPORTERS = 3
+# How often the background task looks for a job whose plan is due for a full re-plan.
+REFRESH_POLL_S = 0.5
+# A patched plan is re-planned in full when a member's uplink moved by more than this fraction.
+UPLINK_DRIFT = 0.25
 
 
 @dataclass
@@ -40,6 +63,17 @@ class NodeLink:
     declared_bps: float = 0.0
     measured_bps: float = 0.0
     demoted: bool = False
+    reporters: set[str] = field(default_factory=set)  # who reported it for a bad chunk
+
+
+@dataclass
+class _Inputs:
+    """What a full plan of one job is computed from (kept for the background re-plan)."""
+
+    source: str
+    ups: dict[str, float]
+    total_bytes: int
+    chunk_bytes: int
 
 
 class Dissemination:
@@ -58,6 +92,11 @@ class Dissemination:
         self.max_fanout = max_fanout
         self.max_stripes = max_stripes
         self.links: dict[str, NodeLink] = {}
+        # Per job: the plan versions are patched from, and the inputs of a due full re-plan.
+        # plan() and refresh() run in worker threads: the lock guards these two maps.
+        self._plans: dict[str, TreePlan] = {}
+        self._due: dict[str, _Inputs] = {}
+        self._lock = threading.Lock()
 
     def registered(self, node_id: str, addrs: Sequence[str], declared_bps: float) -> None:
         """A node (re)registered: where it listens and the uplink it declared."""
@@ -76,21 +115,30 @@ class Dissemination:
             link.measured_bps += UPLOAD_EWMA * (upload_bps - link.measured_bps)
 
     def reported(self, reporter: str, report: b.BadPeerReport) -> None:
-        """A node's report about a relay; a bad chunk demotes the relay to a leaf for good."""
+        """A node's report about a relay: bad-chunk reports from :data:`DEMOTE_REPORTERS`
+        different nodes demote the relay to a leaf for good."""
         link = self.links.get(report.peer_id)
-        if report.reason == "bad_chunk" and link is not None and not link.demoted:
+        if report.reason != "bad_chunk" or link is None or link.demoted:
+            return
+        link.reporters.add(reporter)
+        if len(link.reporters) >= DEMOTE_REPORTERS:
             link.demoted = True
             log.warning(
-                "relay %s reported by %s for a bad chunk of v%d: planned as a leaf from now on",
-                report.peer_id[-8:], reporter[-8:], report.version,
+                "relay %s reported by %d nodes for bad chunks (last: v%d): planned as a leaf "
+                "from now on",
+                report.peer_id[-8:],
+                len(link.reporters),
+                report.version,
             )
 
     def upload_of(self, node_id: str) -> float:
-        """The uplink a plan gives the node (0 when demoted); KeyError if it never registered."""
-        link = self.links[node_id]
-        if link.demoted:
-            return 0.0
-        return link.measured_bps or link.declared_bps or self.default_node_upload_bps
+        """The uplink a plan gives the node (0 when demoted): measured, else declared up to the
+        fastest uplink measured in the swarm; KeyError if it never registered."""
+        return self._upload(node_id, self._ceiling())
+
+    def _ceiling(self) -> float:
+        """The most a declared uplink counts for: the fastest measured one (or the default)."""
+        return max([self.default_node_upload_bps, *(n.measured_bps for n in self.links.values())])
 
     def plan(
         self,
@@ -109,19 +157,21 @@ class Dissemination:
         members = sorted({n for n in nodes if n != source and self.links.get(n, NodeLink()).addrs})
         if not members:
             return None
-        ups = {n: self.upload_of(n) for n in members}
+        ceiling = self._ceiling()
+        ups = {n: self._upload(n, ceiling) for n in members}
+        inputs = _Inputs(source, ups, total_bytes, chunk_bytes)
+        with self._lock:
+            last = self._plans.get(job_id)
         if not any(ups.values()):  # everyone demoted: the learner sends to each (a star)
             chosen = tree.star_plan(source, self.learner_upload_bps, ups)
+        elif last is None or last.source != source:
+            chosen = plan_tree(source, self.learner_upload_bps, ups, max_fanout=self.max_fanout)
         else:
-            chosen = tree.best_plan(
-                source,
-                self.learner_upload_bps,
-                ups,
-                total_bytes=total_bytes,
-                chunk_bytes=chunk_bytes,
-                max_stripes=self.max_stripes,
-                max_fanout=self.max_fanout,
-            )
+            chosen = patch_plan(last, self.learner_upload_bps, ups)
+        with self._lock:
+            self._plans[job_id] = chosen
+            if last is None or _changed(last, chosen):
+                self._due[job_id] = inputs
         peers = [b.PeerAddr(peer_id=source, addrs=list(source_addrs)[: b.MAX_ADDRS])]
         peers += [b.PeerAddr(peer_id=n, addrs=self.links[n].addrs) for n in members]
         return b.PlanAnnouncement(
@@ -131,6 +181,64 @@ class Dissemination:
             plan=tree.plan_record(chosen, job_id, version),
             peers=peers,
         )
+
+    def _upload(self, node_id: str, ceiling: float) -> float:
+        """:meth:`upload_of` with the swarm's ceiling (:meth:`_ceiling`) computed once."""
+        link = self.links[node_id]
+        if link.demoted:
+            return 0.0
+        return link.measured_bps or min(link.declared_bps or self.default_node_upload_bps, ceiling)
+
+    def refresh(self, job_id: str) -> bool:
+        """The full plan of ``job_id`` from the inputs of its last patched plan, kept for the
+        next version to patch from; False when none was due. Pure CPU (seconds at a thousand
+        nodes): :meth:`refresh_forever` runs it in a worker thread."""
+        with self._lock:
+            inputs = self._due.pop(job_id, None)
+        if inputs is None:
+            return False
+        if not any(inputs.ups.values()):
+            full = tree.star_plan(inputs.source, self.learner_upload_bps, inputs.ups)
+        else:
+            full = tree.best_plan(
+                inputs.source,
+                self.learner_upload_bps,
+                inputs.ups,
+                total_bytes=inputs.total_bytes,
+                chunk_bytes=inputs.chunk_bytes,
+                max_stripes=self.max_stripes,
+                max_fanout=self.max_fanout,
+            )
+        with self._lock:
+            if job_id not in self._due:  # no newer patch arrived meanwhile
+                self._plans[job_id] = full
+        return True
+
+    def forget(self, job_id: str) -> None:
+        """Drop a finished job's plans."""
+        with self._lock:
+            self._plans.pop(job_id, None)
+            self._due.pop(job_id, None)
+
+    async def refresh_forever(self) -> None:
+        """Re-plan, in a worker thread, each job whose last plan was patched or quick; owns no
+        state beyond that. Runs until cancelled (a re-plan in flight is abandoned)."""
+        while True:
+            with self._lock:
+                due = list(self._due)
+            for job_id in due:
+                await trio.to_thread.run_sync(self.refresh, job_id, abandon_on_cancel=True)
+            await trio.sleep(REFRESH_POLL_S)
+
+
+def _changed(old: TreePlan, new: TreePlan) -> bool:
+    """Whether ``new`` (a patch of ``old``) is worth a full re-plan: other members, or an uplink
+    that moved by more than :data:`UPLINK_DRIFT`."""
+    if "+patched" not in new.kind and new.kind == old.kind and new.ups == old.ups:
+        return False
+    if set(new.ups) != set(old.ups):
+        return True
+    return any(abs(new.ups[n] - old.ups[n]) > UPLINK_DRIFT * max(old.ups[n], 1.0) for n in new.ups)
 
 
 __all__ = ["Dissemination", "NodeLink"]

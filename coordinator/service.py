@@ -94,6 +94,7 @@ class Coordinator:
                 self.http_addrs = await nursery.start(serve_http, self)
                 self.job_control.resume(nursery)
                 nursery.start_soon(self._housekeeping)
+                nursery.start_soon(self.dissemination.refresh_forever)
                 task_status.started(self)
                 await trio.sleep_forever()
 

@@ -14,6 +14,7 @@ from echo.p2p.rpc import RemoteError
 from echo.protocol import broadcast as b
 from echo.protocol import ids, signing
 from echo.protocol import messages as m
+from echo.protocol.limits import MAX_CHUNK_BYTES
 from tests.conftest import learner_publish_v0, run_with_coordinator, submit_job
 
 MB = 1_000_000
@@ -37,44 +38,110 @@ def _edges(ann: b.PlanAnnouncement) -> list[dict[str, list[str]]]:
     return [{e.parent: list(e.children) for e in s} for s in ann.plan.stripes]
 
 
-def test_plan_reaches_every_node_once_per_stripe_fast_uploaders_inside() -> None:
-    ups = {f"n{i}": (10 if i < 3 else 1) * MB for i in range(12)}
-    ann = _plan(_diss(**ups), list(ups))
-    assert ann.plan.source == "L" and ann.version == 3
-    assert {p.peer_id for p in ann.peers} == {"L", *ups}
+def _reaches_everyone_once(ann: b.PlanAnnouncement, nodes) -> None:
     for stripe in _edges(ann):
         reached = [c for kids in stripe.values() for c in kids]
-        assert sorted(reached) == sorted(ups)  # everyone exactly once
-    parents = {p for stripe in _edges(ann) for p, kids in stripe.items() if kids} - {"L"}
-    assert parents and parents <= {"n0", "n1", "n2"}  # only fast uploaders forward
+        assert sorted(reached) == sorted(nodes)  # everyone exactly once per stripe
+
+
+def test_plan_reaches_every_node_once_per_stripe_fast_uploaders_inside() -> None:
+    ups = {f"n{i}": (10 if i < 3 else 1) * MB for i in range(12)}
+    d = _diss(**ups)
+    for n in ("n0", "n1", "n2"):
+        d.measured(n, 10 * MB)
+    first = _plan(d, list(ups))  # the quick plan: one equal-rate tree
+    assert d.refresh("job") and not d.refresh("job")  # a full re-plan was due, once
+    full = _plan(d, list(ups))  # patched from the full plan, nothing changed
+    assert not d.refresh("job")
+    want = tree.best_plan("L", 2 * MB, ups, total_bytes=64 * MB, chunk_bytes=MAX_CHUNK_BYTES)
+    assert _edges(full) == [{p: list(c) for p, c in s.children.items()} for s in want.stripes]
+    for ann in (first, full):
+        assert ann.plan.source == "L" and ann.version == 3
+        assert {p.peer_id for p in ann.peers} == {"L", *ups}
+        _reaches_everyone_once(ann, ups)
+        parents = {p for stripe in _edges(ann) for p, kids in stripe.items() if kids} - {"L"}
+        assert parents and parents <= {"n0", "n1", "n2"}  # only fast uploaders forward
 
 
 def test_measured_rate_replaces_the_declared_one_and_unknown_nodes_are_left_out() -> None:
     d = _diss(a=5 * MB, b=5 * MB)
-    d.measured("a", 1 * MB)
-    assert d.upload_of("a") == 1 * MB and d.upload_of("b") == 5 * MB
-    d.measured("a", 2 * MB)  # smoothed
-    assert 1 * MB < d.upload_of("a") < 2 * MB
+    assert d.upload_of("b") == 1 * MB  # nothing measured yet: declared counts up to the default
+    d.measured("a", 3 * MB)
+    assert d.upload_of("a") == 3 * MB and d.upload_of("b") == 3 * MB  # up to the fastest measured
+    d.measured("a", 4 * MB)  # smoothed
+    assert 3 * MB < d.upload_of("a") < 4 * MB
     ann = _plan(d, ["a", "b", "stranger"])  # no registration, no address: not planned
     assert {p.peer_id for p in ann.peers} == {"L", "a", "b"}
     assert d.plan("job", 1, b"", 1, source="L", source_addrs=[], nodes=["stranger"]) is None
 
 
-def test_a_relay_reported_for_a_bad_chunk_becomes_a_leaf() -> None:
+def test_a_claimed_uplink_does_not_buy_a_place_near_the_root() -> None:
+    ups = {f"n{i}": 10 * MB for i in range(6)}
+    d = _diss(**ups, liar=1000 * MB)
+    for n in ups:
+        d.measured(n, 10 * MB)
+    d.plan("job", 1, b"m", 64 * MB, source="L", source_addrs=[], nodes=[*ups, "liar"])
+    d.refresh("job")
+    ann = _plan(d, [*ups, "liar"])
+    assert d.upload_of("liar") == 10 * MB
+    parents = {p for s in _edges(ann) for p, kids in s.items() if kids} - {"L"}
+    assert "liar" not in parents or len(parents) > 1  # one of equals, never the only relay
+
+
+def test_a_relay_reported_for_bad_chunks_by_three_nodes_becomes_a_leaf() -> None:
     ups = {f"n{i}": 10 * MB for i in range(8)}
     d = _diss(**ups)
+    for n in ups:
+        d.measured(n, 10 * MB)
     before = {p for s in _edges(_plan(d, list(ups))) for p, kids in s.items() if kids}
     victim = sorted(before - {"L"})[0]
     report = b.BadPeerReport(job_id="job", version=3, peer_id=victim, reason="bad_chunk",
                              chunk_index=0)
-    d.reported("n7", report)
+    for _ in range(5):  # one identity, however often it reports, cannot demote a relay
+        d.reported("n7", report)
+    d.reported("n6", report)
+    assert d.upload_of(victim) == 10 * MB
+    d.reported("n5", report)  # the third distinct reporter
+    assert d.upload_of(victim) == 0.0
     after = _plan(d, list(ups))
     for stripe in _edges(after):
         assert not stripe.get(victim)  # receives, never forwards
         assert victim in [c for kids in stripe.values() for c in kids]
-    # A stall is not proof of anything: it does not demote.
-    d.reported("n7", b.BadPeerReport(job_id="job", version=3, peer_id="n1", reason="stalled"))
+    # A stall is not proof of anything: it does not count.
+    for r in ("n5", "n6", "n7"):
+        d.reported(r, b.BadPeerReport(job_id="job", version=3, peer_id="n1", reason="stalled"))
     assert d.upload_of("n1") == 10 * MB
+
+
+def test_versions_patch_the_last_plan_for_joins_and_leaves_and_refresh_replans() -> None:
+    ups = {f"n{i:04d}": (5 + i % 7) * MB for i in range(1000)}
+    d = _diss(**ups)
+    for n, up in ups.items():
+        d.measured(n, up)
+    names = list(ups)
+    _plan(d, names)
+    assert d.refresh("job")  # the background task's work: a full best_plan
+    full = _edges(_plan(d, names))
+    # 30 nodes leave (relays among them, surely) and 20 new ones join.
+    left = set(names[::33][:30])
+    new = {f"new{i}": 3 * MB for i in range(20)}
+    for n, up in new.items():
+        d.registered(n, [f"/ip4/10.0.0.2/tcp/1/p2p/{n}"], up)
+    members = [n for n in names if n not in left] + list(new)
+    patched = _plan(d, members)
+    _reaches_everyone_once(patched, members)
+    # A patch moves only the orphans of the nodes that left: everyone else keeps their parent.
+    for before, after in zip(full, _edges(patched), strict=True):
+        parent_before = {c: p for p, kids in before.items() for c in kids}
+        parent_after = {c: p for p, kids in after.items() for c in kids}
+        kept = [c for c in members if c in parent_before and parent_before[c] not in left]
+        assert kept and all(parent_after[c] == parent_before[c] for c in kept)
+        assert all(parent_after[c] not in left for c in members)
+    assert {p.peer_id for p in patched.peers} == {"L", *members}
+    assert d.refresh("job")  # the change made a full re-plan due
+    again = _plan(d, members)
+    _reaches_everyone_once(again, members)
+    assert not d.refresh("job")  # nothing changed since the full plan
 
 
 def test_route_from_the_wire_record_matches_the_planner_route() -> None:
@@ -114,17 +181,19 @@ def test_learner_gets_a_signed_plan_and_bad_peer_reports_are_heard(tmp_path) -> 
         assert all(p.addrs for p in ann.peers)
         route = tree.route_from_announcement(ann, ann.plan.source)
         assert route is not None and any(route.children)
-        # A node reports the fastest node (a relay) for a bad chunk: it is demoted to a leaf.
+        # Three nodes report the fastest node (a relay) for a bad chunk: it is demoted to a leaf.
         fastest = str(nodes[0].host.peer_id)
         rep = b.BadPeerReport(job_id=job_id, version=0, peer_id=fastest, reason="bad_chunk")
-        reply = m.decode(m.StepAck, await nodes[1].call(
-            ids.PROTO_BAD_PEER, nodes[1].seal(rep)))
-        assert reply.ok
+        for reporter in nodes[1:]:
+            assert coord.dissemination.upload_of(fastest) > 0.0
+            reply = m.decode(m.StepAck, await reporter.call(
+                ids.PROTO_BAD_PEER, reporter.seal(rep)))
+            assert reply.ok
         assert coord.dissemination.upload_of(fastest) == 0.0
         # Reports must come from a registered node, about someone else, signed by the sender.
         stranger = await client(Identity.generate())
         with pytest.raises(RemoteError, match="register first"):
             await stranger.call(ids.PROTO_BAD_PEER, stranger.seal(rep))
-        assert coord.dissemination.upload_of(str(nodes[1].host.peer_id)) == 3 * MB
+        assert coord.dissemination.upload_of(str(nodes[1].host.peer_id)) > 0.0
 
     run_with_coordinator(tmp_path, body)
