@@ -25,6 +25,7 @@ from echo.node.errors import NodeError
 from echo.node.session import CoordinatorSession
 from echo.node.weights import WeightError, WeightSync
 from echo.p2p.chunkstore import ChunkStore, serve_chunks
+from echo.p2p.gossip_validate import signed_by
 from echo.p2p.host import EchoHost
 from echo.p2p.relay import Relay, RelayConfig
 from echo.p2p.rpc import RpcError
@@ -138,7 +139,11 @@ class PolicyFollower:
         take our place in it (receive from our parents, forward to our children). Leases would
         tell us of the version too, later, and we would pull it."""
         assert self.relay is not None and self.session.host is not None
-        sub = await self.session.host.subscribe(ids.TOPIC_VERSIONS)
+        # Only the coordinator's signed plans are taken, and so forwarded (issue 13).
+        only_plans = signed_by(
+            self.session.peer, b.PlanAnnouncement.KIND, b.MAX_PLAN_ENVELOPE_BYTES, self.session.key
+        )
+        sub = await self.session.host.subscribe(ids.TOPIC_VERSIONS, only_plans)
         async for _peer, data in sub:
             try:
                 ann = await self.relay.join_plan(data, self.session.key, job.job_id)

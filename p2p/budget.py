@@ -89,6 +89,10 @@ class LruMap(Generic[K, V]):
     def pop(self, key: K) -> V | None:
         return self._d.pop(key, None)
 
+    def items(self) -> list[tuple[K, V]]:
+        """A snapshot of the entries, least recently used first."""
+        return list(self._d.items())
+
     def __len__(self) -> int:
         return len(self._d)
 
@@ -174,8 +178,13 @@ class Gate:
         self.refused: dict[str, int] = {}
 
     def set_limit(self, rpc: str, limit: Limit) -> None:
-        """Budget ``rpc`` with ``limit`` per peer from now on (buckets already made keep theirs)."""
+        """Budget ``rpc`` with ``limit`` per peer from now on, buckets already made included
+        (their tokens are kept, capped at the new bursts on their next refill)."""
         self.limits[rpc] = limit
+        for (who, key_rpc), bucket in self._buckets.items():
+            if key_rpc == rpc:
+                # Prefix keys are networks ("a.b.c.0/24"); peer ids never hold a '/'.
+                bucket.limit = limit.scaled(self.prefix_factor) if "/" in who else limit
 
     def resize(self, max_keys: int) -> None:
         """Keep at most ``max_keys`` keys per map from now on (applied as keys are added)."""

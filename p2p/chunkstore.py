@@ -121,13 +121,24 @@ def serve_chunks(
     host: EchoHost, store: ChunkStore, on_served: Callable[[int], None] | None = None
 ) -> None:
     """Answer ``PROTO_CHUNK`` requests from ``store`` (unknown chunk: a status-1 reply);
-    ``on_served(n)`` is told the size of every chunk handed out."""
+    ``on_served(n)`` is told the size of every chunk handed out.
+
+    Every chunk is charged to the asking peer's byte budget in the host's gate (over it: a
+    ``rate_limited`` reply and a backoff, so one leecher cannot take the uplink), then waits
+    on the host's upload cap (:attr:`EchoHost.upload_limiter`), which relay pushes share.
+    """
 
     async def handler(peer_id, data: bytes) -> bytes:
         req = m.decode(m.ChunkRequest, data)
         chunk = store.get(req.sha256)
         if chunk is None:
             raise ProtocolError("chunk not held here", code="no_chunk")
+        peer = str(peer_id)
+        if not host.gate.admit_bytes(peer, None, ids.PROTO_CHUNK, len(chunk)):
+            host.gate.punish(peer)
+            raise ProtocolError("over this peer's chunk budget: back off", code="rate_limited")
+        if host.upload_limiter is not None:
+            await host.upload_limiter.take(len(chunk))
         if on_served is not None:
             on_served(len(chunk))
         return chunk

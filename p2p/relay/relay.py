@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 
 import trio
+from libp2p.abc import INetStream
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
@@ -27,6 +28,8 @@ from echo.p2p.relay.push import Pusher
 from echo.p2p.relay.receive import Receiver
 from echo.p2p.relay.transfer import Transfer
 from echo.p2p.relay.watchdog import Watchdog
+from echo.p2p.rpc import remote_ip
+from echo.p2p.streams import end_stream
 from echo.p2p.tree import route_from_announcement
 from echo.protocol import broadcast as b
 from echo.protocol import messages as m
@@ -107,7 +110,7 @@ class Relay:
                     # Made here: trio's clock exists only inside trio.run.
                     burst = max(64 * 1024, limit / 20)
                     self.host.upload_limiter = UploadLimiter(limit, burst=burst)
-                self.host.libp2p.set_stream_handler(TProtocol(b.PROTO_PUSH), self._receiver.on_push)
+                self.host.libp2p.set_stream_handler(TProtocol(b.PROTO_PUSH), self._on_push)
                 self.host.set_handler(
                     b.PROTO_HAVE,
                     self._puller.on_have,
@@ -242,11 +245,32 @@ class Relay:
             raise ManifestError(f"no learner key pinned for job {job_id!r}")
         return key
 
+    async def _on_push(self, stream: INetStream) -> None:
+        """An inbound push stream, admitted against its sender's budget (the host's gate) before
+        its hello is read; a sender over budget has the stream reset and serves a backoff."""
+        peer, gate = peer_str(stream.muxed_conn.peer_id), self.host.gate
+        if not gate.admit(peer, remote_ip(stream), b.PROTO_PUSH):
+            if not gate.in_backoff(peer):
+                gate.punish(peer)
+            await end_stream(stream, clean=False)
+            return
+        await self._receiver.on_push(stream)
+
     async def _open_transfer(self, hello: b.PushHello) -> Transfer:
-        """The transfer a push hello names; a new one (its manifest verified) if none yet."""
+        """The transfer a push hello names; a new one (its manifest verified) if none yet.
+
+        Cheapest first: a version already here is taken as is, one at or below the versions
+        dropped here is refused (``stale_version``) before its manifest (up to 4 MiB) is
+        verified. (The sender was checked by :meth:`_on_push` and the receiver.)
+        """
         t = self.transfers.get((hello.job_id, hello.version))
         if t is not None:
             return t
+        if hello.version <= self._floor.get(hello.job_id, -1):
+            raise ProtocolError(
+                f"{hello.job_id} v{hello.version} is older than the versions kept",
+                code=R.STALE_VERSION,
+            )
         man = verify_manifest(
             hello.manifest, self._key_for(hello.job_id), hello.job_id, hello.version
         )
