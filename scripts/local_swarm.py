@@ -330,6 +330,9 @@ def main() -> int:
                     "with vLLM's start-up)")
     ap.add_argument("--node-args", default="", help="extra arguments for every echo-node join")
     ap.add_argument("--quiet", action="store_true", help="no live table (for tests)")
+    ap.add_argument("--job", type=Path, default=None, metavar="JOB_TOML",
+                    help="submit this job file instead of the demo's tiny-model job (the task, "
+                    "model and step flags above then do not apply)")
     ap.add_argument("--kill-learner-at", type=int, default=None, metavar="V",
                     help="crash drill: SIGKILL the learner once version V is out")
     args = ap.parse_args()
@@ -348,7 +351,7 @@ def main() -> int:
         info = swarm.start_coordinator()
         console.print(f"coordinator at {swarm.maddr}\nHTTP API {info['http'][0]}")
         job_id = swarm.submit(
-            JOB_TOML.format(
+            args.job.read_text() if args.job else JOB_TOML.format(
                 name="demo",
                 steps=args.steps,
                 group_size=args.group_size,
