@@ -12,6 +12,7 @@ through :class:`~echo.coordinator.ports.ApiBackend` only.
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -33,6 +34,10 @@ from echo.protocol.jobspec import JobSpec
 
 # How often leases past their deadline go back to the pool (and the active-node gauge updates).
 HOUSEKEEPING_S = 1.0
+# How often the store forgets what [retention] lets go (see echo.coordinator.store_prune).
+PRUNE_EVERY_S = 60.0
+
+log = logging.getLogger("echo.coordinator")
 
 
 class Coordinator:
@@ -104,11 +109,22 @@ class Coordinator:
         return self.host.listen_multiaddrs if self.host else []
 
     async def _housekeeping(self) -> None:
+        last_prune = 0.0
         while True:
-            expired = self.store.expire_leases(time.time())
+            now = time.time()
+            expired = self.store.expire_leases(now)
             if expired:
                 self.metrics.leases_expired.inc(expired)
             self.metrics.nodes_active.set(len(active_nodes(self.store)))
+            if now - last_prune >= PRUNE_EVERY_S:
+                last_prune = now
+                pruned = self.store.prune(
+                    now,
+                    self.config.retention,
+                    self.config.verification.expired_lease_window_s,
+                )
+                if any(pruned.values()):
+                    log.info("pruned %s", pruned)
             await trio.sleep(HOUSEKEEPING_S)
 
     # The job operations of the HTTP API (ports.ApiBackend), done by JobControl.

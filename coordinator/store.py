@@ -10,7 +10,8 @@ transaction that records the version it went into).
 :mod:`~echo.coordinator.store_jobs` (jobs, versions, per-job reports),
 :mod:`~echo.coordinator.store_nodes` (nodes and their rejections),
 :mod:`~echo.coordinator.store_leases` (leases), :mod:`~echo.coordinator.store_ledger` (rollouts,
-batches, publishing a version) -- over the one connection of :mod:`~echo.coordinator.db`, which
+batches, publishing a version), :mod:`~echo.coordinator.store_prune` (retention) --
+over the one connection of :mod:`~echo.coordinator.db`, which
 also owns the schema and its migrations. Reads return the typed rows of
 :mod:`~echo.coordinator.rows`.
 
@@ -25,9 +26,10 @@ from echo.coordinator.store_jobs import JobTables
 from echo.coordinator.store_leases import LeaseTables
 from echo.coordinator.store_ledger import Ledger
 from echo.coordinator.store_nodes import NodeTables
+from echo.coordinator.store_prune import Pruning
 
 
-class Store(JobTables, NodeTables, LeaseTables, Ledger):
+class Store(JobTables, NodeTables, LeaseTables, Ledger, Pruning):
     """One SQLite database file; open with :meth:`open`, close with :meth:`close`.
 
     Write methods raise :class:`StoreError` for a transition the stored state does not allow
