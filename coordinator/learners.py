@@ -22,6 +22,9 @@ log = logging.getLogger("echo.coordinator.learners")
 # A learner that keeps crashing has a real problem (bad model path, out of memory); three
 # restarts cover transient failures without hiding a broken job for long.
 MAX_RESTARTS = 3
+# A learner exits with this status when a restart cannot help (its checkpoints are behind the
+# ledger: learner/service.py, EXIT_CANNOT_RESUME): the job fails at once, with the reason.
+LEARNER_CANNOT_RESUME = 3
 RESTART_DELAY_S = 2.0
 
 
@@ -54,6 +57,10 @@ async def supervise_learner(host: LearnerHost, job_id: str, scope: trio.CancelSc
             status = row.status
             if proc.returncode == 0 or status in ("done", "cancelled"):
                 log.info("learner of %s exited (%s)", job_id, status)
+                return
+            if proc.returncode == LEARNER_CANNOT_RESUME:
+                host.store.set_job_status(job_id, "failed", tail(log_path, 4))
+                log.error("learner of %s cannot resume:\n%s", job_id, tail(log_path, 4))
                 return
             log.warning(
                 "learner of %s crashed (exit %s), attempt %d:\n%s",

@@ -10,6 +10,7 @@ beside it for audit only (who signed what was trained: ``tests/test_e2e.py`` re-
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import time
 
@@ -17,6 +18,8 @@ from echo.coordinator.db import Database, StoreError, insert_completions
 from echo.coordinator.rows import BatchRow, RolloutRow, completion_record, rollout_row
 from echo.protocol import messages as m
 from echo.protocol import reasons as R
+
+log = logging.getLogger("echo.coordinator.store")
 
 # Learner verdicts that drop a rollout without holding it against its node: the learner could
 # not score it (it restarted and no longer holds the weights of the version it claims).
@@ -156,7 +159,8 @@ class Ledger(Database):
         detail) that failed the learner's re-scoring. A repeated report of the same version with
         the same digest is accepted as a no-op (the learner re-sends after a restart). Raises
         StoreError, changing nothing, for an unknown job, a version that does not follow the
-        current one, another digest for a published version, or a trained rollout not in a batch.
+        current one, or another digest for a published version; a trained rollout that is not
+        trainable here (unknown, or trained already) is logged and left out.
         """
         now = time.time()
         with self._tx() as db:
@@ -175,16 +179,26 @@ class Ledger(Database):
             if version != int(job[0]) + 1:
                 raise StoreError(f"version {version} does not follow the current version {job[0]}")
             for rid in trained:
-                # 'accepted' too: a learner that crashed after checkpointing v but before
-                # reporting it re-attaches (which returns its batch to the buffer) and re-sends
-                # the report of v before taking anything else.
+                # 'accepted' and 'dropped' too: a learner that crashed after checkpointing v but
+                # before reporting it re-attaches (which returns its batch to the buffer, where
+                # groups may be dropped as stale) and re-sends the report of v. The weights hold
+                # what the report names whatever its state here, so the version is booked in any
+                # case (refusing it would wedge the job); a group already trained or unknown is
+                # not credited twice, and said so.
                 cur = db.execute(
-                    "UPDATE rollouts SET status='trained', trained_version=?"
-                    " WHERE rollout_id=? AND job_id=? AND status IN ('in_batch', 'accepted')",
+                    "UPDATE rollouts SET status='trained', trained_version=?, reason=''"
+                    " WHERE rollout_id=? AND job_id=?"
+                    " AND status IN ('in_batch', 'accepted', 'dropped')",
                     (version, rid, job_id),
                 )
                 if cur.rowcount != 1:
-                    raise StoreError(f"rollout {rid} was not in a batch of job {job_id}")
+                    log.warning(
+                        "v%d of %s names rollout %s, which was not trainable here: "
+                        "booked without it",
+                        version,
+                        job_id,
+                        rid,
+                    )
             for rid, reason, detail in rejected:
                 row = db.execute(
                     "SELECT node_id FROM rollouts WHERE rollout_id=? AND job_id=?", (rid, job_id)

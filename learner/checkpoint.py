@@ -33,7 +33,18 @@ def _dir(root: Path, version: int) -> Path:
     return root / f"v{version:08d}"
 
 
+def _fsync(path: Path) -> None:
+    """Flush ``path`` (a file, or a folder's entries) to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save(root: Path, ckpt: Checkpoint) -> None:
+    """Write ``ckpt`` under ``root`` durably (fsynced, then renamed into place) and keep only
+    the newest :data:`KEEP`. :raises OSError: the disk refused."""
     root.mkdir(parents=True, exist_ok=True)
     final = _dir(root, ckpt.version)
     tmp = root / f".tmp-{ckpt.version}"
@@ -47,8 +58,14 @@ def save(root: Path, ckpt: Checkpoint) -> None:
     (tmp / "meta.json").write_text(
         json.dumps({"version": ckpt.version, "anchor_version": ckpt.anchor_version})
     )
+    # Durable before visible, and visible before the report naming this version is sent: the
+    # ledger (fsynced by SQLite) must never be ahead of the newest checkpoint after a power loss.
+    for name in ("model.safetensors", "optim.pt", "report.bin", "meta.json"):
+        _fsync(tmp / name)
+    _fsync(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
+    _fsync(root)
     for old in sorted(p for p in root.iterdir() if p.name.startswith("v"))[:-KEEP]:
         shutil.rmtree(old, ignore_errors=True)
 

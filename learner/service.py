@@ -51,6 +51,34 @@ FINAL_IDLE_S = 10.0
 FINAL_SERVE_MAX_S = 90.0
 
 
+# The exit status that tells the coordinator's supervisor not to restart us: restarting cannot
+# help (coordinator/learners.py, LEARNER_CANNOT_RESUME).
+EXIT_CANNOT_RESUME = 3
+
+
+class LedgerAhead(RuntimeError):
+    """The coordinator's ledger holds a version this learner has no checkpoint of."""
+
+
+def resume_action(ledger_version: int, own_version: int, pending_report: bytes | None) -> str:
+    """What a (re)attaching learner does first: ``"publish_base"`` (a new job: publish v0),
+    ``"resend"`` (the checkpoint of ``own_version`` was written but its report not booked),
+    or ``"train"``.
+
+    :raises LedgerAhead: the ledger is past ``own_version``. Checkpoints are durable before
+        their report is sent, so this means checkpoints were lost; training on would make a
+        version the ledger already has (and refuses), so the learner stops and says why.
+    """
+    if ledger_version > own_version:
+        raise LedgerAhead(
+            f"the coordinator's ledger is at v{ledger_version} but the newest checkpoint here is "
+            f"v{own_version}: checkpoints were lost; restore them (or cancel the job)"
+        )
+    if ledger_version < own_version and pending_report is not None:
+        return "resend"
+    return "publish_base" if ledger_version < 0 else "train"
+
+
 class Learner:
     """One job's learner process: its host, chunk store, publisher and checkpoints around a
     :class:`~echo.learner.trainer.Trainer`; see the module docstring."""
@@ -258,9 +286,11 @@ class Learner:
         if hello.cancelled:
             log.info("job was cancelled; exiting")
             return
-        if hello.current_version < self.version and self.pending_report is not None:
-            await self._send_report(self.pending_report)  # crashed before reporting
-        elif hello.current_version < 0:
+        action = resume_action(hello.current_version, self.version, self.pending_report)
+        if action == "resend":  # crashed between the checkpoint and its report
+            assert self.pending_report is not None
+            await self._send_report(self.pending_report)
+        elif action == "publish_base":
             sealed = await trio.to_thread.run_sync(
                 lambda: self._publish([], [], self.trainer.evaluate(force=True))
             )
@@ -369,4 +399,8 @@ def main() -> None:
         log.error("%s", exc)
         raise SystemExit(2) from None
     # The coordinator stops us with SIGTERM (job cancelled, or it is shutting down).
-    run_until_signalled(learner.run)
+    try:
+        run_until_signalled(learner.run)
+    except* LedgerAhead as group:  # one clear line in learner.log, and no restart
+        log.error("%s", group.exceptions[0])
+        raise SystemExit(EXIT_CANNOT_RESUME) from None
