@@ -23,6 +23,11 @@ down but never change it. So that no single identity can steer a plan:
   reports from :data:`DEMOTE_REPORTERS` different nodes plan it as a leaf from then on (it
   receives, it no longer forwards). Lying reporters can demote honest peers, not exclude them.
 
+Reachability: a node the coordinator's dial-back could not reach (:meth:`set_reachable`, from
+:mod:`echo.coordinator.reachability`) is planned as a leaf -- it never holds up a subtree -- and
+announced without addresses; it dials its parents itself when it joins the plan and they push
+over that connection (:meth:`echo.p2p.relay.peers.Peers.reach_out`).
+
 Nothing here does I/O except :meth:`Dissemination.refresh_forever` (a trio task that only
 sleeps and runs the planner in a thread); it raises nothing for well-formed input.
 """
@@ -64,6 +69,8 @@ class NodeLink:
     measured_bps: float = 0.0
     demoted: bool = False
     reporters: set[str] = field(default_factory=set)  # who reported it for a bad chunk
+    # Whether a dial-back reached it (None: not probed yet, planned as before -- dialable).
+    reachable: bool | None = None
 
 
 @dataclass
@@ -101,8 +108,23 @@ class Dissemination:
     def registered(self, node_id: str, addrs: Sequence[str], declared_bps: float) -> None:
         """A node (re)registered: where it listens and the uplink it declared."""
         link = self.links.setdefault(node_id, NodeLink())
-        link.addrs = [a for a in addrs if a][: b.MAX_ADDRS]
+        fresh = [a for a in addrs if a][: b.MAX_ADDRS]
+        if fresh != link.addrs:  # new addresses: the last dial-back says nothing about them
+            link.reachable = None
+        link.addrs = fresh
         link.declared_bps = declared_bps
+
+    def set_reachable(self, node_id: str, reachable: bool) -> None:
+        """A dial-back's verdict on the node's addresses (unknown nodes are ignored). One that
+        cannot be dialled is planned as a leaf, announced without addresses (nobody wastes a
+        dial on them): its parents push over the connection it opens to them."""
+        link = self.links.get(node_id)
+        if link is not None:
+            link.reachable = reachable
+
+    def unprobed(self) -> list[tuple[str, list[str]]]:
+        """(node, addresses) of the nodes no dial-back has judged since their addresses."""
+        return [(n, list(k.addrs)) for n, k in self.links.items() if k.reachable is None]
 
     def measured(self, node_id: str, upload_bps: float) -> None:
         """A node's measured push rate (0: none yet), smoothed; unknown nodes are ignored."""
@@ -173,7 +195,7 @@ class Dissemination:
             if last is None or _changed(last, chosen):
                 self._due[job_id] = inputs
         peers = [b.PeerAddr(peer_id=source, addrs=list(source_addrs)[: b.MAX_ADDRS])]
-        peers += [b.PeerAddr(peer_id=n, addrs=self.links[n].addrs) for n in members]
+        peers += [b.PeerAddr(peer_id=n, addrs=self._dialable(n)) for n in members]
         return b.PlanAnnouncement(
             job_id=job_id,
             version=version,
@@ -185,9 +207,13 @@ class Dissemination:
     def _upload(self, node_id: str, ceiling: float) -> float:
         """:meth:`upload_of` with the swarm's ceiling (:meth:`_ceiling`) computed once."""
         link = self.links[node_id]
-        if link.demoted:
+        if link.demoted or link.reachable is False:  # a leaf: it relays to nobody
             return 0.0
         return link.measured_bps or min(link.declared_bps or self.default_node_upload_bps, ceiling)
+
+    def _dialable(self, node_id: str) -> list[str]:
+        link = self.links[node_id]
+        return [] if link.reachable is False else link.addrs
 
     def refresh(self, job_id: str) -> bool:
         """The full plan of ``job_id`` from the inputs of its last patched plan, kept for the

@@ -26,6 +26,7 @@ from echo.coordinator.learner_rpc import LearnerRPC
 from echo.coordinator.leases import Leases
 from echo.coordinator.metrics import Metrics
 from echo.coordinator.node_rpc import NodeRPC, active_nodes
+from echo.coordinator.reachability import run_reachability
 from echo.coordinator.penalties import Penalties
 from echo.coordinator.store import Store
 from echo.p2p.host import EchoHost, open_host
@@ -100,6 +101,7 @@ class Coordinator:
                 self.job_control.resume(nursery)
                 nursery.start_soon(self._housekeeping)
                 nursery.start_soon(self.dissemination.refresh_forever)
+                nursery.start_soon(run_reachability, host, self.dissemination)
                 task_status.started(self)
                 await trio.sleep_forever()
 

@@ -61,17 +61,29 @@ def best_plan(
     best: TreePlan | None = None
     best_t = math.inf
     for k in range(1, top + 1):
-        fastest = plan_tree(source, source_up_bps, nodes, stripes=k, downs=downs,
-                            max_fanout=max_fanout)
+        fastest = plan_tree(
+            source, source_up_bps, nodes, stripes=k, downs=downs, max_fanout=max_fanout
+        )
         candidates = [fastest]
         if k > 1:
-            candidates.append(plan_weighted(source, source_up_bps, nodes, stripes=k,
-                                            downs=downs, max_fanout=max_fanout))
+            candidates.append(
+                plan_weighted(
+                    source, source_up_bps, nodes, stripes=k, downs=downs, max_fanout=max_fanout
+                )
+            )
         for f in _RATE_FRACTIONS:
             try:
-                candidates.append(plan_tree(source, source_up_bps, nodes, stripes=k,
-                                            rate_bps=fastest.stripes[0].rate_bps * f,
-                                            downs=downs, max_fanout=max_fanout))
+                candidates.append(
+                    plan_tree(
+                        source,
+                        source_up_bps,
+                        nodes,
+                        stripes=k,
+                        rate_bps=fastest.stripes[0].rate_bps * f,
+                        downs=downs,
+                        max_fanout=max_fanout,
+                    )
+                )
             except ValueError:  # a fan-out cap can make lower rates infeasible
                 continue
         for plan in candidates:
@@ -201,6 +213,16 @@ def route_from_record(
     )
 
 
+def parents_in(plan: b.BroadcastPlan, node: str) -> list[str]:
+    """The peers that push to ``node`` in ``plan`` (one per stripe at most, deduplicated)."""
+    out: list[str] = []
+    for edges in plan.stripes:
+        for e in edges:
+            if node in e.children and e.parent not in out:
+                out.append(e.parent)
+    return out
+
+
 def route_from_announcement(ann: b.PlanAnnouncement, node: str) -> b.Route | None:
     """``node``'s route in an announced plan, with the addresses the announcement carries."""
     return route_from_record(ann.plan, {p.peer_id: list(p.addrs) for p in ann.peers}, node)
@@ -211,6 +233,7 @@ __all__ = [
     "DEFAULT_MAX_STRIPES",
     "best_plan",
     "chain_plan",
+    "parents_in",
     "plan_record",
     "route_for",
     "route_from_announcement",

@@ -28,6 +28,8 @@ BadPeerCallback = Callable[[b.BadPeerReport], None]
 
 # A peer that failed to answer at all is skipped by pulls for this long.
 _UNREACHABLE_S = 5.0
+# How often a push to a peer without an address looks for that peer's own connection.
+_INBOUND_POLL_S = 0.05
 
 
 def peer_str(peer: ID | str) -> str:
@@ -99,6 +101,13 @@ class Peers:
         if any(peer_str(p) == peer for p in self.host.connected_peers()):
             return
         errors = []
+        if not self._addrs.get(peer):
+            # No address: a peer that cannot be dialled (behind NAT) is planned as a leaf and
+            # dials its parents itself (reach_out); wait for that connection.
+            with trio.move_on_after(self.connect_timeout_s):
+                while not any(peer_str(p) == peer for p in self.host.connected_peers()):
+                    await trio.sleep(_INBOUND_POLL_S)
+                return
         for addr in self._addrs.get(peer, []):
             try:
                 await self.host.connect(addr, timeout=self.connect_timeout_s)
@@ -106,6 +115,27 @@ class Peers:
             except (RpcError, ValueError) as exc:
                 errors.append(str(exc))
         raise RpcError(f"cannot reach {peer[-8:]}: {'; '.join(errors) or 'no address'}")
+
+    async def reach_out(self, peers: list[b.PeerAddr]) -> None:
+        """Dial ``peers`` (a node's parents in a plan) so they can push over a connection this
+        node opened: the only way in to a node behind NAT. Failures are logged, never raised."""
+
+        async def one(p: b.PeerAddr) -> None:
+            try:
+                with trio.move_on_after(self.connect_timeout_s):
+                    for addr in p.addrs:
+                        try:
+                            await self.host.connect(addr, timeout=self.connect_timeout_s)
+                            return
+                        except (RpcError, ValueError):
+                            continue
+            except Exception:  # never into the caller
+                log.debug("reaching out to %s failed", p.peer_id[-8:], exc_info=True)
+
+        async with trio.open_nursery() as nursery:
+            for p in peers:
+                if p.addrs and p.peer_id != self.me:
+                    nursery.start_soon(one, p)
 
     async def drop_connection(self, peer: str) -> None:
         """Forget a connection that no longer carries requests, so the next use dials afresh."""

@@ -30,7 +30,7 @@ from echo.p2p.relay.transfer import Transfer
 from echo.p2p.relay.watchdog import Watchdog
 from echo.p2p.rpc import remote_ip
 from echo.p2p.streams import end_stream
-from echo.p2p.tree import route_from_announcement
+from echo.p2p.tree import parents_in, route_from_announcement
 from echo.protocol import broadcast as b
 from echo.protocol import messages as m
 from echo.protocol import reasons as R
@@ -195,6 +195,11 @@ class Relay:
             return None
         route = route_from_announcement(ann, self.peers.me)
         if route is not None:
+            ups = set(parents_in(ann.plan, self.peers.me))
+            if ups and self._nursery is not None:  # a node behind NAT is reached this way only
+                self._nursery.start_soon(
+                    self.peers.reach_out, [p for p in ann.peers if p.peer_id in ups]
+                )
             await self.start(ann.manifest, route)  # verifies the manifest
         return ann
 
