@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import sys
 from dataclasses import dataclass
 from importlib import metadata
@@ -12,6 +11,7 @@ from rich.console import Console
 
 from echo.node.config import NodeConfig
 from echo.node.probe import choose_engine, probe
+from echo.protocol.reachability import DialBackReply
 
 MIN_FREE_DISK = 2 << 30
 MIN_RAM = 2 << 30
@@ -87,19 +87,61 @@ def static_checks(cfg: NodeConfig) -> list[Check]:
     return out
 
 
-def _public(addr: str) -> bool:
+def _port(addr: str) -> str:
     parts = addr.split("/")
-    try:
-        ip = ipaddress.ip_address(parts[2])
-    except (IndexError, ValueError):
-        return False
-    return ip.is_global
+    return parts[4] if len(parts) > 4 and parts[3] == "tcp" else "PORT"
+
+
+def reachability_check(reply: DialBackReply | None, listen: list[str], error: str = "") -> Check:
+    """What a dial-back verdict means for this volunteer: relay or leaf, and what to change.
+    Never a failure: a node behind NAT still receives weights and generates rollouts."""
+    port = _port(listen[0]) if listen else "PORT"
+    if reply is None:
+        return Check(
+            "reachability",
+            True,
+            f"unknown (the coordinator did not dial back: {error or 'no answer'}); you receive "
+            "weights either way",
+        )
+    seen = f" (the coordinator sees you as {reply.observed_ip})" if reply.observed_ip else ""
+    if reply.verdict == "public":
+        return Check(
+            "reachability",
+            True,
+            f"public: peers can dial you at {reply.dialed}; you can relay weights to others",
+        )
+    if reply.verdict == "forwarded":
+        return Check(
+            "reachability",
+            True,
+            f"reachable through a port forwarded on your router ({reply.dialed}); you can "
+            "relay weights to others",
+        )
+    if reply.verdict == "unreachable":
+        return Check(
+            "reachability",
+            True,
+            f"a firewall blocks dials to your address{seen}: you are planned as a leaf (you "
+            f"receive weights over connections you open, you relay to nobody). To relay: allow "
+            f"inbound TCP port {port}",
+        )
+    return Check(
+        "reachability",
+        True,
+        f"behind NAT{seen}: peers cannot dial you, so you are planned as a leaf -- you receive "
+        "weights over connections you open and relay to nobody (either kind of NAT: "
+        "endpoint-independent or symmetric). To relay: forward TCP port "
+        f"{port if port not in ('0', 'PORT') else 'N'} on your router to this machine and "
+        f"listen on it (--listen /ip4/0.0.0.0/tcp/{port if port not in ('0', 'PORT') else 'N'})",
+    )
 
 
 async def network_checks(cfg: NodeConfig) -> list[Check]:
     from echo.p2p.host import open_host
     from echo.p2p.identity import Identity
+    from echo.p2p.reachability import ask_dialback
     from echo.p2p.rpc import RpcError
+    from echo.protocol.errors import SchemaError
 
     out = []
     if not cfg.coordinator:
@@ -114,7 +156,7 @@ async def network_checks(cfg: NodeConfig) -> list[Check]:
     async with open_host(Identity.generate(), [cfg.listen], pubsub=False) as host:
         try:
             with trio.fail_after(15):
-                await host.connect(cfg.coordinator)
+                coordinator = await host.connect(cfg.coordinator)
             out.append(Check("coordinator", True, f"reachable at {cfg.coordinator}"))
         except (RpcError, ValueError, OSError, trio.TooSlowError) as exc:
             out.append(
@@ -125,17 +167,14 @@ async def network_checks(cfg: NodeConfig) -> list[Check]:
                     "check the address, that the coordinator runs, and your firewall",
                 )
             )
-        public = any(_public(a) for a in host.listen_multiaddrs)
-        out.append(
-            Check(
-                "reachability",
-                True,
-                "listening on a public address: peers can reach you"
-                if public
-                else "behind NAT or on a private address: peers cannot dial you, so you "
-                "will receive weights but not relay them (a relay is not set up yet)",
-            )
-        )
+        reply, why = None, ""
+        if out[-1].ok:
+            try:
+                with trio.fail_after(30):
+                    reply = await ask_dialback(host, coordinator)
+            except (RpcError, SchemaError, trio.TooSlowError) as exc:
+                why = str(exc) or type(exc).__name__
+        out.append(reachability_check(reply, host.listen_multiaddrs, why))
     return out
 
 

@@ -1,0 +1,41 @@
+"""Reachability at the real coordinator: it dials registered nodes back for the planner, and
+``echo-node doctor`` tells a volunteer what it gets (relay or leaf) and what to change."""
+
+from __future__ import annotations
+
+import trio
+
+from echo.node.config import NodeConfig
+from echo.node.doctor import network_checks, reachability_check
+from echo.p2p.reachability import ask_dialback
+from echo.protocol.reachability import DialBackReply
+from tests.conftest import run_with_coordinator
+
+
+def test_coordinator_judges_a_registered_node_and_answers_dial_backs(tmp_path) -> None:
+    async def body(coord, client) -> None:
+        node = await client()
+        await node.register()
+        with trio.fail_after(10):
+            while coord.dissemination.links[node.identity.peer_id_str].reachable is None:
+                await trio.sleep(0.05)
+        assert coord.dissemination.links[node.identity.peer_id_str].reachable is True
+        reply = await ask_dialback(node.host, coord.identity.peer_id)
+        assert (reply.verdict, reply.observed_ip) == ("public", "127.0.0.1")
+        # Doctor, with its own throwaway identity, on loopback: reachable, can relay.
+        cfg = NodeConfig(coordinator=coord.multiaddrs[0], data_dir=tmp_path / "node")
+        checks = {c.name: c for c in await network_checks(cfg)}
+        assert checks["coordinator"].ok
+        assert checks["reachability"].detail.startswith("public: peers can dial you")
+
+    run_with_coordinator(tmp_path, body)
+
+
+def test_doctor_tells_a_node_behind_nat_it_is_a_leaf_and_what_to_forward() -> None:
+    nat = DialBackReply(verdict="nat", reachable=False, observed_ip="203.0.113.7")
+    check = reachability_check(nat, ["/ip4/192.168.1.5/tcp/4001/p2p/x"])
+    assert check.ok and "203.0.113.7" in check.detail and "leaf" in check.detail
+    assert "forward TCP port 4001" in check.detail
+    fwd = DialBackReply(verdict="forwarded", reachable=True, dialed="/ip4/203.0.113.7/tcp/4001")
+    assert "relay" in reachability_check(fwd, []).detail
+    assert "unknown" in reachability_check(None, [], "no such protocol").detail
