@@ -79,6 +79,7 @@ def job_status(coord: ApiBackend, job_id: str) -> dict[str, Any] | None:
         ],
         "versions": versions,
         "learning": learning_summary(versions),
+        "schedule": {**spec.get("schedule", {}), **coord.job_schedule(job_id)},
         "created_at": row.created_at,
         "updated_at": row.updated_at,
     }
@@ -250,6 +251,8 @@ def build_app(coord: ApiBackend) -> Starlette:
                     "name": r.name,
                     "status": r.status,
                     "current_version": r.current_version,
+                    # Placement: nodes, measured need, learner starved or saturated.
+                    **coord.job_schedule(r.job_id),
                 }
                 for r in coord.store.jobs()
             ]

@@ -26,10 +26,10 @@ class VerificationSection(BaseModel):
         "(0: full quota at once)",
     )
     expired_lease_window_s: float = Field(
-        default=600.0,
+        default=120.0,
         gt=0,
-        description="a lease a node let expire costs it one open lease for this long; as many "
-        "as its quota and it gets none until they age out",
+        description="a lease a node let expire costs it one open lease for this long (as many "
+        "as its quota: none until they age out), unless it has submitted a later lease since",
     )
     fresh_lease_share: float = Field(
         default=0.25,
@@ -152,6 +152,31 @@ class BroadcastSection(BaseModel):
     max_stripes: int = Field(default=16, ge=1, le=64, description="striped trees, at most")
 
 
+class SchedulerSection(BaseModel):
+    """``[scheduler]``: how nodes are placed on jobs (``echo.coordinator.scheduler``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    every_s: float = Field(default=2.0, gt=0, le=3600, description="seconds between passes")
+    min_stay_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="a node serves a job at least this long before it is moved (each switch "
+        "costs it a model download)",
+    )
+    min_gain: float = Field(
+        default=0.15,
+        ge=0,
+        le=1,
+        description="share of a job's need a move must gain, net of what its source loses",
+    )
+    headroom: float = Field(
+        default=1.1,
+        ge=1,
+        le=10,
+        description="nodes are activated until a job's throughput is this much above its need",
+    )
+
+
 class CoordinatorConfig(BaseModel):
     """The whole ``coordinator.toml``: data dir, listen addresses, HTTP API, the sections."""
 
@@ -168,6 +193,7 @@ class CoordinatorConfig(BaseModel):
     broadcast: BroadcastSection = Field(default_factory=BroadcastSection)
     admission: AdmissionSection = Field(default_factory=AdmissionSection)
     retention: RetentionSection = Field(default_factory=RetentionSection)
+    scheduler: SchedulerSection = Field(default_factory=SchedulerSection)
 
     def ensure_token(self) -> str:
         """The API token: configured, or generated once and kept in data_dir (mode 0600)."""

@@ -81,11 +81,27 @@ def submit(
 
 @app.command("list")
 def list_jobs(url: UrlOpt = "http://127.0.0.1:8080", token: TokenOpt = "") -> None:
-    """List jobs with their status and current version."""
+    """List jobs: status, version, the nodes the scheduler placed on each, the rollouts/s the
+    job needs to keep its learner busy (measured; "-" until it trained a version) against what
+    its nodes deliver, and whether its learner is starved or saturated."""
     jobs = _call(url, token, "GET", "/v1/jobs")
-    table = Table("job", "name", "status", "version")
+    table = Table("job", "name", "status", "version", "nodes", "need/have rollouts/s", "learner")
     for j in jobs:
-        table.add_row(j["job_id"], j["name"], j["status"], str(j["current_version"]))
+        rates = " / ".join(
+            "-" if x is None else f"{x:.1f}"
+            for x in (j.get("need_rollouts_per_s"), j.get("have_rollouts_per_s"))
+        )
+        busy = j.get("learner_busy")
+        learner = j.get("learner", "-") + ("" if busy is None else f" (busy {busy:.0%})")
+        table.add_row(
+            j["job_id"],
+            j["name"],
+            j["status"],
+            str(j["current_version"]),
+            str(len(j.get("nodes", []))),
+            rates,
+            learner,
+        )
     console.print(table)
 
 

@@ -23,6 +23,7 @@ from echo.coordinator.jobs import RunningJob
 from echo.coordinator.metrics import Metrics
 from echo.coordinator.node_rpc import SMALL_REQUEST_BYTES, active_nodes, open_signed
 from echo.coordinator.penalties import Penalties
+from echo.coordinator.sched_loop import Placement
 from echo.coordinator.store import Store, StoreError
 from echo.p2p.host import EchoHost
 from echo.p2p.identity import Identity
@@ -63,6 +64,10 @@ class LearnerRPC:
         self._host: EchoHost | None = None
         # Bytes one batch reply may take; lowered only to exercise multi-reply batches.
         self.batch_reply_bytes = limits.MAX_BATCH_REPLY_BYTES
+        # Which job each node serves (set by the service): a version's relay trees take only
+        # the nodes serving its job (holding one of its versions, unless it is an anchor).
+        # None: every active node.
+        self.placement: Placement | None = None
 
     def install(self, host: EchoHost) -> None:
         """Serve the learner protocols on ``host``, which also gossips version announcements."""
@@ -238,7 +243,12 @@ class LearnerRPC:
                 chunk_bytes=max((c.size for c in man.chunks), default=1),
                 source=row.learner_peer_id,
                 source_addrs=row.learner_addrs,
-                nodes=[n.node_id for n in active_nodes(self.store)],
+                nodes=[
+                    n.node_id
+                    for n in active_nodes(self.store)
+                    if self.placement is None
+                    or self.placement.plannable(n.node_id, man.job_id, man.kind == "anchor")
+                ],
             )
         )
         if ann is None:

@@ -147,9 +147,10 @@ class Leases:
         ``lease_quota_ramp`` valid groups): identities are free, so a fresh one, honest or not,
         cannot tie up more than one lease of the buffer before it has proven itself. Each lease
         the node let expire within ``expired_lease_window_s`` takes one off its quota (then it
-        gets none until they age out), and nodes without an accepted group (``fresh``) share
-        ``fresh_lease_share`` of the window (unless ``lease_quota_ramp`` is 0): however many
-        identities hoard, the rest of the window stays with nodes that have delivered.
+        gets none until they age out; a later submitted lease forgives it), and nodes without
+        an accepted group (``fresh``) share ``fresh_lease_share`` of the window (unless
+        ``lease_quota_ramp`` is 0): however many identities hoard, the rest of the window stays
+        with nodes that have delivered.
         """
         cfg = self.verification
         # Synchronously (S = 0) every group still unsampled when the learner steps is wasted:

@@ -23,6 +23,7 @@ from echo.coordinator.leases import Leases
 from echo.coordinator.metrics import Metrics
 from echo.coordinator.penalties import Penalties
 from echo.coordinator.rows import LeaseRow, NodeRow
+from echo.coordinator.sched_loop import Placement
 from echo.coordinator.store import Store, StoreError
 from echo.coordinator.verify import Accepted, Rejected, check_submission
 from echo.p2p.budget import Gate
@@ -70,9 +71,12 @@ class NodeRPC:
         dissemination: Dissemination,
         leases: Leases,
         penalties: Penalties,
+        placement: Placement | None = None,
     ) -> None:
         self.store = store
         self.jobs = jobs
+        # Which job each node serves (None: every node may serve every job).
+        self.placement = placement
         self.metrics = metrics
         self.dissemination = dissemination
         self.leases = leases
@@ -126,10 +130,17 @@ class NodeRPC:
             )
         self.dissemination.registered(node_id, reg.addrs, reg.upload_bps)
         log.info("node %s registered (%s, %.0f tok/s)", node_id[-8:], reg.engine, reg.tokens_per_s)
+        jobs = self._job_infos()
+        assigned, why = "", f"welcome to {SOFTWARE}"
+        if self.placement is not None:
+            assigned, idle = self.placement.registered(node_id, reg)
+            why = idle or why
+        elif jobs:
+            assigned = jobs[0].job_id
+        if assigned not in {j.job_id for j in jobs}:
+            assigned = ""
         return m.encode(
-            m.RegisterReply(
-                node_id=node_id, jobs=self._job_infos(), message=f"welcome to {SOFTWARE}"
-            )
+            m.RegisterReply(node_id=node_id, jobs=jobs, message=why, assigned_job=assigned)
         )
 
     def _job_infos(self) -> list[m.JobInfo]:
@@ -155,6 +166,18 @@ class NodeRPC:
         if job is None or row is None:
             raise ProtocolError(f"unknown job {req.job_id}", code=R.JOB_MISMATCH)
         self.store.touch_node(node_id)
+        moved = self.placement.redirect(node_id, req.job_id) if self.placement else None
+        if moved is not None:
+            where = f"job {moved}" if moved else "standby"
+            return m.encode(
+                m.LeaseReply(
+                    leases=[],
+                    current_version=row.current_version,
+                    retry_after_s=0.0,
+                    message=f"moved to {where}",
+                    assigned_job=moved,
+                )
+            )
         return m.encode(self.leases.grant(node, job, row, req))
 
     async def handle_submit(self, peer_id: ID, data: bytes) -> bytes:
@@ -310,6 +333,8 @@ class NodeRPC:
             node_id, version=st.version, digest=st.state_digest, tokens_per_s=st.tokens_per_s
         )
         self.dissemination.measured(node_id, st.upload_bps)
+        if self.placement is not None:
+            self.placement.observed(node_id, st.job_id, st.tokens_per_s, st.version)
         job = self.jobs.get(st.job_id)
         if (
             job is not None
@@ -317,7 +342,11 @@ class NodeRPC:
             and job.ctx.digests.get(st.version) == st.state_digest
         ):
             self.store.record_node_version(st.job_id, node_id, st.version)
-            active = active_nodes(self.store)
+            active = [  # "every node holds v": every node serving this job
+                n
+                for n in active_nodes(self.store)
+                if self.placement is None or self.placement.serves(n.node_id, st.job_id)
+            ]
             if active and all(n.version >= st.version for n in active):
                 self.store.mark_all_nodes(st.job_id, st.version, time.time())
         return m.encode(m.StepAck(ok=True))

@@ -10,7 +10,7 @@ runs; it raises nothing.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from echo.coordinator.config import CoordinatorConfig
 from echo.coordinator.metrics import Metrics
@@ -68,3 +68,6 @@ class ApiBackend(Protocol):
 
     def job_dir(self, job_id: str) -> Path:
         """The job's folder (its learner log is served from there)."""
+
+    def job_schedule(self, job_id: str) -> dict[str, Any]:
+        """The job's placement: its nodes, measured need, learner starved or saturated."""

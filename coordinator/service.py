@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -28,6 +29,8 @@ from echo.coordinator.metrics import Metrics
 from echo.coordinator.node_rpc import NodeRPC, active_nodes
 from echo.coordinator.reachability import run_reachability
 from echo.coordinator.penalties import Penalties
+from echo.coordinator.sched_loop import Placement
+from echo.coordinator.scheduler import SchedulerParams
 from echo.coordinator.store import Store
 from echo.p2p.host import EchoHost, open_host
 from echo.p2p.identity import Identity
@@ -66,6 +69,13 @@ class Coordinator:
         verification = config.verification
         self.job_control = JobControl(config, store, self.metrics, lambda: self.multiaddrs)
         penalties = Penalties(store, self.metrics, verification)
+        sc = config.scheduler
+        self.placement = Placement(
+            store,
+            self.job_control.jobs,
+            SchedulerParams(sc.min_stay_s, sc.min_gain, sc.headroom),
+            sc.every_s,
+        )
         self.node_rpc = NodeRPC(
             store,
             self.job_control.jobs,
@@ -73,6 +83,7 @@ class Coordinator:
             self.dissemination,
             Leases(store, self.metrics, identity, verification),
             penalties,
+            self.placement,
         )
         self.learner_rpc = LearnerRPC(
             store,
@@ -83,6 +94,7 @@ class Coordinator:
             bc,
             penalties,
         )
+        self.learner_rpc.placement = self.placement
 
     async def run(
         self, *, task_status: trio.TaskStatus[Coordinator] = trio.TASK_STATUS_IGNORED
@@ -102,6 +114,7 @@ class Coordinator:
                 nursery.start_soon(self._housekeeping)
                 nursery.start_soon(self.dissemination.refresh_forever)
                 nursery.start_soon(run_reachability, host, self.dissemination)
+                nursery.start_soon(self.placement.run_forever)
                 task_status.started(self)
                 await trio.sleep_forever()
 
@@ -146,3 +159,7 @@ class Coordinator:
     def learner_command(self, job_id: str) -> list[str]:
         """The job's learner command line; see :meth:`JobControl.learner_command`."""
         return self.job_control.learner_command(job_id)
+
+    def job_schedule(self, job_id: str) -> dict[str, Any]:
+        """The job's placement; see :meth:`Placement.job_view`."""
+        return self.placement.job_view(job_id)

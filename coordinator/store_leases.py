@@ -61,11 +61,17 @@ class LeaseTables(Database):
         )
 
     def expired_lease_count(self, node_id: str, since: float) -> int:
-        """Leases the node let expire with a deadline at or after ``since`` (all jobs)."""
+        """Leases the node let expire with a deadline at or after ``since`` and after the
+        deadline of the last lease it submitted (all jobs): a node that delivered since is
+        forgiven what expired before. Two reads on the ``leases_node`` index."""
+        last = self._db.execute(
+            "SELECT MAX(deadline) FROM leases WHERE node_id=? AND status='submitted'", (node_id,)
+        ).fetchone()[0]
         return int(
             self._db.execute(
-                "SELECT COUNT(*) FROM leases WHERE node_id=? AND status='expired' AND deadline>=?",
-                (node_id, since),
+                "SELECT COUNT(*) FROM leases WHERE node_id=? AND status='expired' AND deadline>=?"
+                " AND deadline>?",
+                (node_id, since, last if last is not None else float("-inf")),
             ).fetchone()[0]
         )
 

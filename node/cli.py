@@ -92,18 +92,33 @@ def join(
             help="write the policy the node holds to DATA_DIR/policy.safetensors",
         ),
     ] = None,
+    cost: Annotated[
+        float | None,
+        typer.Option(
+            help="what an hour of this machine costs, in the operator's units (default 1.0); "
+            "the coordinator activates the cheapest nodes per unit of throughput first"
+        ),
+    ] = None,
+    max_disk_gb: Annotated[
+        float | None,
+        typer.Option(
+            help="disk the weights of jobs this node no longer serves may keep, GB (default 10)"
+        ),
+    ] = None,
     max_groups: Annotated[
         int | None,
-        typer.Option(
-            help="leave after this many groups (default: run until the job ends or Ctrl-C)"
-        ),
+        typer.Option(help="leave after this many groups (default: serve jobs until Ctrl-C)"),
     ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
-    """Join a swarm: register, receive the policy, generate rollouts, submit them.
+    """Join a swarm and serve its jobs until stopped: register, receive the policy, generate
+    rollouts, submit them.
 
-    The node's Ed25519 identity (also its libp2p peer id) is created on first run in the data dir
-    with mode 0600 and reused afterwards. Stop any time with Ctrl-C; leases it held expire.
+    The coordinator places the node on one job at a time and may move it; when a job ends the
+    node switches to its next one without restarting (the last job's engine is closed), and with
+    nothing to do it waits, shown as idle. The node's Ed25519 identity (also its libp2p peer id)
+    is created on first run in the data dir with mode 0600 and reused afterwards. Stop any time
+    with Ctrl-C; leases it held expire.
     """
     from echo.node.worker import Node, NodeError
 
@@ -121,6 +136,8 @@ def join(
         leases_at_once=leases_at_once,
         listen=listen,
         keep_weights=keep_weights,
+        cost=cost,
+        max_disk_gb=max_disk_gb,
     )
     if not cfg.coordinator:
         console.print(

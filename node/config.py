@@ -39,6 +39,20 @@ class NodeConfig(BaseModel):
     keep_weights: bool = Field(
         default=False, description="write the held policy to data_dir/policy.safetensors"
     )
+    cost: float = Field(
+        default=1.0,
+        ge=0,
+        le=1e9,
+        description="what an hour of this machine costs, in the operator's units (default 1.0): "
+        "the coordinator's scheduler activates the cheapest nodes per unit of throughput first",
+    )
+    max_disk_gb: float = Field(
+        default=10.0,
+        ge=0,
+        le=1e6,
+        description="disk the weights of jobs this node no longer serves may keep, GB (oldest "
+        "pruned first when the node switches jobs; 0: keep only the current job's)",
+    )
 
     @field_validator("schedule")
     @classmethod

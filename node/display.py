@@ -1,9 +1,11 @@
 """What the volunteer sees: timestamped lines, progress bars of large versions, running tallies.
 
-:class:`Display` owns the node's console and its :class:`Stats` (groups accepted and rejected,
-rejection reasons, tokens generated and the time generating them). It prints each message with
-the time, shows a progress bar while a large version arrives (pulled whole, or carried by the
-relay tree), and after a submission says what was rejected and why, with the job's totals.
+:class:`Display` owns the node's console, its :class:`Stats` (groups accepted and rejected,
+rejection reasons, tokens generated and the time generating them) and what the node is doing
+(:attr:`Display.state`: ``"idle"`` with the reason, or the job it works for). It prints each
+message with the time, shows a progress bar while a large version arrives (pulled whole, or
+carried by the relay tree), and after a submission says what was rejected and why, with the
+job's totals.
 """
 
 from __future__ import annotations
@@ -36,7 +38,13 @@ class Stats:
 
     @property
     def tokens_per_s(self) -> float:
+        """Tokens per second of generation, throttling pauses included: what the node delivers
+        on its current job (the coordinator's scheduler plans with it)."""
         return self.tokens / self.gen_seconds if self.gen_seconds else 0.0
+
+    def new_job(self) -> None:
+        """Start measuring the rate afresh: another job's model runs at another speed."""
+        self.tokens, self.gen_seconds = 0, 0.0
 
 
 class Display:
@@ -47,14 +55,32 @@ class Display:
         self.stats = Stats()
         self._bar: Progress | None = None  # of a large version being pulled
         self._bar_task = None
+        self.state = "starting"  # "idle: <why>" or "job <id>"
+
+    def idle(self, reason: str) -> None:
+        """The node has nothing to do, for ``reason`` (shown once; the node polls meanwhile)."""
+        self.state = f"idle: {reason}"
+        self.say(f"[cyan]idle[/cyan] · {reason}")
+
+    def working(self, job_id: str) -> None:
+        """The node works for ``job_id`` from now on; its rate is measured afresh."""
+        if self.state != f"job {job_id}":
+            self.stats.new_job()
+        self.state = f"job {job_id}"
 
     def say(self, text: str) -> None:
         """Print ``text`` (rich markup) to the volunteer, after the time of day."""
         self.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {text}")
 
     def _progress(self) -> Progress:
-        return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                        TransferSpeedColumn(), console=self.console, transient=True)
+        return Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            console=self.console,
+            transient=True,
+        )
 
     def pull_progress(self, version: int, done: int, total: int) -> None:
         """WeightSync's per-chunk callback: a bar for large versions pulled whole."""
@@ -64,8 +90,9 @@ class Display:
             self._bar = self._progress()
             self._bar.start()
             self._bar_task = self._bar.add_task(f"policy v{version} (pull)", total=total)
-        self._bar.update(self._bar_task, completed=done, total=total,
-                         description=f"policy v{version} (pull)")
+        self._bar.update(
+            self._bar_task, completed=done, total=total, description=f"policy v{version} (pull)"
+        )
         if done >= total:
             self.close_bar()
 

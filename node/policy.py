@@ -53,7 +53,9 @@ class PolicyFollower:
     """The node's policy for one job (see the module docstring): :meth:`prepare`, then
     :meth:`start`; :meth:`sync_to` whenever a newer version is known.
 
-    ``upload_limit_bps`` is the volunteer's cap on pushes to relay children (0: none).
+    ``upload_limit_bps`` is the volunteer's cap on pushes to relay children (0: none);
+    ``measured_upload_bps`` the push rate a previous job's follower measured (0: none), since a
+    node's uplink does not change with the job. A node makes one follower per job it serves.
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class PolicyFollower:
         display: Display,
         engine_name: str,
         upload_limit_bps: float,
+        measured_upload_bps: float = 0.0,
     ) -> None:
         self.cfg = cfg
         self.session = session
@@ -71,7 +74,7 @@ class PolicyFollower:
         self.upload_limit_bps = upload_limit_bps
         # Our push rate to relay children as last measured; until then the volunteer's cap, which
         # the coordinator plans with (0: it assumes its default).
-        self.upload_bps = upload_limit_bps
+        self.upload_bps = measured_upload_bps or upload_limit_bps
         self.engine: Engine | None = None
         self.sync: WeightSync | None = None
         self.relay: Relay | None = None
@@ -89,8 +92,9 @@ class PolicyFollower:
             self.cfg.data_dir / "chunks" / job.job_id, keep_versions=job.staleness + 2
         )
         serve_chunks(host, chunks)
-        sync = WeightSync(host, job, self.session.peer, chunks,
-                          on_progress=self.display.pull_progress)
+        sync = WeightSync(
+            host, job, self.session.peer, chunks, on_progress=self.display.pull_progress
+        )
         await sync.add_source_addrs(job.learner_addrs)
         if not sync.sources:
             raise NodeError("cannot reach the job's learner to fetch weights")
@@ -126,11 +130,12 @@ class PolicyFollower:
 
     async def _report_bad_peers(self) -> None:
         async for report in self._bad_peers_out:
-            self.display.say(f"[yellow]relay {report.peer_id[-8:]} {report.reason}[/yellow] at "
-                             f"v{report.version}; reported")
+            self.display.say(
+                f"[yellow]relay {report.peer_id[-8:]} {report.reason}[/yellow] at "
+                f"v{report.version}; reported"
+            )
             try:
-                await self.session.call(ids.PROTO_BAD_PEER,
-                                        self.session.seal(report), timeout=10.0)
+                await self.session.call(ids.PROTO_BAD_PEER, self.session.seal(report), timeout=10.0)
             except (RpcError, ProtocolError) as exc:
                 log.debug("bad-peer report not delivered: %s", exc)
 
@@ -224,16 +229,19 @@ class PolicyFollower:
         tmp = path.with_suffix(".tmp")
         tmp.write_bytes(state_to_bytes(sync.state))
         tmp.replace(path)
-        meta = {"job_id": sync.job.job_id, "version": sync.version, "state_digest": sync.digest,
-                "engine": self.engine_name, "engine_state_digest": self.engine.state_digest()}
+        meta = {
+            "job_id": sync.job.job_id,
+            "version": sync.version,
+            "state_digest": sync.digest,
+            "engine": self.engine_name,
+            "engine_state_digest": self.engine.state_digest(),
+        }
         (self.cfg.data_dir / "policy.json").write_text(json.dumps(meta) + "\n")
 
     def measure_upload(self) -> float:
         """Our push rate in the newest transfer where we pushed (kept from earlier ones)."""
         if self.relay is not None:
-            rates = [
-                (t.version, t.stats.push_rate_bps()) for t in self.relay.transfers.values()
-            ]
+            rates = [(t.version, t.stats.push_rate_bps()) for t in self.relay.transfers.values()]
             rates = [r for r in rates if r[1] > 0]
             if rates:
                 self.upload_bps = max(rates)[1]
@@ -253,9 +261,7 @@ class PolicyFollower:
             timestamp=time.time(),
         )
         try:
-            await self.session.call(
-                ids.PROTO_STATUS, self.session.seal(st), timeout=10.0
-            )
+            await self.session.call(ids.PROTO_STATUS, self.session.seal(st), timeout=10.0)
         except RpcError as exc:
             log.debug("status not delivered: %s", exc)
 

@@ -2,8 +2,11 @@
 
 :class:`CoordinatorSession` owns the node's link to the coordinator: the coordinator's peer id and
 key (leases and broadcast plans must carry its signature), sealing records with the node's
-identity, request/response calls with their timeouts, and registration, repeated while no job is
-running and again whenever the node needs the job's current learner addresses.
+identity, request/response calls with their timeouts, and registration: the reply names the job
+the coordinator's scheduler placed the node on (:meth:`CoordinatorSession.wait_for_job`), and
+registering again is how a node with nothing to do polls for work (every :data:`IDLE_POLL_S`,
+well inside the coordinator's registration budget) and how it learns a job's current learner
+addresses.
 """
 
 from __future__ import annotations
@@ -22,7 +25,12 @@ from echo.protocol import messages as m
 from echo.protocol.errors import ProtocolError
 
 RPC_TIMEOUT_S = 30.0
-NO_JOB_RETRY_S = 3.0
+# An idle node registers again this often to learn of work: 10 a minute, inside the
+# coordinator's default budget of 12 registrations per peer and minute.
+IDLE_POLL_S = 6.0
+# A registration that fails once the node has been registered (the coordinator restarting) is
+# retried, with a pause that doubles up to this.
+MAX_RETRY_S = 60.0
 
 
 class CoordinatorSession:
@@ -65,34 +73,56 @@ class CoordinatorSession:
         """``record`` in an envelope of its own kind signed with the node's identity."""
         return signing.seal_record(self.identity.private_key, record)
 
-    async def register(self) -> m.JobInfo:
-        """Register (signed) and return the first running job, waiting while there is none.
+    async def register(self) -> m.RegisterReply:
+        """Register (signed) once; the coordinator's reply.
 
-        :raises NodeError: the coordinator refused the registration.
+        :raises RpcError: the call failed or the coordinator refused it.
+        :raises ProtocolError: the reply does not decode.
         """
+        data = await self.call(ids.PROTO_REGISTER, self.seal(self.describe()))
+        return m.decode(m.RegisterReply, data)
+
+    async def wait_for_job(self, *, first: bool = False) -> m.JobInfo:
+        """Register until the coordinator places this node on a job, and return that job.
+
+        Meanwhile the node is idle: the volunteer sees it once per reason (no running job, on
+        standby, nothing that fits), and it asks again every :data:`IDLE_POLL_S`. A node
+        between jobs rides out a coordinator restart (retries with a growing pause).
+
+        :raises NodeError: ``first`` and the coordinator refused or failed the registration
+            (a wrong protocol version, an excluded node, an unreachable coordinator).
+        """
+        shown, delay = "", IDLE_POLL_S
         while True:
             try:
-                sealed = self.seal(self.describe())
-                data = await self.call(ids.PROTO_REGISTER, sealed)
-            except RpcError as exc:
-                raise NodeError(f"registration refused: {exc}") from None
-            reply = m.decode(m.RegisterReply, data)
-            if reply.jobs:
-                job = reply.jobs[0]
+                reply = await self.register()
+            except (RpcError, ProtocolError) as exc:
+                if first or "excluded" in str(exc):
+                    raise NodeError(f"registration refused: {exc}") from None
+                self.display.say(f"[yellow]registration failed:[/yellow] {exc}; retrying")
+                await trio.sleep(delay)
+                delay = min(delay * 2, MAX_RETRY_S)
+                continue
+            first, delay = False, IDLE_POLL_S
+            job = next((j for j in reply.jobs if j.job_id == reply.assigned_job), None)
+            if job is not None:
+                self.display.working(job.job_id)
                 self.display.say(
                     f"registered · job [bold]{job.job_id}[/bold] ({job.task.name}) at "
                     f"v{job.current_version}"
                 )
                 return job
-            self.display.say("registered · no running job yet, waiting")
-            await trio.sleep(NO_JOB_RETRY_S)
+            reason = reply.message if not reply.assigned_job else "the job is starting"
+            if reason != shown:
+                self.display.idle(reason or "no job for this node yet")
+                shown = reason
+            await trio.sleep(IDLE_POLL_S)
 
     async def learner_addrs(self, job_id: str) -> list[str] | None:
         """The current addresses of ``job_id``'s learner, by registering again (a restarted
         learner may listen elsewhere); None when the call fails or the job is not listed."""
         try:
-            reply = m.decode(m.RegisterReply, await self.call(
-                ids.PROTO_REGISTER, self.seal(self.describe())))
+            reply = await self.register()
         except (RpcError, ProtocolError):
             return None
         for job in reply.jobs:

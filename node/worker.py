@@ -2,14 +2,21 @@
 
 :class:`Node` owns the node's libp2p host and its engine, and composes the rest: a
 :class:`~echo.node.session.CoordinatorSession` (registration and signed calls), a
-:class:`~echo.node.policy.PolicyFollower` (broadcasts, weight syncs, status and bad-relay reports)
-and a :class:`~echo.node.display.Display` (what the volunteer sees). It registers with the
-coordinator, syncs weights to the job's current version, then loops: ask for leases (saying which
-version it holds), check each lease's coordinator signature, generate the whole group of every
-lease in one batch in a worker thread from the prompt token ids the signed lease carries (a node
-needs neither the dataset nor any task code), sign and submit each group, and show the volunteer
-what was accepted and why anything was rejected. A gossip listener and the lease replies both
-tell it when a newer version is out; it syncs before generating again.
+:class:`~echo.node.policy.PolicyFollower` per job (broadcasts, weight syncs, status and bad-relay
+reports) and a :class:`~echo.node.display.Display` (what the volunteer sees).
+
+A node serves jobs until it is stopped. It registers, and the coordinator's scheduler places it
+on one job (or keeps it idle: on standby, or with nothing running that fits it; it registers
+again every few seconds meanwhile). For that job it starts an engine on the job's model, syncs
+weights to the job's current version, then loops: ask for leases (saying which version it holds),
+check each lease's coordinator signature, generate the whole group of every lease in one batch in
+a worker thread from the prompt token ids the signed lease carries (a node needs neither the
+dataset nor any task code), sign and submit each group, and show the volunteer what was accepted
+and why anything was rejected. A gossip listener and the lease replies both tell it when a newer
+version is out; it syncs before generating again. When the job ends, or a lease reply says the
+scheduler moved the node, it passes the version in hand on to its relay children, closes the
+engine (freeing its memory), and goes back to registration for its next job; the chunk stores of
+jobs it no longer serves are pruned to the volunteer's ``max_disk_gb``.
 
 Generation and weight decoding run in trio worker threads so the host keeps serving chunks to
 peers meanwhile; every network wait has a timeout.
@@ -32,6 +39,7 @@ from echo.node.policy import PolicyFollower
 from echo.node.probe import choose_engine, probe
 from echo.node.session import CoordinatorSession
 from echo.node.weights import WeightSync
+from echo.p2p.chunkstore import prune_job_stores
 from echo.p2p.host import EchoHost, open_host
 from echo.p2p.identity import Identity
 from echo.p2p.rpc import RemoteError, RpcError
@@ -45,6 +53,8 @@ ENGINE_CLOSE_TIMEOUT_S = 10.0
 # When the job ends, a node finishes relaying the last version to its children (for at most
 # this long) before it leaves: its subtree may have nobody else to get it from.
 FINAL_FORWARD_S = 30.0
+# A node the scheduler moves passes the version in hand to its children for at most this long.
+MOVED_FORWARD_S = 10.0
 
 
 def lease_prompt(lease: m.Lease, vocab_size: int) -> list[int]:
@@ -71,8 +81,8 @@ def lease_request(lease: m.Lease, prompt_ids: list[int]) -> GenRequest:
 
 
 class Node:
-    """One volunteer node (see the module docstring): :meth:`run` until the job ends,
-    ``max_groups`` groups are done, or it is cancelled.
+    """One volunteer node (see the module docstring): :meth:`run` serves jobs until
+    ``max_groups`` groups are done or it is cancelled.
 
     :meth:`run` raises :class:`NodeError` for failures the volunteer can act on (coordinator or
     learner unreachable, registration refused, excluded, the model does not fit, no weights).
@@ -85,44 +95,73 @@ class Node:
         self.display = Display(console or Console(stderr=True))
         self.stats = self.display.stats
         self.max_groups = max_groups
+        self.done_groups = 0
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
         self.identity = Identity.load_or_create(cfg.data_dir / "identity.key")
         self.probe = probe(cfg.data_dir)
         self.engine_name, self.engine_reason = choose_engine(self.probe, cfg.engine)
+        # What each job's engine starts as (a job whose model it cannot run gets torch).
+        self.chosen_engine = self.engine_name
         self.engine: Engine | None = None
         self.host: EchoHost | None = None
         self.report_engine = self.engine_name
         self.session = CoordinatorSession(self.identity, self.display, self._register_record)
         self.upload_limit_bps = (cfg.max_upload_mbps or 0.0) * 1e6
-        self.policy = PolicyFollower(
-            cfg, self.session, self.display, self.engine_name, self.upload_limit_bps
-        )
+        self.policy = self._follower()
+        self.jobs_served: list[str] = []  # in the order the node served them
 
     def say(self, text: str) -> None:
         """Print ``text`` to the volunteer (see :meth:`Display.say`)."""
         self.display.say(text)
 
+    def _follower(self) -> PolicyFollower:
+        """A fresh policy follower for the next job; the uplink rate measured so far carries."""
+        measured = getattr(self, "policy", None)
+        return PolicyFollower(
+            self.cfg,
+            self.session,
+            self.display,
+            self.engine_name,
+            self.upload_limit_bps,
+            measured.upload_bps if measured is not None else 0.0,
+        )
+
     async def run(self) -> None:
-        """Join the coordinator's running job and work for it; the engine is closed on the way
-        out. :raises NodeError: see the class docstring."""
+        """Serve the jobs the coordinator places this node on, one after another, until
+        cancelled (or ``max_groups`` are done); idle in between. The engine is closed after
+        each job and on the way out. :raises NodeError: see the class docstring."""
         cfg = self.cfg
         self.say(
             f"node {self.identity.peer_id_str} · engine [bold]{self.engine_name}[/bold] "
-            f"({self.engine_reason})"
+            f"({self.engine_reason}) · cost {cfg.cost:g}"
         )
         async with open_host(self.identity, [cfg.listen]) as host:
             self.host = host
             await self.session.connect(host, cfg.coordinator)
-            job = await self.session.register()
+            job = await self.session.wait_for_job(first=True)
             try:
-                await self._serve_job(host, job)
+                while True:
+                    if self.jobs_served and self.jobs_served[-1] != job.job_id:
+                        self.say(
+                            f"switching to job [bold]{job.job_id}[/bold] "
+                            f"(from {self.jobs_served[-1]})"
+                        )
+                    self.jobs_served.append(job.job_id)
+                    await self._serve_job(host, job)
+                    if self.max_groups is not None and self.done_groups >= self.max_groups:
+                        return
+                    await self._close_engine()
+                    job = await self.session.wait_for_job()
             finally:
-                # vLLM runs worker processes: stop them here rather than leave them to be
-                # force-killed at interpreter exit.
-                engine, self.engine = self.engine, None
-                if engine is not None:
-                    with trio.CancelScope(shield=True), trio.move_on_after(ENGINE_CLOSE_TIMEOUT_S):
-                        await trio.to_thread.run_sync(engine.close, abandon_on_cancel=True)
+                await self._close_engine()
+
+    async def _close_engine(self) -> None:
+        """Free the engine's memory. vLLM runs worker processes: stop them here rather than
+        leave them to be force-killed at interpreter exit."""
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            with trio.CancelScope(shield=True), trio.move_on_after(ENGINE_CLOSE_TIMEOUT_S):
+                await trio.to_thread.run_sync(engine.close, abandon_on_cancel=True)
 
     def _register_record(self) -> m.Register:
         return m.Register(
@@ -135,10 +174,27 @@ class Node:
             download_bps=0.0,
             timestamp=time.time(),
             addrs=self.host.listen_multiaddrs[:8] if self.host is not None else [],
+            cost=self.cfg.cost,
         )
 
+    def _prune_other_jobs(self, job_id: str) -> None:
+        """Keep the chunks of jobs no longer served within the volunteer's disk allowance."""
+        removed = prune_job_stores(
+            self.cfg.data_dir / "chunks", {job_id}, int(self.cfg.max_disk_gb * 1e9)
+        )
+        if removed:
+            self.say(
+                f"freed the weights of {len(removed)} earlier job(s) (max_disk_gb "
+                f"{self.cfg.max_disk_gb:g})"
+            )
+
     async def _serve_job(self, host: EchoHost, job: m.JobInfo) -> None:
+        """Work for ``job`` until it ends, the scheduler moves the node, or ``max_groups``."""
         cfg = self.cfg
+        await self._close_engine()  # the last job's, if any: never two models in memory
+        await trio.to_thread.run_sync(self._prune_other_jobs, job.job_id)
+        self.engine_name = self.chosen_engine
+        self.policy = self._follower()
         spec = ModelSpec.from_dict(job.model)
         device = cfg.device if cfg.device != "auto" else ("cuda" if self.probe.cuda else "cpu")
         try:
@@ -173,8 +229,7 @@ class Node:
             nursery.cancel_scope.cancel()
 
     async def _lease_loop(self, job: m.JobInfo, vocab: int, sync: WeightSync) -> None:
-        done_groups = 0
-        while self.max_groups is None or done_groups < self.max_groups:
+        while self.max_groups is None or self.done_groups < self.max_groups:
             if not self.cfg.working_now():
                 self.say(f"outside the schedule {self.cfg.schedule}: pausing")
                 while not self.cfg.working_now():
@@ -200,6 +255,12 @@ class Node:
                 self.say(f"[yellow]lease request failed:[/yellow] {exc}")
                 await trio.sleep(2.0)
                 continue
+            if reply.assigned_job is not None and reply.assigned_job != job.job_id:
+                # The scheduler moved us: hand the version in hand on, then go.
+                await self.policy.finish_forwarding(sync.version, MOVED_FORWARD_S)
+                where = f"job {reply.assigned_job}" if reply.assigned_job else "standby"
+                self.say(f"the coordinator moved this node from job {job.job_id} to {where}")
+                return
             if reply.current_version > sync.version:
                 await self.policy.sync_to(reply.current_version)
             if not reply.leases:
@@ -207,9 +268,12 @@ class Node:
                     if not await self.policy.finish_forwarding(sync.version, FINAL_FORWARD_S):
                         self.say(
                             f"[yellow]still relaying v{sync.version} after "
-                            f"{FINAL_FORWARD_S:.0f} s; leaving anyway[/yellow]"
+                            f"{FINAL_FORWARD_S:.0f} s; moving on anyway[/yellow]"
                         )
-                    self.say(f"{reply.message} at v{sync.version}; leaving")
+                    self.say(
+                        f"job {job.job_id}: {reply.message} at v{sync.version}; "
+                        f"looking for the next job"
+                    )
                     return
                 await trio.sleep(max(reply.retry_after_s, 0.05))
                 continue
@@ -222,7 +286,7 @@ class Node:
                     self.say(f"[yellow]lease {lease.lease_id} skipped:[/yellow] {exc}")
             if work:
                 await self._work(work, sync)
-            done_groups += len(leases)
+            self.done_groups += len(leases)
 
     def _open_lease(self, data: bytes) -> m.Lease:
         return signing.open_record(data, m.Lease, expected_signer=self.session.key)[1]
@@ -275,9 +339,12 @@ class Node:
     async def _throttle(self, tokens: int, gen_s: float) -> None:
         cap = self.cfg.max_tokens_per_s
         if cap:
-            await trio.sleep(max(0.0, tokens / cap - gen_s))
+            pause = max(0.0, tokens / cap - gen_s)
+            # The pause counts as generating time: the rate reported is what the node delivers.
+            self.stats.gen_seconds += pause
+            await trio.sleep(pause)
 
 
 async def run_node(cfg: NodeConfig, console: Console | None = None) -> None:
-    """Run one node with ``cfg`` until its job ends. :raises NodeError: see :class:`Node`."""
+    """Run one node with ``cfg`` until it is cancelled. :raises NodeError: see :class:`Node`."""
     await Node(cfg, console).run()

@@ -9,6 +9,7 @@ store a byte the signed manifest did not name.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -115,6 +116,45 @@ class ChunkStore:
         for sha, path in list(self._index.items()):
             if path.parent.name in dropped:
                 self._index.pop(sha, None)
+
+
+def _folder_bytes(path: Path) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(FileNotFoundError):  # removed meanwhile
+                total += os.stat(os.path.join(dirpath, name)).st_size
+    return total
+
+
+def prune_job_stores(root: Path, keep: set[str], max_bytes: int) -> list[str]:
+    """Bound the disk the chunk stores of jobs a node no longer serves may take.
+
+    ``root`` holds one :class:`ChunkStore` folder per job (``root/<job id>``). Folders named in
+    ``keep`` (the job being served) are left alone; the others are removed whole, least
+    recently written first, until they take at most ``max_bytes`` together (0: remove them
+    all). Returns the job ids removed. A node that comes back to a job whose chunks it kept
+    serves and reuses them; one whose chunks were pruned fetches the job's anchor again.
+
+    :raises ValueError: ``max_bytes`` is negative.
+    """
+    if max_bytes < 0:
+        raise ValueError(f"max_bytes must be at least 0, got {max_bytes}")
+    if not root.is_dir():
+        return []
+    others = []
+    for d in root.iterdir():
+        if d.is_dir() and d.name not in keep:
+            others.append((d.stat().st_mtime, d, _folder_bytes(d)))
+    total = sum(size for _, _, size in others)
+    removed = []
+    for _, d, size in sorted(others, key=lambda x: x[0]):  # oldest first
+        if total <= max_bytes:
+            break
+        shutil.rmtree(d, ignore_errors=True)
+        total -= size
+        removed.append(d.name)
+    return removed
 
 
 def serve_chunks(

@@ -11,7 +11,10 @@
 #    may be 0 (synchronous jobs).
 # 5: Lease.prompt_tokens (nodes generate from the signed lease's token ids, not from task code);
 #    BatchReply.more, and batch replies up to limits.MAX_BATCH_REPLY_BYTES (long completions).
-PROTOCOL_VERSION = 5
+# 6: one swarm, many jobs: Register.cost (the volunteer's declared cost), RegisterReply
+#    .assigned_job and LeaseReply.assigned_job (the coordinator's scheduler places each node on
+#    one job, or on standby, and moves it).
+PROTOCOL_VERSION = 6
 
 # libp2p stream protocols (request/response, one frame each way).
 PROTO_REGISTER = "/echo/register/1.0.0"  # node -> coordinator

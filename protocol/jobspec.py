@@ -211,6 +211,26 @@ class EvalSection(BaseModel):
     prompts: int = Field(default=256, ge=1, le=100_000, description="held-out prompts")
 
 
+class ScheduleSection(BaseModel):
+    """``[job.schedule]``: the operator's say in where the coordinator's scheduler puts nodes
+    (``echo.coordinator.scheduler``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    priority: int = Field(
+        default=0,
+        ge=-100,
+        le=100,
+        description="a job of higher priority has its measured need met before a lower one "
+        "gets more than its first node; equal priorities share by how far each is from its need",
+    )
+    max_share: float = Field(
+        default=1.0,
+        gt=0,
+        le=1,
+        description="the largest fraction of the swarm's nodes this job may hold (at least one)",
+    )
+
+
 class JobSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(min_length=1, max_length=128)
@@ -226,6 +246,7 @@ class JobSpec(BaseModel):
     warmup: WarmupSection = Field(default_factory=WarmupSection)
     tracking: TrackingSection = Field(default_factory=TrackingSection)
     eval: EvalSection = Field(default_factory=EvalSection)
+    schedule: ScheduleSection = Field(default_factory=ScheduleSection)
     steps: int = Field(default=60, ge=1, le=10_000_000, description="policy versions to train")
     group_size: int = Field(default=16, ge=2, le=256)
     batch_groups: int = Field(default=8, ge=1, le=4096, description="GRPO groups per step")

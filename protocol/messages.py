@@ -96,6 +96,9 @@ class Register(Record):
     timestamp: float = Field(allow_inf_nan=False)
     # Where peers reach this node to push versions to it (its listen multiaddrs).
     addrs: list[ShortStr] = Field(default_factory=list, max_length=8)
+    # Protocol 6: what an hour of this node costs, in the operator's units (``echo-node join
+    # --cost``); the scheduler activates the cheapest nodes per unit of throughput first.
+    cost: float = Field(default=1.0, ge=0, le=1e9, allow_inf_nan=False)
 
 
 class TaskRef(Record):
@@ -120,9 +123,15 @@ class JobInfo(Record):
 
 
 class RegisterReply(Record):
+    """The running jobs, and (protocol 6) the one the coordinator's scheduler placed the node
+    on: ``assigned_job`` is one of ``jobs``' ids, or "" when the node has nothing to do (no job
+    runs, none fits it, or it stands by because the jobs have the throughput they need;
+    ``message`` says which)."""
+
     node_id: Id
     jobs: list[JobInfo] = Field(max_length=64)
     message: ShortStr = ""
+    assigned_job: Annotated[str, Field(max_length=128)] = ""
 
 
 class LeaseRequest(Record):
@@ -167,10 +176,15 @@ class Lease(Record):
 
 
 class LeaseReply(Record):
+    """Leases, or none and when to ask again. ``assigned_job`` (protocol 6) is None while the
+    node stays on the job it asked for; otherwise the scheduler moved it: to that job, or to
+    standby when "" (the node registers again to learn the job's details)."""
+
     leases: list[bytes] = Field(max_length=64)  # signed Lease envelopes
     current_version: int = Field(ge=-1)
     retry_after_s: float = Field(ge=0, le=3600, allow_inf_nan=False)
     message: ShortStr = ""
+    assigned_job: Annotated[str, Field(max_length=128)] | None = None
 
 
 class CompletionRecord(Record):

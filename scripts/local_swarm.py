@@ -402,11 +402,15 @@ def main() -> int:
                 time.sleep(1.0)
         if st.get("status") == "done":
             # Nodes see "job is done" on their next lease request, sync to the final version
-            # (the learner serves it until nobody asks) and leave by themselves; give them time
-            # to finish the groups in hand so their held weights are final.
+            # (the learner serves it until nobody asks) and go idle, waiting for another job
+            # (stopped below); give them time to finish the groups in hand so their held
+            # weights are final.
             node_procs = swarm.procs[1:]
             deadline = time.time() + 60
             while time.time() < deadline and any(p.poll() is None for p in node_procs):
+                st, nodes = swarm.status(job_id)
+                if all(n["version"] >= st["current_version"] for n in nodes):
+                    break
                 time.sleep(0.5)
             st, nodes = swarm.status(job_id)
         summary = summarize(st, nodes, time.time() - t0)

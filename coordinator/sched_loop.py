@@ -1,0 +1,277 @@
+"""Applying the scheduler: where each node works, kept current as jobs and nodes come and go.
+
+:class:`Placement` owns the coordinator's in-memory placement of nodes on jobs (soft state: a
+restarted coordinator places nodes afresh as they register, ask for leases or report). It
+gathers the scheduler's inputs (runnable jobs with their measured terms and operator settings,
+active nodes with their declared cost, memory and engine, and the tokens/s each measured on each
+job), runs :func:`~echo.coordinator.scheduler.schedule` every ``every_s`` and whenever a node
+registers unplaced, and answers the node RPCs: the job a registering node is placed on, and
+whether a node asking for leases has been moved. Nodes learn of a move from their next lease
+reply (``LeaseReply.assigned_job``) or, when idle, their next registration.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from echo.coordinator.jobs import RunningJob
+from echo.coordinator.rows import NodeRow
+from echo.coordinator.sched_fit import estimate_rate, misfit, param_count
+from echo.coordinator.sched_measure import JobTerms, job_terms
+from echo.coordinator.scheduler import (
+    Decision,
+    JobDemand,
+    JobView,
+    NodeSupply,
+    SchedulerParams,
+    schedule,
+)
+from echo.coordinator.store import Store
+from echo.protocol import messages as m
+
+log = logging.getLogger("echo.coordinator.scheduler")
+
+# Nodes heard from within this long are scheduled (an idle node registers every few seconds).
+ACTIVE_S = 60.0
+# Rollouts/s assumed for a node nothing is known of (only ranks matter until it reports).
+UNKNOWN_RATE = 1.0
+
+
+@dataclass
+class _Node:
+    """What the placement knows of one node."""
+
+    cost: float = 1.0
+    engine: str = ""
+    hardware: dict[str, Any] = field(default_factory=dict)
+    declared_tps: float = 0.0
+    measured: dict[str, float] = field(default_factory=dict)  # job -> tokens/s, newest last
+    held: dict[str, int] = field(default_factory=dict)  # job -> version it reported holding
+    job: str | None = None
+    since: float = 0.0
+    decided: bool = False  # placed by a scheduling pass (else: never, or adopted)
+    switches: int = 0
+
+
+class Placement:
+    """The placement of nodes on jobs (see the module docstring).
+
+    ``jobs`` is the live jobs of :class:`~echo.coordinator.job_control.JobControl`.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        jobs: Mapping[str, RunningJob],
+        params: SchedulerParams | None = None,
+        every_s: float = 2.0,
+    ) -> None:
+        self.store = store
+        self.jobs = jobs
+        self.params = params or SchedulerParams()
+        self.every_s = every_s
+        self.nodes: dict[str, _Node] = {}
+        self.views: dict[str, JobView] = {}
+        self.switches_into: Counter[str] = Counter()
+        self._terms: dict[str, tuple[int, JobTerms]] = {}
+        self._params_count: dict[str, int] = {}
+        self._misfits: dict[str, str] = {}  # node -> why no running job fits it
+
+    # ------------------------------------------------------------------ node RPC hooks
+
+    def registered(self, node_id: str, reg: m.Register) -> tuple[str, str]:
+        """Book a node's registration; its job ("" for none) and what to tell it."""
+        node = self.nodes.setdefault(node_id, _Node())
+        node.cost, node.engine = reg.cost, reg.engine
+        node.hardware, node.declared_tps = reg.hardware.to_obj(), reg.tokens_per_s
+        if not node.decided or node.job not in self._runnable():
+            self.refresh()
+        return node.job or "", self._idle_reason(node_id)
+
+    def observed(self, node_id: str, job_id: str, tokens_per_s: float, version: int) -> None:
+        """A node's status: its delivered tokens/s on ``job_id`` and the version it holds."""
+        node = self.nodes.get(node_id)
+        if node is None:  # a node from before a coordinator restart: it works where it says
+            node = self.nodes[node_id] = _Node(job=job_id, since=time.time())
+        if tokens_per_s > 0:
+            node.measured.pop(job_id, None)  # re-inserted last: the newest measure
+            node.measured[job_id] = tokens_per_s
+        if version >= 0:
+            node.held[job_id] = version
+
+    def redirect(self, node_id: str, job_id: str) -> str | None:
+        """None when the node should keep working for ``job_id``; else where the scheduler put
+        it (a job id, or "" for standby). A node not placed yet is adopted on ``job_id``."""
+        node = self.nodes.get(node_id)
+        if node is None:
+            node = self.nodes[node_id] = _Node(job=job_id, since=time.time())
+            return None
+        if node.job is None and not node.decided:
+            node.job, node.since = job_id, time.time()
+            return None
+        if node.job is None and job_id in self._runnable():
+            self.refresh()  # placed on standby while nothing ran, say: look again
+        if node.job == job_id or job_id not in self._runnable():
+            return None  # a job that ended says so itself ("job is done")
+        return node.job or ""
+
+    def plannable(self, node_id: str, job_id: str, anchor: bool) -> bool:
+        """Whether a version of ``job_id`` may be planned through the node: it serves the job
+        and holds one of its versions, or the version is an anchor (which needs no base). A
+        job new since the last pass is scheduled first, so its first version reaches the nodes
+        placed on it."""
+        if job_id not in self.views:
+            self.refresh()
+        node = self.nodes.get(node_id)
+        if node is None or node.job != job_id:
+            return False
+        return anchor or node.held.get(job_id, -1) >= 0
+
+    def serves(self, node_id: str, job_id: str) -> bool:
+        """The node is placed on ``job_id``."""
+        node = self.nodes.get(node_id)
+        return node is not None and node.job == job_id
+
+    # ------------------------------------------------------------------ scheduling
+
+    def _runnable(self) -> dict[str, RunningJob]:
+        out = {}
+        for job_id, job in self.jobs.items():
+            row = self.store.job(job_id)
+            if row is not None and row.status == "running" and row.current_version >= 0:
+                out[job_id] = job
+        return out
+
+    def _job_terms(self, job_id: str, job: RunningJob, version: int) -> JobTerms:
+        cached = self._terms.get(job_id)
+        if cached is None or cached[0] != version:
+            row = self.store.job(job_id)
+            spec = row.spec if row is not None else job.spec.model_dump(mode="json")
+            cached = (version, job_terms(self.store, job_id, spec, job.max_new_tokens))
+            self._terms[job_id] = cached
+        return cached[1]
+
+    def _params_of(self, job_id: str, job: RunningJob) -> int:
+        if job_id not in self._params_count:
+            self._params_count[job_id] = param_count(job.spec.model_spec_dict())
+        return self._params_count[job_id]
+
+    def _active_rows(self, now: float) -> list[NodeRow]:
+        return [n for n in self.store.nodes() if not n.excluded and now - n.last_seen < ACTIVE_S]
+
+    def refresh(self, now: float | None = None) -> Decision:
+        """Run one scheduling pass over the runnable jobs and active nodes, and apply it."""
+        now = time.time() if now is None else now
+        runnable = self._runnable()
+        demands, tpr, sizes = [], {}, {}
+        for job_id, job in runnable.items():
+            row = self.store.job(job_id)
+            assert row is not None  # runnable
+            terms = self._job_terms(job_id, job, row.current_version)
+            tpr[job_id], sizes[job_id] = terms.tokens_per_rollout, self._params_of(job_id, job)
+            sched = job.spec.schedule
+            demands.append(
+                JobDemand(job_id, terms.need_rps, sched.priority, sched.max_share, row.created_at)
+            )
+        supplies = []
+        for row in self._active_rows(now):
+            node = self.nodes.setdefault(row.node_id, _Node(engine=row.engine))
+            if not node.hardware:
+                node.hardware, node.declared_tps = dict(row.hardware), row.tokens_per_s
+            rates, why_not = {}, []
+            for job_id, job in runnable.items():
+                reason = misfit(
+                    job.spec.model_spec_dict(), job.spec.publish_dtype, node.hardware, node.engine
+                )
+                if reason is not None:
+                    why_not.append(reason)
+                    continue
+                rate = estimate_rate(node.measured, sizes, tpr, job_id, node.declared_tps)
+                rates[job_id] = rate if rate is not None else self._typical_rate(job_id, tpr)
+            if why_not and not rates:
+                self._misfits[row.node_id] = why_not[0]
+            else:
+                self._misfits.pop(row.node_id, None)
+            supplies.append(NodeSupply(row.node_id, rates, node.cost, node.job, node.since))
+        decision = schedule(demands, supplies, now, self.params)
+        self._apply(decision, now)
+        return decision
+
+    def _typical_rate(self, job_id: str, tpr: Mapping[str, float]) -> float:
+        """The median measured rate of the job's nodes, for a node that has measured nothing."""
+        seen = [n.measured[job_id] for n in self.nodes.values() if n.measured.get(job_id)]
+        if not seen:
+            return UNKNOWN_RATE
+        return statistics.median(seen) / max(tpr.get(job_id, 1.0), 1e-9)
+
+    def _apply(self, decision: Decision, now: float) -> None:
+        for move in decision.moves:
+            node = self.nodes[move.node_id]
+            if move.src is not None and move.dst is not None:  # another model to download
+                node.switches += 1
+                self.switches_into[move.dst] += 1
+            node.job, node.since = move.dst, now
+            log.info(
+                "node %s: %s -> %s (%s)",
+                move.node_id[-8:],
+                move.src or "standby",
+                move.dst or "standby",
+                move.why,
+            )
+        for node_id in decision.assignment:
+            self.nodes[node_id].decided = True
+        self.views = decision.jobs
+
+    def _idle_reason(self, node_id: str) -> str:
+        node = self.nodes[node_id]
+        if node.job is not None:
+            return ""
+        if not self._runnable():
+            return "no running job"
+        if node_id in self._misfits:
+            return f"no running job fits this node: {self._misfits[node_id]}"
+        return "standby: the running jobs have the throughput they need"
+
+    async def run_forever(self) -> None:
+        """Refresh every ``every_s`` until cancelled; a failing pass is logged, not fatal."""
+        while True:
+            await trio.sleep(self.every_s)
+            try:
+                self.refresh()
+            except Exception:  # one bad pass must not stop the coordinator's scheduling
+                log.exception("scheduling pass failed")
+
+    # ------------------------------------------------------------------ operator view
+
+    def job_view(self, job_id: str) -> dict[str, Any]:
+        """A job's placement for the API: its nodes, measured need, throughput they deliver,
+        the learner's state (per the capacity model) and measured utilization."""
+        view = self.views.get(job_id)
+        terms = self._terms.get(job_id)
+        busy = terms[1].busy if terms is not None else None
+        if view is None:
+            nodes = sorted(nid for nid, n in self.nodes.items() if n.job == job_id)
+            return {
+                "nodes": nodes,
+                "need_rollouts_per_s": None,
+                "have_rollouts_per_s": None,
+                "learner": "not running",
+                "learner_busy": busy,
+                "switches_in": self.switches_into[job_id],
+            }
+        return {
+            "nodes": view.nodes,
+            "need_rollouts_per_s": view.need_rps,
+            "have_rollouts_per_s": view.have_rps,
+            "learner": view.state,
+            "learner_busy": busy,
+            "switches_in": self.switches_into[job_id],
+        }
