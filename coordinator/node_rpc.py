@@ -131,16 +131,15 @@ class NodeRPC:
         self.dissemination.registered(node_id, reg.addrs, reg.upload_bps)
         log.info("node %s registered (%s, %.0f tok/s)", node_id[-8:], reg.engine, reg.tokens_per_s)
         jobs = self._job_infos()
-        assigned, why = "", f"welcome to {SOFTWARE}"
-        if self.placement is not None:
-            assigned, idle = self.placement.registered(node_id, reg)
-            why = idle or why
-        elif jobs:
-            assigned = jobs[0].job_id
-        if assigned not in {j.job_id for j in jobs}:
-            assigned = ""
+        placed, why = self.placement.registered(node_id, reg) if self.placement else ("", "")
+        placed = placed if placed in {j.job_id for j in jobs} else ""  # the job it serves
         return m.encode(
-            m.RegisterReply(node_id=node_id, jobs=jobs, message=why, assigned_job=assigned)
+            m.RegisterReply(
+                node_id=node_id,
+                jobs=jobs,
+                message=why or f"welcome to {SOFTWARE}",
+                assigned_job=placed,
+            )
         )
 
     def _job_infos(self) -> list[m.JobInfo]:
@@ -166,19 +165,8 @@ class NodeRPC:
         if job is None or row is None:
             raise ProtocolError(f"unknown job {req.job_id}", code=R.JOB_MISMATCH)
         self.store.touch_node(node_id)
-        moved = self.placement.redirect(node_id, req.job_id) if self.placement else None
-        if moved is not None:
-            where = f"job {moved}" if moved else "standby"
-            return m.encode(
-                m.LeaseReply(
-                    leases=[],
-                    current_version=row.current_version,
-                    retry_after_s=0.0,
-                    message=f"moved to {where}",
-                    assigned_job=moved,
-                )
-            )
-        return m.encode(self.leases.grant(node, job, row, req))
+        moved = self.placement.moved(node_id, row) if self.placement else None
+        return m.encode(moved or self.leases.grant(node, job, row, req))
 
     async def handle_submit(self, peer_id: ID, data: bytes) -> bytes:
         """Verify and store one group; the reply says accepted or the reason it was not.

@@ -23,7 +23,7 @@ from typing import Any
 import trio
 
 from echo.coordinator.jobs import RunningJob
-from echo.coordinator.rows import NodeRow
+from echo.coordinator.rows import JobRow, NodeRow
 from echo.coordinator.sched_fit import estimate_rate, misfit, param_count
 from echo.coordinator.sched_measure import JobTerms, job_terms
 from echo.coordinator.scheduler import (
@@ -122,6 +122,20 @@ class Placement:
         if node.job == job_id or job_id not in self._runnable():
             return None  # a job that ended says so itself ("job is done")
         return node.job or ""
+
+    def moved(self, node_id: str, row: JobRow) -> m.LeaseReply | None:
+        """The lease reply that tells a node asking for leases of ``row``'s job where the
+        scheduler moved it (no leases); None when it stays (see :meth:`redirect`)."""
+        dst = self.redirect(node_id, row.job_id)
+        if dst is None:
+            return None
+        return m.LeaseReply(
+            leases=[],
+            current_version=row.current_version,
+            retry_after_s=0.0,
+            message=f"moved to job {dst}" if dst else "moved to standby",
+            assigned_job=dst,
+        )
 
     def plannable(self, node_id: str, job_id: str, anchor: bool) -> bool:
         """Whether a version of ``job_id`` may be planned through the node: it serves the job

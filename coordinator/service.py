@@ -27,8 +27,8 @@ from echo.coordinator.learner_rpc import LearnerRPC
 from echo.coordinator.leases import Leases
 from echo.coordinator.metrics import Metrics
 from echo.coordinator.node_rpc import NodeRPC, active_nodes
-from echo.coordinator.reachability import run_reachability
 from echo.coordinator.penalties import Penalties
+from echo.coordinator.reachability import run_reachability
 from echo.coordinator.sched_loop import Placement
 from echo.coordinator.scheduler import SchedulerParams
 from echo.coordinator.store import Store
