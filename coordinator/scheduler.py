@@ -27,7 +27,8 @@ the gain is clear: the share of need the destination gains, less the share the s
 lower-priority one may only take a node its source can spare), is at least ``min_gain``. A node
 goes to standby only when its job stays above its target by ``min_gain`` without it (a band, so
 that noise in the measurements does not toggle it). A job with no node takes one from a job of
-no higher priority that has two or more.
+no higher priority that has two or more; the last node of a job only leaves it for a job of
+higher priority.
 """
 
 from __future__ import annotations
@@ -220,6 +221,8 @@ def _gain(
         return math.inf, f"job {dst} has no node"
     if p_dst > p_src:
         return gain_dst, f"job {dst} has priority over job {src}"
+    if ledger.count[src] <= 1:  # never strand a job of equal or higher priority
+        return -math.inf, ""
     if p_dst < p_src:
         if loss <= 1e-9:
             return gain_dst, f"job {src} can spare it"

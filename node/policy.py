@@ -149,14 +149,19 @@ class PolicyFollower:
             self.session.peer, b.PlanAnnouncement.KIND, b.MAX_PLAN_ENVELOPE_BYTES, self.session.key
         )
         sub = await self.session.host.subscribe(ids.TOPIC_VERSIONS, only_plans)
-        async for _peer, data in sub:
-            try:
-                ann = await self.relay.join_plan(data, self.session.key, job.job_id)
-            except ProtocolError as exc:
-                log.debug("version announcement ignored: %s", exc)
-                continue
-            if ann is not None:
-                self.announced = max(self.announced, ann.version)
+        try:
+            async for _peer, data in sub:
+                try:
+                    ann = await self.relay.join_plan(data, self.session.key, job.job_id)
+                except ProtocolError as exc:
+                    log.debug("version announcement ignored: %s", exc)
+                    continue
+                if ann is not None:
+                    self.announced = max(self.announced, ann.version)
+        finally:
+            # The node's next job subscribes again (one subscription per topic and host).
+            with trio.CancelScope(shield=True), trio.move_on_after(5.0):
+                await sub.aclose()
 
     async def _await_broadcast(self, job_id: str, target: int) -> None:
         """Let the relay bring ``target`` into the store if a plan covers us (bounded)."""

@@ -212,3 +212,17 @@ def test_measured_terms_and_utilization() -> None:
     # Versions every 2 s, each 1 s of learner time: busy half the time.
     assert learner_busy([(0.0, 0.0), (2.0, 1.0), (4.0, 1.0)]) == pytest.approx(0.5)
     assert learner_busy([(0.0, 1.0)]) is None
+
+
+def test_a_job_keeps_its_last_node_unless_a_higher_priority_job_needs_it() -> None:
+    # b is measured and far from its need; a's only node would help b more than it helps a,
+    # but moving it would leave a with nothing: it stays (the swap that caused bouncing).
+    jobs = [JobDemand("a", None, created_at=1.0), JobDemand("b", 100.0, created_at=2.0)]
+    nodes = [
+        NodeSupply("n0", {"a": 1.0, "b": 20.0}, job="a", since=0.0),
+        NodeSupply("n1", {"a": 20.0, "b": 1.0}, job="b", since=0.0),
+    ]
+    assert schedule(jobs, nodes, now=1e6, params=P).moves == []
+    urgent = [JobDemand("a", None, created_at=1.0), JobDemand("b", 100.0, priority=1)]
+    moves = schedule(urgent, nodes, now=1e6, params=P).moves
+    assert [(mv.node_id, mv.dst) for mv in moves] == [("n0", "b")]
