@@ -11,9 +11,10 @@ end, from each job's published versions:
 - the learner's measured utilization: the share of the wall time from its first version to its
   last that it spent computing versions (``step_s + encode_s`` it reports per version), i.e. not
   waiting for rollouts;
-- the capacity model's prediction for the same job: ``T_train / period`` with the job's measured
-  terms and the throughput its nodes delivered, averaged over the run's samples
-  (:func:`echo.coordinator.capacity.step_period`);
+- the capacity model's prediction for the same job: ``T_train / period``
+  (:func:`echo.coordinator.capacity.step_period`) with the job's measured terms, at the
+  throughput its nodes delivered (completions trained per second), and also at the throughput the
+  scheduler estimated from the nodes' reported tokens/s (averaged over the run's samples);
 - node switches (a node loading another job's model) per node-hour and per job-hour;
 - the time from a job's submission to its first trained version (v1).
 
@@ -108,8 +109,21 @@ def utilization(versions: list[dict]) -> float | None:
     return min(1.0, busy / span) if span > 0 else None
 
 
+def delivered_rps(st: dict) -> float | None:
+    """Rollouts/s the job's nodes delivered: completions trained in versions after the first,
+    over the span from the first version to the last (the same window as :func:`utilization`)."""
+    vs = st["versions"]
+    if len(vs) < 2:
+        return None
+    span = vs[-1]["published_at"] - vs[0]["published_at"]
+    spec = json.loads((Path(st["_job_dir"]) / "job.json").read_text())
+    done = sum(v["trained_groups"] for v in vs[1:]) * spec["group_size"]
+    return done / span if span > 0 else None
+
+
 def predicted(st: dict, samples: list[float]) -> float | None:
-    """The capacity model's learner_busy for the job, averaged over the throughput samples."""
+    """The capacity model's learner_busy for the job (``T_train / period``, with its measured
+    ``T_train`` and ``T_bcast``) at each throughput of ``samples``, averaged."""
     versions = st["versions"]
     secs = sorted(
         v["metrics"].get("step_s", 0.0) + v["metrics"].get("encode_s", 0.0) for v in versions[1:]
@@ -124,7 +138,7 @@ def predicted(st: dict, samples: list[float]) -> float | None:
     busy = []
     for mu in samples:
         period = step_period(R, t_train, t_bcast, mu, spec["staleness"])
-        busy.append(min(1.0, t_train / period) if period > 0 and period != float("inf") else 0.0)
+        busy.append(min(1.0, t_train / period) if 0 < period < float("inf") else 0.0)
     return sum(busy) / len(busy)
 
 
@@ -134,6 +148,10 @@ def switches(out: Path, names: list[str]) -> dict[str, int]:
         n: len(re.findall(r"switching to job", (out / f"{n}.log").read_text(errors="replace")))
         for n in names
     }
+
+
+def fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def main() -> int:
@@ -197,7 +215,11 @@ def main() -> int:
                 "status": st["status"],
                 "versions": st["current_version"],
                 "utilization": utilization(vs),
-                "utilization_predicted": predicted(st, mus),
+                # The model at the throughput the nodes delivered, and at the throughput the
+                # scheduler estimated from their reported tokens/s (what it planned with).
+                "utilization_predicted": predicted(st, [mu] if (mu := delivered_rps(st)) else []),
+                "utilization_predicted_from_estimate": predicted(st, mus),
+                "delivered_rollouts_per_s": mu,
                 "submit_to_first_version_s": (
                     first["published_at"] - run.submitted[job_id] if first else None
                 ),
@@ -212,7 +234,9 @@ def main() -> int:
             u, p = r["utilization"], r["utilization_predicted"]
             print(
                 f"{name:6s} {r['status']:8s} v{r['versions']:<4d} learner busy "
-                f"{'-' if u is None else f'{u:.2f}'} (model {'-' if p is None else f'{p:.2f}'}); "
+                f"{'-' if u is None else f'{u:.2f}'} (model {'-' if p is None else f'{p:.2f}'} at "
+                f"the delivered throughput, {fmt(r['utilization_predicted_from_estimate'])} at "
+                f"the scheduler's estimate); "
                 f"first trained version {r['submit_to_first_version_s'] or float('nan'):.1f} s "
                 f"after submission; {r['switches_in']} node(s) moved in"
             )
