@@ -60,13 +60,12 @@ def test_two_nodes_serve_three_jobs_to_completion_without_restarting(
         # No node exited or restarted: the same two processes served every job.
         assert all(p.poll() is None for p in nodes)
         logs = [(tmp_path / f"node-{i}.log").read_text(errors="replace") for i in range(2)]
-        for text in logs:
-            assert text.count("registered · job") >= 2, text[-2000:]  # served several jobs
-            assert "switching to job" in text
-        # A's node went on to other work when A finished, and C, submitted late, got a node.
+        # A's node went on to other work when A finished (switching without a restart), and
+        # C, submitted late, got a node.
         served = [set(re.findall(r"registered · job (\S+)", text)) for text in logs]
-        assert any(a in s and len(s) >= 2 for s in served), served
-        assert any(c in s for s in served), served
+        assert all(served) and set.union(*served) == {a, b, c}, served
+        moved_on = [i for i, s in enumerate(served) if a in s and len(s) >= 2]
+        assert moved_on and "switching to job" in logs[moved_on[0]], served
         versions = swarm.api.get(f"/v1/jobs/{c}").json()["versions"]
         assert max(v["version"] for v in versions) == 6
         # Between jobs the nodes say they are idle, or were moved: never "leaving".
