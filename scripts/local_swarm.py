@@ -205,7 +205,7 @@ class Swarm:
         self.api: httpx.Client | None = None
         self.maddr = ""
 
-    def start_coordinator(self) -> dict:
+    def start_coordinator(self, listen: str = "/ip4/127.0.0.1/tcp/0") -> dict:
         (self.out / "coordinator.json").unlink(missing_ok=True)  # never read a previous run's
         (self.out / "coordinator.toml").write_text(DEMO_COORDINATOR_TOML)
         coord = start(
@@ -219,7 +219,7 @@ class Swarm:
                 "--data-dir",
                 str(self.out / "coordinator"),
                 "--listen",
-                "/ip4/127.0.0.1/tcp/0",
+                listen,
                 "--http-port",
                 "0",
                 "--info-file",
@@ -253,8 +253,11 @@ class Swarm:
         extra: list[str] | None = None,
         module: list[str] | None = None,
         python: Path | None = None,
+        wrap: list[str] | None = None,
     ) -> subprocess.Popen:
+        # ``wrap``: a prefix such as ``ip netns exec NS`` (scripts/nat_swarm.py's hosts).
         cmd = [
+            *(wrap or []),
             str(python or sys.executable),
             "-m",
             *(module or ["echo.node.cli", "join"]),

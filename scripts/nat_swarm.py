@@ -1,0 +1,226 @@
+#!/usr/bin/env python3
+"""The whole Echo swarm across an emulated internet: coordinator and learner on a public host,
+volunteer nodes on public hosts and behind home routers of both NAT kinds.
+
+Builds the internet with :mod:`netem_nat` (prefix ``--prefix``): a public host ``coord``, public
+hosts ``p0..``, and behind NAT ``e0, e1`` (two nodes behind one endpoint-independent router),
+then alternately a node behind a symmetric router and one behind another eim router. Half the
+nodes (rounded down) are behind NAT. Then it runs itself again inside ``coord``'s namespace
+(``--inside``: the coordinator's HTTP API listens on that namespace's loopback), which drives the
+swarm as :mod:`local_swarm` does: coordinator, the tiny demo job, nodes started with
+``ip netns exec <host> echo-node join --listen /ip4/<its address>/tcp/4001``; polls until the job
+is done and every node holds the final version, and writes ``OUT/summary.json``:
+local_swarm's summary plus ``hosts`` (each node's NAT kind, router, address, peer id, groups
+accepted, version) and ``verdicts`` (the coordinator's dial-back verdict per node, from its log).
+
+Needs root, iproute2 and iptables (``netem_nat.available()``). Exit status 0 when the job
+finished and every node reached its final version. Owns the internet it builds (removed on the
+way out, also after a failure) and the processes it starts.
+
+Run: ``sudo .venv/bin/python scripts/nat_swarm.py --out /tmp/nat-swarm [--nodes 6 --steps 30]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import netem_nat  # noqa: E402
+from local_swarm import HEADS, JOB_TOML, Swarm, summarize  # noqa: E402
+
+PORT = 4001
+COORD = "coord"
+MAX_NODES = 40  # the public /24 and one LAN per router hold far more; the machine does not
+
+
+def layout(n_nodes: int) -> tuple[list[netem_nat.RouterSpec], list[netem_nat.NatHostSpec]]:
+    """Routers and hosts for ``n_nodes`` nodes, half of them (rounded down) behind NAT: the
+    first two behind one eim router, the rest alternately behind a sym and an eim router of
+    their own.
+
+    :raises ValueError: fewer than 2 or more than :data:`MAX_NODES` nodes.
+    """
+    if not 2 <= n_nodes <= MAX_NODES:
+        raise ValueError(f"nodes must be 2..{MAX_NODES}, not {n_nodes}")
+    n_nat = n_nodes // 2
+    routers = [netem_nat.RouterSpec("r0", "eim")] if n_nat else []
+    hosts = [netem_nat.NatHostSpec(COORD)]
+    hosts += [netem_nat.NatHostSpec(f"p{i}") for i in range(n_nodes - n_nat)]
+    for j in range(n_nat):
+        if j < 2:
+            hosts.append(netem_nat.NatHostSpec(f"e{j}", "r0"))
+            continue
+        kind = "sym" if j % 2 == 0 else "eim"
+        routers.append(netem_nat.RouterSpec(f"r{j - 1}", kind))
+        hosts.append(netem_nat.NatHostSpec(f"{kind[0]}{j}", f"r{j - 1}"))
+    return routers, hosts
+
+
+def coordinator_verdicts(log_text: str) -> dict[str, str]:
+    """The coordinator's dial-back verdict per node (the last 8 characters of its peer id), as
+    coordinator/reachability.py logs it: ``node XXXXXXXX can be dialled (public, ...)``."""
+    out: dict[str, str] = {}
+    for m in re.finditer(r"node (\S{8}) (?:can|cannot) be dialled[^(]*\((\w+)", log_text):
+        out[m.group(1)] = m.group(2)
+    return out
+
+
+def _job_toml(steps: int) -> str:
+    return JOB_TOML.format(
+        name="nat",
+        steps=steps,
+        group_size=8,
+        batch_groups=8,
+        staleness=2,
+        anchor_every=10,
+        dtype="float32",
+        task="addition",
+        max_operand=5,
+        lr=1e-3,
+        warmup=10,
+        heads=HEADS,
+        seed=0,
+        eval_every=0,
+    )
+
+
+def inside(args: argparse.Namespace) -> int:
+    """The driver, run in ``coord``'s namespace: the swarm from start to summary."""
+    from echo.p2p.identity import Identity
+
+    inet = netem_nat.load(args.prefix)
+    if inet is None:
+        print(f"nat_swarm: no internet with prefix {args.prefix!r}", file=sys.stderr)
+        return 2
+    out = args.out
+    t0 = time.time()
+    swarm = Swarm(out)
+    nodes = [h for h in inet.hosts.values() if h.name != COORD]
+    try:
+        swarm.start_coordinator(listen=f"/ip4/{inet.hosts[COORD].ip}/tcp/{PORT}")
+        job_id = swarm.submit(_job_toml(args.steps))
+        peer_of = {}
+        for h in nodes:
+            (out / h.name).mkdir(parents=True, exist_ok=True)
+            # Made here so the summary can name each node's peer id (the node loads it).
+            peer_of[h.name] = Identity.load_or_create(out / h.name / "identity.key").peer_id_str
+            swarm.start_node(
+                h.name,
+                [
+                    "--listen",
+                    f"/ip4/{h.ip}/tcp/{PORT}",
+                    "--threads",
+                    "1",
+                    "--keep-weights",
+                    "--leases-at-once",
+                    "4",
+                    "--engine",
+                    "torch",
+                ],
+                wrap=netem_nat.exec_argv(h.name, [], args.prefix),
+            )
+        st: dict = {}
+        listed: list[dict] = []
+        while time.time() - t0 < args.timeout:
+            st, listed = swarm.status(job_id)
+            if st["status"] in ("done", "failed", "cancelled"):
+                break
+            dead = [p for p in swarm.procs if p.poll() is not None]
+            if dead:
+                print(f"nat_swarm: a process exited early ({dead[0].returncode})", file=sys.stderr)
+                break
+            time.sleep(1.0)
+        if st.get("status") == "done":
+            # Nodes learn the job is done on their next lease request and sync to the final
+            # version (the learner serves it until nobody asks).
+            deadline = time.time() + 90
+            while time.time() < deadline:
+                st, listed = swarm.status(job_id)
+                if len(listed) == len(nodes) and all(
+                    n["version"] >= st["current_version"] for n in listed
+                ):
+                    break
+                time.sleep(0.5)
+        summary = summarize(st, listed, time.time() - t0)
+        by_id = {n["node_id"]: n for n in listed}
+        summary["hosts"] = {
+            h.name: {
+                "nat": h.nat,
+                "router": h.router,
+                "ip": h.ip,
+                "node_id": peer_of[h.name],
+                "accepted": by_id.get(peer_of[h.name], {}).get("accepted", 0),
+                "version": by_id.get(peer_of[h.name], {}).get("version"),
+            }
+            for h in nodes
+        }
+        verdicts = coordinator_verdicts((out / "coordinator.log").read_text(errors="replace"))
+        summary["verdicts"] = {h.name: verdicts.get(peer_of[h.name][-8:]) for h in nodes}
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        final = summary["versions"]
+        ok = summary["status"] == "done" and all(
+            v["version"] == final for v in summary["hosts"].values()
+        )
+        print(
+            f"nat_swarm: {summary['status']}, {final} versions, "
+            f"{summary['rollouts_accepted']} groups accepted, {summary['wall_s']:.0f} s; "
+            + ", ".join(
+                f"{n} ({v['nat']}: {summary['verdicts'][n]}, v{v['version']}, {v['accepted']})"
+                for n, v in summary["hosts"].items()
+            )
+        )
+        return 0 if ok else 1
+    finally:
+        swarm.stop()
+
+
+def outside(args: argparse.Namespace) -> int:
+    """Build the internet, run :func:`inside` in ``coord``'s namespace, tear everything down."""
+    routers, hosts = layout(args.nodes)
+    args.out.mkdir(parents=True, exist_ok=True)
+    netem_nat.up(routers, hosts, prefix=args.prefix, public_subnet=args.public_subnet, quiet=True)
+    try:
+        print(netem_nat.status(args.prefix), file=sys.stderr)
+        argv = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--inside",
+            "--out",
+            str(args.out),
+            "--prefix",
+            args.prefix,
+            "--steps",
+            str(args.steps),
+            "--timeout",
+            str(args.timeout),
+        ]
+        proc = subprocess.run(
+            netem_nat.exec_argv(COORD, argv, args.prefix), timeout=args.timeout + 180
+        )
+        return proc.returncode
+    finally:
+        netem_nat.down(args.prefix, quiet=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--nodes", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--timeout", type=float, default=360.0, help="give up after this many s")
+    ap.add_argument("--prefix", default="ecw", help="netem_nat name prefix")
+    ap.add_argument("--public-subnet", default="10.72.0.0/24")
+    ap.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.out = args.out.resolve()
+    return inside(args) if args.inside else outside(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
