@@ -73,8 +73,21 @@ def smollm2_folder(cache: Path | None = None) -> Path:
     digest = _sha256(gguf_path)
     target = (cache or cache_root()) / f"smollm2-135m-instruct-{digest[:12]}"
     if (target / SOURCE_FILE).is_file():
+        _drop_gguf_quantization(target / "config.json")  # folders built before the fix
         return target
     return folder_from_gguf(gguf_path, target, digest=digest)
+
+
+def _drop_gguf_quantization(config_path: Path) -> None:
+    """Remove the ``quantization_config`` (``quant_method = "gguf"``) that a config loaded from
+    a GGUF carries: the folder holds dequantized bf16 weights, and vLLM refuses to load a model
+    whose config names GGUF quantization. The file is replaced atomically."""
+    data = json.loads(config_path.read_text())
+    if data.pop("quantization_config", None) is None:
+        return
+    tmp = config_path.with_name(f".{config_path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, config_path)
 
 
 def folder_from_gguf(gguf_path: Path, target: Path, *, digest: str | None = None) -> Path:
@@ -99,6 +112,7 @@ def folder_from_gguf(gguf_path: Path, target: Path, *, digest: str | None = None
         model.load_state_dict(loaded.state_dict())
         del loaded
         model.save_pretrained(tmp)
+        _drop_gguf_quantization(tmp / "config.json")  # the weights are no longer quantized
         tokenizer.save_pretrained(tmp)
         source = {"gguf": gguf_path.name, "sha256": digest or _sha256(gguf_path), "dtype": "bf16"}
         (tmp / SOURCE_FILE).write_text(json.dumps(source, indent=1))

