@@ -386,14 +386,34 @@ class Bench:
             specs.append(netem.HostSpec(f"n{i:02d}", up * MB * s, DOWN_MBPS * MB * s))
         return specs
 
+    def build_network(self, specs: list[netem.HostSpec]) -> dict[str, str]:
+        """Build one namespace per host (scripts/netem.py); each host's address by name.
+        benchmarks/nat.py builds an internet with NAT routers instead."""
+        return {i.name: i.ip for i in netem.up(specs, prefix=self.args.prefix, quiet=True,
+                                               sysctls=self.args.sysctl,
+                                               shaper=self.args.shaper,
+                                               queue_s=self.args.queue_ms / 1000,
+                                               gso_max=self.args.gso_kb * 1024)}
+
+    def in_host(self, name: str, argv: list[str]) -> list[str]:
+        """The command line that runs ``argv`` inside host ``name``'s namespace."""
+        return netem.exec_argv(name, argv, prefix=self.args.prefix)
+
+    def plan_addrs(self) -> dict[str, list[str]]:
+        """Where each agent can be dialled, as the routes carry it (by peer id)."""
+        return {a.peer_id: a.addrs for a in self.agents.values()}
+
+    async def connect_plan(self, plan: TreePlan, agents: list[AgentProc],
+                           addrs: dict[str, list[str]]) -> None:
+        """Everyone dials its children first: steady-state swarms keep these connections."""
+        for a in agents:
+            kids = {c for stripe in plan.children_of(a.peer_id) for c in stripe}
+            await a.send(cmd="connect", addrs=[addrs[c][0] for c in kids])
+        for a in agents:
+            await a.expect("connected", COMMAND_TIMEOUT_S)
+
     async def start_agents(self, nursery: trio.Nursery, specs: list[netem.HostSpec]) -> None:
-        infos = {}
-        if self.shaping == "netns":
-            infos = {i.name: i for i in netem.up(specs, prefix=self.args.prefix, quiet=True,
-                                                 sysctls=self.args.sysctl,
-                                                 shaper=self.args.shaper,
-                                                 queue_s=self.args.queue_ms / 1000,
-                                                 gso_max=self.args.gso_kb * 1024)}
+        infos = self.build_network(specs) if self.shaping == "netns" else {}
         for spec in specs:
             self.ups[spec.name], self.downs[spec.name] = spec.up_bps, spec.down_bps
             argv = [sys.executable, str(Path(__file__).resolve()), "--agent",
@@ -402,8 +422,8 @@ class Bench:
             if spec.name == SOURCE:
                 argv += ["--seed", self.learner.private_key.private_bytes_raw().hex()]
             if self.shaping == "netns":
-                argv += ["--listen", f"/ip4/{infos[spec.name].ip}/tcp/{PORT}"]
-                argv = netem.exec_argv(spec.name, argv, prefix=self.args.prefix)
+                argv += ["--listen", f"/ip4/{infos[spec.name]}/tcp/{PORT}"]
+                argv = self.in_host(spec.name, argv)
             else:
                 argv += ["--listen", "/ip4/127.0.0.1/tcp/0"]
             if self.args.nice:
@@ -467,14 +487,9 @@ class Bench:
             await self.agents[x].expect("configured", COMMAND_TIMEOUT_S)
         await src.send(cmd="publish", version=v, size=size, chunk=chunk)
         pub = await src.expect("published", COMMAND_TIMEOUT_S)
-        addrs = {a.peer_id: a.addrs for a in self.agents.values()}
+        addrs = self.plan_addrs()
         by_peer = {a.peer_id: a for a in [src, *nodes]}
-        # Everyone dials its children first: steady-state swarms keep these connections.
-        for a in [src, *nodes]:
-            kids = {c for stripe in plan.children_of(a.peer_id) for c in stripe}
-            await a.send(cmd="connect", addrs=[addrs[c][0] for c in kids])
-        for a in [src, *nodes]:
-            await a.expect("connected", COMMAND_TIMEOUT_S)
+        await self.connect_plan(plan, [src, *nodes], addrs)
         for a in nodes:
             route = route_for(plan, a.peer_id, addrs, JOB, v, max_sources=max_sources)
             await a.send(cmd="route", route=b.encode(route).hex(), envelope=pub["envelope"],
@@ -518,6 +533,7 @@ class Bench:
             "cpu_agents_pct": round(cpu_agents, 1), "sched_wait_per_cpu_s": round(sched_wait, 2),
             "cpu_machine_avg_pct": round(cpu_avg, 1), "cpu_machine_peak_pct": round(cpu_peak, 1),
             "bytes_ok": ok,
+            "pushed_out_bytes": {x: d["pushed_out"] for x, d in zip(names, done, strict=True)},
         }
         say(f"  {kind:>5} N={n:<3} M={size / MB:>5.0f} MB  {elapsed:7.2f} s  bound "
             f"{bound:7.2f} s  x{elapsed / bound:5.2f}  est {estimate:7.2f} s  "

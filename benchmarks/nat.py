@@ -1,0 +1,375 @@
+"""Benchmark the swarm across NATs: direct connections per NAT kind, time-to-all with half the
+nodes behind NAT against the same swarm all public, and the bytes relays carried.
+
+The internet is :mod:`netem_nat`'s (network namespaces, iptables MASQUERADE routers). Half the N
+nodes (the odd ones, so both halves mix fast and slow uplinks) sit behind home routers: two
+behind one endpoint-independent (eim) router, two behind one symmetric (sym) router, the rest
+alone behind routers of their own, eim and sym in turn.
+
+1. **Direct connections.** A probe host (a real EchoHost: TCP + Noise + yamux) in every
+   namespace dials every other at the address it advertises (its own listen address: a LAN
+   address behind NAT), 5 s per dial. A pair has a direct connection when either side's dial
+   succeeds -- today's swarm: a node behind NAT can dial out, nothing dials in (no hole
+   punching, no relay), so a pair is direct when one side is public or both are behind one
+   router. Shares per pair kind (``public-public``, ``eim-public``, ``eim-eim``, ...), and
+   ``direct_share_endpoint_independent``: pairs with both nodes behind eim routers;
+   ``direct_share_symmetric``: both behind NAT, at least one sym.
+2. **Time-to-all.** :mod:`broadcast`'s agents and tree runs (``Bench``) at N nodes (16), with
+   the planner's view of reachability: a node behind NAT relays to nobody (its upload is planned
+   as 0, as ``Dissemination.set_reachable`` does), is announced without addresses, and dials its
+   parents itself so they push over that connection. The same swarm with every host public is
+   the baseline. Links are shaped by ``tc`` htb (one drop-tail FIFO per link, as netem_nat
+   shapes); relays pace at ``--pace`` (0.92) of their uplink, which keeps that FIFO from
+   overflowing. ``time_to_all_nat_vs_public`` = median NAT time / median public time.
+3. **Bytes relays carried.** Circuit relays carry nothing (none is integrated), so
+   ``relay_circuit_bytes`` is 0; the bytes nodes forwarded down the tree are split into public
+   and NAT'd nodes (the latter are leaves: 0).
+
+Run (root): ``python benchmarks/nat.py [--quick] [--swarm]``; ``--swarm`` also runs
+``scripts/nat_swarm.py`` (6 nodes, 30 versions, ~1.5 min) and reports ``swarm_trained``. The last
+line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "scripts"))
+import netem_nat  # noqa: E402
+from _common import emit, parse_args, say  # noqa: E402
+from broadcast import SOURCE, AgentProc, Bench, _setup  # noqa: E402
+
+from echo.p2p.tree import best_plan  # noqa: E402
+from echo.p2p.tree_plan import TreePlan  # noqa: E402
+
+PROBE_PORT = 4002
+DIAL_TIMEOUT_S = 5.0
+PUBLIC_SUBNET = "10.71.0.0/24"
+
+# ============================================================================== the internet
+
+
+def nat_layout(n: int) -> tuple[list[netem_nat.RouterSpec], dict[str, str]]:
+    """Routers, and the router of each node behind NAT (``n01``, ``n03``, ...): two behind one
+    eim router, two behind one sym router, then one each behind eim and sym routers in turn."""
+    routers: list[netem_nat.RouterSpec] = []
+    router_of: dict[str, str] = {}
+    for j, name in enumerate(f"n{i:02d}" for i in range(1, n, 2)):
+        if j in (0, 2):
+            routers.append(netem_nat.RouterSpec(f"r{len(routers)}", "eim" if j == 0 else "sym"))
+        elif j >= 4:
+            routers.append(netem_nat.RouterSpec(f"r{len(routers)}", "eim" if j % 2 == 0 else "sym"))
+        router_of[name] = routers[-1].name
+    return routers, router_of
+
+
+# ======================================================================= direct connections
+
+PROBE = """
+import json, sys, trio
+from echo.p2p.host import open_host
+from echo.p2p.identity import Identity
+async def main():
+    async with open_host(Identity.generate(), [sys.argv[1]], pubsub=False) as h:
+        print(json.dumps({"peer": str(h.peer_id), "addrs": h.listen_multiaddrs}), flush=True)
+        targets = json.loads(await trio.to_thread.run_sync(sys.stdin.readline))
+        ok = {}
+        async def one(name, addr):
+            try:
+                with trio.fail_after(float(sys.argv[2]) + 1):
+                    await h.connect(addr, timeout=float(sys.argv[2]))
+                ok[name] = True
+            except Exception:
+                ok[name] = False
+        async with trio.open_nursery() as n:
+            for name, addr in targets.items():
+                n.start_soon(one, name, addr)
+        print(json.dumps(ok), flush=True)
+        await trio.to_thread.run_sync(sys.stdin.readline)  # stay dialable until told
+trio.run(main)
+"""
+
+
+def pair_kind(a: str, b: str) -> str:
+    return "-".join(sorted((a, b)))
+
+
+def probe_direct(prefix: str, inet: netem_nat.Internet, names: list[str]) -> dict[str, Any]:
+    """Every host dials every other at its advertised address; the direct share per pair kind."""
+    procs = {
+        x: subprocess.Popen(
+            netem_nat.exec_argv(
+                x,
+                [
+                    sys.executable,
+                    "-c",
+                    PROBE,
+                    f"/ip4/{inet.hosts[x].ip}/tcp/{PROBE_PORT}",
+                    str(DIAL_TIMEOUT_S),
+                ],
+                prefix,
+            ),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for x in names
+    }
+    try:
+        ready = {x: json.loads(p.stdout.readline()) for x, p in procs.items()}  # type: ignore[union-attr]
+        for x, p in procs.items():
+            targets = {y: r["addrs"][0] for y, r in ready.items() if y != x}
+            p.stdin.write(json.dumps(targets) + "\n")  # type: ignore[union-attr]
+            p.stdin.flush()  # type: ignore[union-attr]
+        dialled = {x: json.loads(p.stdout.readline()) for x, p in procs.items()}  # type: ignore[union-attr]
+    finally:
+        for p in procs.values():
+            try:
+                p.stdin.write("quit\n")  # type: ignore[union-attr]
+                p.stdin.flush()  # type: ignore[union-attr]
+            except OSError:
+                pass
+        for p in procs.values():
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    kind = {x: inet.hosts[x].nat for x in names}
+    by_kind: dict[str, list[bool]] = {}
+    eim_pairs: list[bool] = []
+    sym_pairs: list[bool] = []
+    same_router: list[bool] = []
+    for a, b in itertools.combinations(names, 2):
+        direct = dialled[a][b] or dialled[b][a]
+        by_kind.setdefault(pair_kind(kind[a], kind[b]), []).append(direct)
+        if kind[a] == kind[b] == "eim":
+            eim_pairs.append(direct)
+        if "public" not in (kind[a], kind[b]) and "sym" in (kind[a], kind[b]):
+            sym_pairs.append(direct)
+        if inet.hosts[a].router and inet.hosts[a].router == inet.hosts[b].router:
+            same_router.append(direct)
+
+    def share(xs: list[bool]) -> float | None:
+        return round(sum(xs) / len(xs), 3) if xs else None
+
+    return {
+        "direct_share_by_pair": {k: share(v) for k, v in sorted(by_kind.items())},
+        "pairs_by_kind": {k: len(v) for k, v in sorted(by_kind.items())},
+        "direct_share_endpoint_independent": share(eim_pairs),
+        "direct_share_symmetric": share(sym_pairs),
+        "direct_share_same_router": share(same_router),
+        "direct_share_all": share([d for v in by_kind.values() for d in v]),
+    }
+
+
+# ============================================================================ time-to-all
+
+
+class NatBench(Bench):
+    """:class:`broadcast.Bench` in netem_nat's internet: nodes in ``router_of`` sit behind
+    those routers, are planned as leaves, have no address in the routes and dial their parents."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        routers: list[netem_nat.RouterSpec],
+        router_of: dict[str, str],
+    ) -> None:
+        super().__init__(args, "netns")
+        self.routers = routers
+        self.router_of = router_of
+        self.inet: netem_nat.Internet | None = None
+
+    def build_network(self, specs: list[Any]) -> dict[str, str]:
+        hosts = [
+            netem_nat.NatHostSpec(s.name, self.router_of.get(s.name, ""), s.up_bps, s.down_bps)
+            for s in specs
+        ]
+        self.inet = netem_nat.up(
+            self.routers, hosts, prefix=self.args.prefix, public_subnet=PUBLIC_SUBNET, quiet=True
+        )
+        return {h.name: h.ip for h in self.inet.hosts.values()}
+
+    def in_host(self, name: str, argv: list[str]) -> list[str]:
+        return netem_nat.exec_argv(name, argv, self.args.prefix)
+
+    def _behind(self) -> set[str]:
+        return {self.agents[x].peer_id for x in self.router_of if x in self.agents}
+
+    def plan(self, kind: str, n: int, size: int) -> TreePlan:
+        behind = set(self.router_of)
+        names = [f"n{i:02d}" for i in range(n)]
+        ups = {self.agents[x].peer_id: 0.0 if x in behind else self.ups[x] for x in names}
+        downs = {self.agents[x].peer_id: self.downs[x] for x in names}
+        return best_plan(
+            self.agents[SOURCE].peer_id,
+            self.ups[SOURCE],
+            ups,
+            total_bytes=size,
+            chunk_bytes=self.chunk_bytes(size),
+            downs=downs,
+        )
+
+    def plan_addrs(self) -> dict[str, list[str]]:
+        behind = self._behind()
+        return {a.peer_id: [] if a.peer_id in behind else a.addrs for a in self.agents.values()}
+
+    async def connect_plan(
+        self, plan: TreePlan, agents: list[AgentProc], addrs: dict[str, list[str]]
+    ) -> None:
+        """Parents dial children they can reach; a node behind NAT dials its parents (as
+        ``Peers.reach_out`` does when it joins a plan)."""
+        every = {a.peer_id: a.addrs for a in self.agents.values()}
+        dials: dict[str, set[str]] = {a.peer_id: set() for a in agents}
+        for a in agents:
+            for stripe in plan.children_of(a.peer_id):
+                for c in stripe:
+                    if addrs[c]:
+                        dials[a.peer_id].add(every[c][0])
+                    else:
+                        dials[c].add(every[a.peer_id][0])
+        for a in agents:
+            await a.send(cmd="connect", addrs=sorted(dials[a.peer_id]))
+        for a in agents:
+            await a.expect("connected", 120.0)
+
+
+async def time_to_all(
+    args: argparse.Namespace, routers: list, router_of: dict[str, str]
+) -> list[dict[str, Any]]:
+    """``args.repeats`` tree runs at N = ``args.n``, ``args.size_mb`` MB, in one internet."""
+    bench = NatBench(args, routers, router_of)
+    rows: list[dict[str, Any]] = []
+    try:
+        async with trio.open_nursery() as nursery:
+            try:
+                await bench.start_agents(nursery, bench.host_specs(args.n))
+                for _ in range(args.repeats):
+                    row = await bench.one_run("tree", args.n, int(args.size_mb * 1e6))
+                    pushed = row.pop("pushed_out_bytes")
+                    row["relayed_bytes_public"] = sum(
+                        v for k, v in pushed.items() if k not in router_of
+                    )
+                    row["relayed_bytes_nat"] = sum(v for k, v in pushed.items() if k in router_of)
+                    rows.append(row)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await bench.shutdown()
+                nursery.cancel_scope.cancel()
+    finally:
+        netem_nat.down(args.prefix, quiet=True)
+    return rows
+
+
+# ============================================================================== the driver
+
+
+def run_swarm() -> dict[str, Any]:
+    """scripts/nat_swarm.py at its defaults; whether it trained, and its figures."""
+    out = Path(tempfile.mkdtemp(prefix="echo-natswarm-"))
+    proc = subprocess.run(
+        [sys.executable, str(HERE.parent / "scripts" / "nat_swarm.py"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    say(proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else proc.stderr[-500:])
+    summary_path = out / "summary.json"
+    if not summary_path.exists():
+        return {"swarm_trained": False}
+    s = json.loads(summary_path.read_text())
+    return {
+        "swarm_trained": proc.returncode == 0,
+        "swarm_versions": s["versions"],
+        "swarm_wall_s": round(s["wall_s"], 1),
+        "swarm_accepted_by_nat": {
+            k: sum(h["accepted"] for h in s["hosts"].values() if h["nat"] == k)
+            for k in ("public", "eim", "sym")
+        },
+        "swarm_time_to_all_s_median": s["time_to_all_s_median"],
+    }
+
+
+def _extra(parser: argparse.ArgumentParser) -> None:
+    _setup(parser)
+    parser.add_argument("--n", type=int, default=None, help="nodes (default 16; --quick 8)")
+    parser.add_argument("--size-mb", type=float, default=None, help="payload (16; --quick 4)")
+    parser.add_argument("--repeats", type=int, default=3, help="tree runs per configuration")
+    parser.add_argument("--swarm", action="store_true", help="also run scripts/nat_swarm.py")
+    parser.set_defaults(prefix="ecb", pace=0.92)
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0], setup=_extra)
+    args.n = args.n or (8 if args.quick else 16)
+    args.size_mb = args.size_mb or (4.0 if args.quick else 16.0)
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("libp2p").setLevel(logging.CRITICAL)
+    ok, why = netem_nat.available()
+    if not ok:
+        raise SystemExit(f"the emulated internet is unavailable here: {why}")
+    routers, router_of = nat_layout(args.n)
+    names = [SOURCE] + [f"n{i:02d}" for i in range(args.n)]
+    say(
+        f"N={args.n}, {len(router_of)} behind NAT, {args.size_mb:g} MB, {os.cpu_count()} CPUs, "
+        f"load {os.getloadavg()[0]:.1f}"
+    )
+    t0 = time.monotonic()
+    inet = netem_nat.up(
+        routers,
+        [netem_nat.NatHostSpec(x, router_of.get(x, "")) for x in names],
+        prefix=args.prefix,
+        public_subnet=PUBLIC_SUBNET,
+        quiet=True,
+    )
+    try:
+        result: dict[str, Any] = probe_direct(args.prefix, inet, names)
+    finally:
+        netem_nat.down(args.prefix, quiet=True)
+    say(f"direct connections ({time.monotonic() - t0:.0f} s): {result['direct_share_by_pair']}")
+    public_rows = trio.run(time_to_all, args, [], {})
+    nat_rows = trio.run(time_to_all, args, routers, router_of)
+    t_pub = statistics.median(r["time_s"] for r in public_rows)
+    t_nat = statistics.median(r["time_s"] for r in nat_rows)
+    result.update(
+        {
+            "n": args.n,
+            "size_mb": args.size_mb,
+            "behind_nat": len(router_of),
+            "shaper": "htb",
+            "pace": args.pace,
+            "time_to_all_public_s": round(t_pub, 3),
+            "time_to_all_nat_s": round(t_nat, 3),
+            "time_to_all_nat_vs_public": round(t_nat / t_pub, 3),
+            "relay_circuit_bytes": 0,
+            "relayed_bytes_public_nodes": statistics.median(
+                r["relayed_bytes_public"] for r in nat_rows
+            ),
+            "relayed_bytes_nat_nodes": statistics.median(r["relayed_bytes_nat"] for r in nat_rows),
+            "runs": {"public": public_rows, "nat": nat_rows},
+        }
+    )
+    say(f"time-to-all: public {t_pub:.2f} s, half behind NAT {t_nat:.2f} s (x{t_nat / t_pub:.2f})")
+    if args.swarm:
+        result.update(run_swarm())
+    emit(result)
+
+
+if __name__ == "__main__":
+    main()
