@@ -265,12 +265,13 @@ def bench_engine(
         close(engine)
 
 
-def vllm_child(states: list, quick: bool, threads: int) -> dict[str, Any] | None:
+def vllm_child(spec: ModelSpec, states: list, quick: bool, threads: int) -> dict[str, Any] | None:
     """(b) for vLLM, run by .venv-vllm's interpreter on the states (a) published."""
     if not VLLM_READY.exists():
         say("  vllm: skipped (.venv-vllm is absent; scripts/vllm_env.sh makes it)")
         return None
     with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "model.txt").write_text(str(spec.path))
         for i, st in enumerate(states):
             save_file({k: v.contiguous() for k, v in st.items()}, f"{tmp}/v{i}.safetensors")
         proc = subprocess.run(
@@ -305,11 +306,13 @@ def add_args(p) -> None:
 
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0], setup=add_args)
-    spec = real_spec()
     if args.child_vllm:  # inside .venv-vllm: (b) for vLLM only, on the given states
+        # The parent names the model folder: .venv-vllm need not have what builds it.
+        spec = ModelSpec(kind="hf", path=(Path(args.child_vllm) / "model.txt").read_text())
         states = [load_file(str(p)) for p in sorted(Path(args.child_vllm).glob("v*.safetensors"))]
         emit(bench_engine("vllm", spec, states, args.quick, args.threads) or {})
         return
+    spec = real_spec()
     learner, states = bench_learner(spec, args.quick, args.threads)
     say("(b) engines: node path vs direct calls, time to apply a version")
     result: dict[str, Any] = dict(learner)
@@ -317,7 +320,7 @@ def main() -> None:
         r = bench_engine(name, spec, states, args.quick, args.threads)
         if r is not None:
             result.update({f"{k}_{name}_real": v for k, v in r.items()})
-    r = vllm_child(states, args.quick, args.threads)
+    r = vllm_child(spec, states, args.quick, args.threads)
     if r:
         result.update({f"{k}_vllm_real": v for k, v in r.items()})
     say(
