@@ -65,6 +65,9 @@ class CoordinatorSession:
         :raises RpcError: the call failed or the coordinator answered with an error.
         """
         assert self.host is not None
+        # A coordinator that crashed is back within seconds: callers pace their retries, so
+        # libp2p's minute-long "recently failed" block must not hold the node off it.
+        self.host.forget_dial_failures(self.peer)
         return await self.host.request(
             self.peer, proto, payload, timeout=timeout, max_response=16 << 20
         )

@@ -192,6 +192,16 @@ class EchoHost:
             violations=self._violations,
         )
 
+    def forget_dial_failures(self, peer_id: ID | str) -> None:
+        """Let the next request dial ``peer_id`` at once even if every address failed lately.
+
+        libp2p refuses to dial a peer for 60 s after all its addresses failed; for the one peer
+        a caller cannot work without (a node's coordinator, restarted after a crash) that would
+        turn a few seconds of restart into a minute of idling, so such callers clear it and pace
+        their retries themselves.
+        """
+        self.libp2p.get_network().unblock_peer(_as_peer_id(peer_id))
+
     # -- violations ---------------------------------------------------------------------------
 
     @property
