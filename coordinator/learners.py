@@ -19,8 +19,8 @@ from echo.coordinator.ports import LearnerHost
 
 log = logging.getLogger("echo.coordinator.learners")
 
-# A learner that keeps crashing has a real problem (bad model path, out of memory); three
-# restarts cover transient failures without hiding a broken job for long.
+# A learner that keeps crashing without progress has a real problem (bad model path, out of
+# memory); three restarts in a row cover transient failures without hiding a broken job for long.
 MAX_RESTARTS = 3
 # A learner exits with this status when a restart cannot help (its checkpoints are behind the
 # ledger: learner/service.py, EXIT_CANNOT_RESUME): the job fails at once, with the reason.
@@ -39,12 +39,15 @@ def tail(path: Path, n: int = 20) -> str:
 async def supervise_learner(host: LearnerHost, job_id: str, scope: trio.CancelScope) -> None:
     """Run the job's learner until it exits cleanly, the job ends, or ``scope`` is cancelled.
 
-    A crash is retried :data:`MAX_RESTARTS` times, then the job is marked failed with the log's
+    A crash is retried :data:`MAX_RESTARTS` times in a row (a learner that booked a version
+    before crashing starts the count again), then the job is marked failed with the log's
     tail. Raises OSError if the log cannot be opened or the learner cannot be started.
     """
     log_path = host.job_dir(job_id) / "learner.log"
     with scope:
-        for attempt in range(MAX_RESTARTS + 1):
+        crashes = 0  # in a row, without a version booked in between
+        while True:
+            started_at = _version(host, job_id)
             with open(log_path, "ab") as out:
                 proc = await trio.run_process(
                     host.learner_command(job_id),
@@ -62,14 +65,28 @@ async def supervise_learner(host: LearnerHost, job_id: str, scope: trio.CancelSc
                 host.store.set_job_status(job_id, "failed", tail(log_path, 4))
                 log.error("learner of %s cannot resume:\n%s", job_id, tail(log_path, 4))
                 return
+            # A learner that booked versions before it crashed is not crash-looping: a long job
+            # may lose its learner now and then (out of memory, a kill) and must not fail for
+            # crashes days apart.
+            crashes = 1 if row.current_version > started_at else crashes + 1
+            if crashes > MAX_RESTARTS:
+                break
             log.warning(
-                "learner of %s crashed (exit %s), attempt %d:\n%s",
+                "learner of %s crashed (exit %s), %d in a row:\n%s",
                 job_id,
                 proc.returncode,
-                attempt + 1,
+                crashes,
                 tail(log_path, 8),
             )
             await trio.sleep(RESTART_DELAY_S)
         host.store.set_job_status(
-            job_id, "failed", f"learner crashed {MAX_RESTARTS + 1} times:\n" + tail(log_path)
+            job_id,
+            "failed",
+            f"learner crashed {crashes} times in a row without progress:\n" + tail(log_path),
         )
+
+
+def _version(host: LearnerHost, job_id: str) -> int:
+    row = host.store.job(job_id)
+    assert row is not None  # jobs are never deleted
+    return row.current_version
