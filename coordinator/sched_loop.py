@@ -43,6 +43,9 @@ log = logging.getLogger("echo.coordinator.scheduler")
 ACTIVE_S = 60.0
 # Rollouts/s assumed for a node nothing is known of (only ranks matter until it reports).
 UNKNOWN_RATE = 1.0
+# The share of its estimated rate a node without an accepted group counts for: a thousand
+# fresh identities weigh as one proven node.
+UNPROVEN_SHARE = 1e-3
 
 
 @dataclass
@@ -209,7 +212,12 @@ class Placement:
                     why_not.append(reason)
                     continue
                 rate = estimate_rate(node.measured, sizes, tpr, job_id, node.declared_tps)
-                rates[job_id] = rate if rate is not None else self._typical_rate(job_id, tpr)
+                rate = rate if rate is not None else self._typical_rate(job_id, tpr)
+                # Identities are free: a node with no verified work counts for next to nothing
+                # towards a job's need (it is still placed, and measured, where a job lacks
+                # throughput), or a swarm of fresh ones "meets" the need and benches the
+                # nodes that do the work (found by benchmarks/attack.py).
+                rates[job_id] = rate if row.accepted > 0 else rate * UNPROVEN_SHARE
             if why_not and not rates:
                 self._misfits[row.node_id] = why_not[0]
             else:
