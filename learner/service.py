@@ -16,9 +16,7 @@ learner's weights never disagree.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import logging
-import os
 import socket
 import time
 from pathlib import Path
@@ -26,7 +24,7 @@ from pathlib import Path
 import torch
 import trio
 
-from echo.learner import checkpoint
+from echo.learner import checkpoint, fence
 from echo.learner.publish import Publisher
 from echo.learner.tracking import Tracker, TrackingError, open_tracker
 from echo.learner.trainer import Trainer
@@ -52,9 +50,6 @@ POLL_S = 0.1
 FINAL_IDLE_S = 10.0
 FINAL_SERVE_MAX_S = 90.0
 
-
-# How often a learner waiting for the job's lock (an orphaned learner still running) tries it.
-FENCE_POLL_S = 0.2
 
 # The exit status that tells the coordinator's supervisor not to restart us: restarting cannot
 # help (coordinator/learners.py, LEARNER_CANNOT_RESUME).
@@ -254,7 +249,8 @@ class Learner:
                 self.tracker.close()
 
     async def _run(self) -> None:
-        await self._fence()
+        # One learner per job: an orphan of a killed coordinator must exit first (fence.py).
+        self._lock_fd = await fence.hold(self.job_dir)
         await trio.to_thread.run_sync(self.build)
         async with open_host(self.identity, [self._listen_addr()]) as host:
             self._remember_port(host)
@@ -270,30 +266,6 @@ class Learner:
             ) as relay:
                 self.relay = relay
                 await self._attached()
-
-    async def _fence(self) -> None:
-        """Hold the job's learner lock for the life of this process, waiting for whoever holds
-        it. A coordinator killed with SIGKILL leaves its learner running, orphaned; the next
-        coordinator starts another on the same checkpoints, and the two must never write them
-        at once (or both report a version): the orphan exits at its next failed call to the
-        dead coordinator (or finishes the job), and the kernel frees the lock when it does.
-
-        :raises OSError: the lock file cannot be opened.
-        """
-        fd = os.open(self.job_dir / "learner.lock", os.O_RDWR | os.O_CREAT, 0o600)
-        waited = 0.0
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if waited == 0.0:
-                    log.info("another learner of this job is still running; waiting for it")
-                await trio.sleep(FENCE_POLL_S)
-                waited += FENCE_POLL_S
-        if waited:
-            log.info("the previous learner exited after %.1f s", waited)
-        self._lock_fd = fd  # open (and locked) until this process exits
 
     def _count_served(self, n: int) -> None:
         self.served_bytes += n

@@ -8,16 +8,16 @@ orphan exits, however it exits.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import trio
 
-from echo.learner.service import Learner
+from echo.learner import fence
 
 # The orphan: takes the lock as a learner does, says so, and lives until killed.
 ORPHAN = """
@@ -31,9 +31,9 @@ time.sleep(60)
 
 def _fence(job_dir: Path) -> float:
     """Seconds a new learner's fence waited in ``job_dir``."""
-    learner = SimpleNamespace(job_dir=job_dir)
     t0 = time.monotonic()
-    trio.run(Learner._fence, learner)
+    fd = trio.run(fence.hold, job_dir)
+    os.close(fd)
     return time.monotonic() - t0
 
 
