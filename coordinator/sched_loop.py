@@ -46,6 +46,9 @@ UNKNOWN_RATE = 1.0
 # The share of its estimated rate a node without an accepted group counts for: a thousand
 # fresh identities weigh as one proven node.
 UNPROVEN_SHARE = 1e-3
+# A node's delivered rate is averaged over at least this long, so its first accepted groups do
+# not read as a burst (an underestimate only activates more nodes; an overestimate benches them).
+DELIVERY_MIN_AGE_S = 60.0
 
 
 @dataclass
@@ -217,7 +220,16 @@ class Placement:
                 # towards a job's need (it is still placed, and measured, where a job lacks
                 # throughput), or a swarm of fresh ones "meets" the need and benches the
                 # nodes that do the work (found by benchmarks/attack.py).
-                rates[job_id] = rate if row.accepted > 0 else rate * UNPROVEN_SHARE
+                # A node counts for no more than it has delivered (accepted rollouts over its
+                # time in the swarm): a reported rate is the node's word, and counting it let
+                # nodes that had stopped working keep the need "met" while honest nodes were put
+                # on standby (tests/test_adversaries.py: 44 of 150 versions in 330 s).
+                delivered = (
+                    row.accepted
+                    * job.spec.group_size
+                    / max(now - row.first_seen, DELIVERY_MIN_AGE_S)
+                )
+                rates[job_id] = min(rate, delivered) if row.accepted > 0 else rate * UNPROVEN_SHARE
             if why_not and not rates:
                 self._misfits[row.node_id] = why_not[0]
             else:
