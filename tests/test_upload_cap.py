@@ -14,9 +14,9 @@ from echo.coordinator.service import Coordinator
 from echo.coordinator.store import Store
 from echo.node.config import NodeConfig
 from echo.node.worker import Node
+from echo.p2p.budget import UploadLimiter
 from echo.p2p.identity import Identity
 from echo.p2p.relay import RelayConfig
-from echo.p2p.budget import UploadLimiter
 
 
 def test_node_declares_its_cap_until_it_measures(tmp_path: Path) -> None:
