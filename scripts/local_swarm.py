@@ -275,6 +275,33 @@ class Swarm:
         assert self.api is not None
         return self.api.get(f"/v1/jobs/{job_id}").json(), self.api.get("/v1/nodes").json()
 
+    def wait_finished(
+        self, job_id: str, stall_s: float = 120.0, cap_s: float = 900.0
+    ) -> tuple[dict, list[str]]:
+        """Poll the job until it ends, its version stops advancing for ``stall_s`` or ``cap_s``
+        pass; return its last status and a trace (version and non-excluded nodes' accepted counts
+        every 30 s) for a failure message. Judging by progress, not a fixed wall time, keeps
+        start-up on a loaded 2-core machine (a dozen processes importing torch: ~2 minutes) from
+        reading as a stalled swarm."""
+        start = last_move = time.time()
+        st: dict = {}
+        version = -1
+        trace: list[str] = []
+        while time.time() - start < cap_s:
+            st, nodes = self.status(job_id)
+            if st["status"] in ("done", "failed", "cancelled"):
+                break
+            if st["current_version"] != version:
+                version, last_move = st["current_version"], time.time()
+            elif time.time() - last_move > stall_s:
+                trace.append(f"no new version for {stall_s:.0f} s")
+                break
+            if len(trace) < (time.time() - start) // 30:
+                accepted = sorted(n["accepted"] for n in nodes if not n["excluded"])
+                trace.append(f"{time.time() - start:.0f}s v{version} accepted {accepted}")
+            time.sleep(2)
+        return st, trace
+
     def kill_learner(self) -> int | None:
         """SIGKILL the coordinator's learner subprocess (a crash drill); returns its pid."""
         import psutil
