@@ -79,7 +79,9 @@ class RealNodePath(NodePath):
                     prompt_id=i,
                     prompt_tokens=m.pack_tokens(p),
                     group_size=group,
-                    sampling=m.SamplingSpec(max_new_tokens=max_new, temperature=1.0, seed=7 + i),
+                    sampling=m.SamplingSpec(
+                        max_new_tokens=max_new, temperature=1.0, top_p=1.0, seed=7 + i
+                    ),
                     min_version=0,
                     issued_at=now,
                     deadline=now + 3600,
@@ -211,11 +213,17 @@ def bench_learner(spec: ModelSpec, quick: bool, threads: int) -> tuple[dict[str,
 # ------------------------------------------------------------------------------- (b) the engines
 
 
+def engine_prompts(spec: ModelSpec, quick: bool) -> list[list[int]]:
+    """The leases' prompt tokens, rendered here as the coordinator renders them (an engine, like
+    a node, needs neither the task nor its package: .venv-vllm has no reasoning-gym)."""
+    return prompts_for(spec, 2 if quick else 4, start=5000)[2]
+
+
 def bench_engine(
-    name: str, spec: ModelSpec, states: list, quick: bool, threads: int
+    name: str, spec: ModelSpec, states: list, prompts: list[list[int]], quick: bool, threads: int
 ) -> dict[str, Any] | None:
     """Node path vs direct calls, and time to apply the next version, for engine ``name``."""
-    n_leases, group, max_new, rounds = (2, 4, 24, 2) if quick else (4, 8, 48, 4)
+    group, max_new, rounds = (4, 24, 2) if quick else (8, 48, 4)
     engine: Engine | None = build_engine(name, spec, threads)
     if engine is None:
         return None
@@ -223,7 +231,6 @@ def bench_engine(
         t0 = time.perf_counter()
         engine.load_state(states[0])
         first = time.perf_counter() - t0
-        _, _, prompts = prompts_for(spec, n_leases, start=5000)
         path = RealNodePath(spec, prompts, group, max_new)
         direct = path.requests(path.open_leases())
         engine.generate(direct[:1])  # warm-up
@@ -265,13 +272,16 @@ def bench_engine(
         close(engine)
 
 
-def vllm_child(spec: ModelSpec, states: list, quick: bool, threads: int) -> dict[str, Any] | None:
+def vllm_child(
+    spec: ModelSpec, states: list, prompts: list[list[int]], quick: bool, threads: int
+) -> dict[str, Any] | None:
     """(b) for vLLM, run by .venv-vllm's interpreter on the states (a) published."""
     if not VLLM_READY.exists():
         say("  vllm: skipped (.venv-vllm is absent; scripts/vllm_env.sh makes it)")
         return None
     with tempfile.TemporaryDirectory() as tmp:
         Path(tmp, "model.txt").write_text(str(spec.path))
+        Path(tmp, "prompts.json").write_text(json.dumps(prompts))
         for i, st in enumerate(states):
             save_file({k: v.contiguous() for k, v in st.items()}, f"{tmp}/v{i}.safetensors")
         proc = subprocess.run(
@@ -310,17 +320,19 @@ def main() -> None:
         # The parent names the model folder: .venv-vllm need not have what builds it.
         spec = ModelSpec(kind="hf", path=(Path(args.child_vllm) / "model.txt").read_text())
         states = [load_file(str(p)) for p in sorted(Path(args.child_vllm).glob("v*.safetensors"))]
-        emit(bench_engine("vllm", spec, states, args.quick, args.threads) or {})
+        prompts = json.loads((Path(args.child_vllm) / "prompts.json").read_text())
+        emit(bench_engine("vllm", spec, states, prompts, args.quick, args.threads) or {})
         return
     spec = real_spec()
     learner, states = bench_learner(spec, args.quick, args.threads)
     say("(b) engines: node path vs direct calls, time to apply a version")
     result: dict[str, Any] = dict(learner)
+    prompts = engine_prompts(spec, args.quick)
     for name in ("torch", "llamacpp"):
-        r = bench_engine(name, spec, states, args.quick, args.threads)
+        r = bench_engine(name, spec, states, prompts, args.quick, args.threads)
         if r is not None:
             result.update({f"{k}_{name}_real": v for k, v in r.items()})
-    r = vllm_child(spec, states, args.quick, args.threads)
+    r = vllm_child(spec, states, prompts, args.quick, args.threads)
     if r:
         result.update({f"{k}_vllm_real": v for k, v in r.items()})
     say(
