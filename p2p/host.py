@@ -20,6 +20,7 @@ they are cancelled when the host closes.
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 
@@ -108,6 +109,21 @@ class EchoHost:
     def listen_multiaddrs(self) -> list[str]:
         """Full addresses a peer can dial, each ending in ``/p2p/<our peer id>``."""
         return [str(a) for a in self.libp2p.get_addrs()]
+
+    @property
+    def tcp_listen_endpoint(self) -> tuple[str, int]:
+        """(ip, port) of our first IPv4 TCP listen socket, as bound (``0.0.0.0`` for a wildcard
+        listen). A hole punch (:mod:`echo.p2p.holepunch`) dials from it: the SYN must leave from
+        the port the NAT maps to our public port.
+
+        :raises ValueError: no IPv4 TCP listener.
+        """
+        for listener in self.libp2p.get_network().listeners.values():
+            for sock_listener in getattr(listener, "listeners", []):
+                name = sock_listener.socket.getsockname()
+                if sock_listener.socket.family == socket.AF_INET:
+                    return str(name[0]), int(name[1])
+        raise ValueError("this host has no IPv4 TCP listener")
 
     def connected_peers(self) -> list[ID]:
         return list(self.libp2p.get_connected_peers())

@@ -1,0 +1,170 @@
+"""TCP hole punching (echo.p2p.holepunch) in the emulated internet (scripts/netem_nat.py).
+
+Two real EchoHosts, each behind its own endpoint-independent router, punch at the same start
+time and exchange RPCs over the direct connection; behind a symmetric router the punch fails
+within its timeout with a clear error and leaves no socket or connection behind.
+
+Needs root, iproute2, iptables (nat table) and network namespaces; skipped where they are missing.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import netem_nat  # noqa: E402
+
+PREFIX = "ecnh"
+_OK, _WHY = netem_nat.available(prefix="ecnq")
+needs_nat = pytest.mark.skipif(not _OK, reason=f"NAT emulation unavailable: {_WHY}")
+
+PORT = 4301
+PUNCH_TIMEOUT_S = 8.0
+# Both children must be listening and have read their job before the start: python + libp2p
+# import takes ~2 s per process on a busy 2-core machine, and the jobs are sent after both
+# printed their ids, so 2 s of lead is plenty.
+START_LEAD_S = 2.0
+
+# One host in a namespace: listens, punches to the peer named on stdin, then both ways an RPC
+# over the connection, and reports what stayed open. Stays up until told (the peer may still
+# be using the connection).
+PEER = """
+import json, subprocess, sys, time, trio
+from echo.p2p.holepunch import HolePunchFailed, punch
+from echo.p2p.host import open_host
+from echo.p2p.identity import Identity
+PROTO = "/echo-test/holepunch-echo/1"
+async def main():
+    async with open_host(Identity.generate(), [sys.argv[1]], pubsub=False) as h:
+        async def echo(peer, req):
+            return b"echo:" + req
+        h.set_handler(PROTO, echo, max_request=1024, max_response=1024)
+        print(json.dumps({"peer": str(h.peer_id)}), flush=True)
+        job = json.loads(await trio.to_thread.run_sync(sys.stdin.readline))
+        out = {}
+        t0 = time.time()
+        try:
+            got = await punch(h, job["peer"], job["addr"], start_at=job["start_at"],
+                              timeout=job["timeout"])
+            out.update(ok=True, via=got.via, initiator=got.initiator, elapsed_s=got.elapsed_s)
+            conns = h.libp2p.get_network().connections.get(got.peer_id, [])
+            out["remote"] = [list(c.muxed_conn.get_remote_address()) for c in conns]
+            reply = await h.request(job["peer"], PROTO, str(h.peer_id).encode(), timeout=10.0,
+                                    max_response=1024)
+            out["rpc"] = reply.decode()
+        except HolePunchFailed as exc:
+            out.update(ok=False, error=str(exc), failed_after_s=time.time() - job["start_at"])
+        out["connected"] = [str(p) for p in h.connected_peers()]
+        ss = subprocess.run(["ss", "-tanH", "dst", job["addr"].split("/")[2]],
+                            capture_output=True, text=True)
+        out["sockets_to_peer"] = [ln for ln in ss.stdout.splitlines() if ln.strip()]
+        print(json.dumps(out), flush=True)
+        await trio.to_thread.run_sync(sys.stdin.readline)
+trio.run(main)
+"""
+
+
+@pytest.fixture(scope="module")
+def inet():
+    net = netem_nat.up(
+        [
+            netem_nat.RouterSpec("home1", "eim"),
+            netem_nat.RouterSpec("home2", "eim"),
+            netem_nat.RouterSpec("home3", "sym"),
+        ],
+        [
+            netem_nat.NatHostSpec("a", "home1"),
+            netem_nat.NatHostSpec("b", "home2"),
+            netem_nat.NatHostSpec("c", "home3"),
+        ],
+        prefix=PREFIX,
+        public_subnet="10.70.0.0/24",
+        quiet=True,
+    )
+    yield net
+    netem_nat.down(PREFIX, quiet=True)
+
+
+def _punch_pair(inet: netem_nat.Internet, x: str, y: str, skew_s: float = 0.0) -> dict[str, dict]:
+    """Run a host in ``x`` and one in ``y``, let them punch (``y`` starting ``skew_s`` later, as
+    when a go signal reaches it late); their reports."""
+    procs = {
+        n: subprocess.Popen(
+            netem_nat.exec_argv(
+                n, [sys.executable, "-c", PEER, f"/ip4/{inet.hosts[n].ip}/tcp/{PORT}"], PREFIX
+            ),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in (x, y)
+    }
+    try:
+        ids = {n: json.loads(p.stdout.readline())["peer"] for n, p in procs.items()}  # type: ignore[union-attr]
+        start_at = time.time() + START_LEAD_S
+        for n, p in procs.items():
+            other = y if n == x else x
+            job = {
+                "peer": ids[other],
+                "addr": f"/ip4/{inet.hosts[other].public_ip}/tcp/{PORT}",
+                "start_at": start_at + (skew_s if n == y else 0.0),
+                "timeout": PUNCH_TIMEOUT_S,
+            }
+            p.stdin.write(json.dumps(job) + "\n")  # type: ignore[union-attr]
+            p.stdin.flush()  # type: ignore[union-attr]
+        reports = {}
+        for n, p in procs.items():
+            line = p.stdout.readline()  # type: ignore[union-attr]
+            assert line, f"{n} died: {p.stderr.read()[-3000:]}"  # type: ignore[union-attr]
+            reports[n] = json.loads(line)
+            reports[n]["self"] = ids[n]
+        return reports
+    finally:
+        for p in procs.values():
+            try:
+                p.stdin.write("quit\n")  # type: ignore[union-attr]
+                p.stdin.flush()  # type: ignore[union-attr]
+            except OSError:
+                pass
+        for p in procs.values():
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=5)
+
+
+@needs_nat
+@pytest.mark.parametrize("skew_s", [0.0, 3.0])
+def test_two_eim_nodes_punch_a_direct_connection(inet, skew_s):
+    r = _punch_pair(inet, "a", "b", skew_s)
+    a, b = r["a"], r["b"]
+    assert a["ok"] and b["ok"], (a, b)
+    assert a["initiator"] != b["initiator"]  # exactly one Noise initiator
+    assert a["rpc"] == f"echo:{a['self']}" and b["rpc"] == f"echo:{b['self']}"
+    # Direct: each sees the other's router WAN address (with the listen port it punched from),
+    # not a relay's and not a LAN address.
+    assert a["remote"] == [[inet.routers["home2"].public_ip, PORT]]
+    assert b["remote"] == [[inet.routers["home1"].public_ip, PORT]]
+    # The later side's first SYN completes it: a skew delays only the earlier side.
+    assert a["elapsed_s"] < skew_s + 2.0 and b["elapsed_s"] < 2.0, (a, b)
+
+
+@needs_nat
+def test_punch_through_a_symmetric_nat_fails_cleanly(inet):
+    r = _punch_pair(inet, "a", "c")
+    for name in ("a", "c"):
+        rep = r[name]
+        assert rep["ok"] is False, rep
+        assert "no direct connection" in rep["error"] and "symmetric NAT" in rep["error"]
+        # Within the timeout (plus the start lead's rounding and a slow scheduler).
+        assert PUNCH_TIMEOUT_S - 0.5 < rep["failed_after_s"] < PUNCH_TIMEOUT_S + 3.0
+        assert rep["connected"] == []
+        assert rep["sockets_to_peer"] == []  # no SYN-SENT socket left behind
