@@ -6,18 +6,27 @@ nodes (the odd ones, so both halves mix fast and slow uplinks) sit behind home r
 behind one endpoint-independent (eim) router, two behind one symmetric (sym) router, the rest
 alone behind routers of their own, eim and sym in turn.
 
-1. **Direct connections.** A probe host (a real EchoHost: TCP + Noise + yamux) in every
-   namespace dials every other at the address it advertises (its own listen address: a LAN
-   address behind NAT), 5 s per dial. A pair has a direct connection when either side's dial
-   succeeds -- today's swarm: a node behind NAT can dial out, nothing dials in (no hole
-   punching, no relay), so a pair is direct when one side is public or both are behind one
-   router. Shares per pair kind (``public-public``, ``eim-public``, ``eim-eim``, ...), and
+1. **Direct connections.** A probe host (a real EchoHost: TCP + Noise + yamux; each host its
+   own port, ``4002 + i``) in every namespace dials every other at the address it advertises
+   (its own listen address: a LAN address behind NAT), 5 s per dial: a node behind NAT can dial
+   out, nothing dials in, so a plain dial connects a pair when one side is public or both are
+   behind one router. Then every pair whose two dials both failed punches a hole
+   (:func:`echo.p2p.holepunch.punch`: both sides, at one start time, dial each other's router
+   WAN address and listen port from their own listen port; 10 s timeout; all pairs at once).
+   A pair has a direct connection when either plain dial succeeded or both ends of its punch
+   came up. Shares per pair kind (``public-public``, ``eim-public``, ``eim-eim``, ...), and
    ``direct_share_endpoint_independent``: pairs with both nodes behind eim routers;
-   ``direct_share_symmetric``: both behind NAT, at least one sym.
+   ``direct_share_symmetric``: both behind NAT, at least one sym; each also as ``..._no_punch``
+   (plain dials only). ``punch_ok_by_pair`` counts the punches that worked per pair kind: a
+   symmetric router (port-randomising) defeats every punch, as expected -- those pairs need a
+   relay. With ``--quick`` (N = 8) the only eim-eim pair is the two nodes behind one router, so
+   the eim share there says nothing about punching; N = 16 has five eim-eim pairs across
+   routers. ``--direct-only`` stops after this part.
 2. **Time-to-all.** :mod:`broadcast`'s agents and tree runs (``Bench``) at N nodes (16), with
    the planner's view of reachability: a node behind NAT relays to nobody (its upload is planned
    as 0, as ``Dissemination.set_reachable`` does), is announced without addresses, and dials its
-   parents itself so they push over that connection. The same swarm with every host public is
+   parents itself so they push over that connection (hole punching is not used here: the
+   planner does not know of punched connections yet). The same swarm with every host public is
    the baseline. Links are shaped by ``tc`` htb (one drop-tail FIFO per link, as netem_nat
    shapes); relays pace at ``--pace`` (0.92) of their uplink, which keeps that FIFO from
    overflowing. ``time_to_all_nat_vs_public`` = median NAT time / median public time.
@@ -25,14 +34,15 @@ alone behind routers of their own, eim and sym in turn.
    ``relay_circuit_bytes`` is 0; the bytes nodes forwarded down the tree are split into public
    and NAT'd nodes (the latter are leaves: 0).
 
-Run (root): ``python benchmarks/nat.py [--quick] [--swarm]``; ``--swarm`` also runs
-``scripts/nat_swarm.py`` (6 nodes, 30 versions, ~1.5 min) and reports ``swarm_trained``. The last
-line is one JSON object.
+Run (root): ``python benchmarks/nat.py [--quick] [--direct-only] [--swarm]``; ``--swarm`` also
+runs ``scripts/nat_swarm.py`` (6 nodes, 30 versions, ~1.5 min) and reports ``swarm_trained``.
+The last line is one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import logging
@@ -59,6 +69,11 @@ from echo.p2p.tree_plan import TreePlan  # noqa: E402
 
 PROBE_PORT = 4002
 DIAL_TIMEOUT_S = 5.0
+# holepunch's default: both sides' SYNs cross within a second; a failing (symmetric) pair costs
+# the whole timeout, so all punches run at once.
+PUNCH_TIMEOUT_S = 10.0
+# The punch start time is sent to probes already waiting on stdin: 2 s covers writing to all.
+PUNCH_LEAD_S = 2.0
 PUBLIC_SUBNET = "10.71.0.0/24"
 
 # ============================================================================== the internet
@@ -81,7 +96,8 @@ def nat_layout(n: int) -> tuple[list[netem_nat.RouterSpec], dict[str, str]]:
 # ======================================================================= direct connections
 
 PROBE = """
-import json, sys, trio
+import json, sys, time, trio
+from echo.p2p.holepunch import HolePunchFailed, punch
 from echo.p2p.host import open_host
 from echo.p2p.identity import Identity
 async def main():
@@ -100,6 +116,19 @@ async def main():
             for name, addr in targets.items():
                 n.start_soon(one, name, addr)
         print(json.dumps(ok), flush=True)
+        # Part 2: punches, all at one start time: {name: [peer id, public addr, start_at]}.
+        jobs = json.loads(await trio.to_thread.run_sync(sys.stdin.readline))
+        punched = {}
+        async def hole(name, peer, addr, start_at):
+            try:
+                got = await punch(h, peer, addr, start_at=start_at, timeout=float(sys.argv[3]))
+                punched[name] = {"ok": True, "s": round(got.elapsed_s, 3), "via": got.via}
+            except HolePunchFailed as exc:
+                punched[name] = {"ok": False, "error": str(exc)[:200]}
+        async with trio.open_nursery() as n:
+            for name, job in jobs.items():
+                n.start_soon(hole, name, *job)
+        print(json.dumps(punched), flush=True)
         await trio.to_thread.run_sync(sys.stdin.readline)  # stay dialable until told
 trio.run(main)
 """
@@ -109,8 +138,25 @@ def pair_kind(a: str, b: str) -> str:
     return "-".join(sorted((a, b)))
 
 
+def _send(proc: subprocess.Popen, obj: Any) -> None:
+    proc.stdin.write(json.dumps(obj) + "\n")  # type: ignore[union-attr]
+    proc.stdin.flush()  # type: ignore[union-attr]
+
+
+def _read(proc: subprocess.Popen, what: str) -> Any:
+    line = proc.stdout.readline()  # type: ignore[union-attr]
+    if not line:
+        raise RuntimeError(f"a probe died before reporting {what}")
+    return json.loads(line)
+
+
 def probe_direct(prefix: str, inet: netem_nat.Internet, names: list[str]) -> dict[str, Any]:
-    """Every host dials every other at its advertised address; the direct share per pair kind."""
+    """Every host dials every other at its advertised address; then the pairs where both dials
+    failed punch (both sides at once, to each other's public address); the direct share per
+    pair kind, with and without punching."""
+    # Each host its own port: two hosts behind one router with the same listen port could not
+    # both punch to one peer (their public address would be the same ip:port).
+    port = {x: PROBE_PORT + i for i, x in enumerate(names)}
     procs = {
         x: subprocess.Popen(
             netem_nat.exec_argv(
@@ -119,8 +165,9 @@ def probe_direct(prefix: str, inet: netem_nat.Internet, names: list[str]) -> dic
                     sys.executable,
                     "-c",
                     PROBE,
-                    f"/ip4/{inet.hosts[x].ip}/tcp/{PROBE_PORT}",
+                    f"/ip4/{inet.hosts[x].ip}/tcp/{port[x]}",
                     str(DIAL_TIMEOUT_S),
+                    str(PUNCH_TIMEOUT_S),
                 ],
                 prefix,
             ),
@@ -132,50 +179,99 @@ def probe_direct(prefix: str, inet: netem_nat.Internet, names: list[str]) -> dic
         for x in names
     }
     try:
-        ready = {x: json.loads(p.stdout.readline()) for x, p in procs.items()}  # type: ignore[union-attr]
+        ready = {x: _read(p, "its address") for x, p in procs.items()}
         for x, p in procs.items():
-            targets = {y: r["addrs"][0] for y, r in ready.items() if y != x}
-            p.stdin.write(json.dumps(targets) + "\n")  # type: ignore[union-attr]
-            p.stdin.flush()  # type: ignore[union-attr]
-        dialled = {x: json.loads(p.stdout.readline()) for x, p in procs.items()}  # type: ignore[union-attr]
+            _send(p, {y: r["addrs"][0] for y, r in ready.items() if y != x})
+        dialled = {x: _read(p, "its dials") for x, p in procs.items()}
+        to_punch = [
+            (a, b)
+            for a, b in itertools.combinations(names, 2)
+            if not (dialled[a][b] or dialled[b][a])
+        ]
+        # Every child is already waiting on stdin: a short lead covers sending to all of them.
+        start_at = time.time() + PUNCH_LEAD_S
+        jobs: dict[str, dict[str, list[Any]]] = {x: {} for x in names}
+        for a, b in to_punch:
+            for x, y in ((a, b), (b, a)):
+                public = f"/ip4/{inet.hosts[y].public_ip}/tcp/{port[y]}"
+                jobs[x][y] = [ready[y]["peer"], public, start_at]
+        for x, p in procs.items():
+            _send(p, jobs[x])
+        punched = {x: _read(p, "its punches") for x, p in procs.items()}
     finally:
         for p in procs.values():
-            try:
-                p.stdin.write("quit\n")  # type: ignore[union-attr]
-                p.stdin.flush()  # type: ignore[union-attr]
-            except OSError:
-                pass
+            with contextlib.suppress(OSError):
+                _send(p, "quit")
         for p in procs.values():
             try:
                 p.wait(timeout=15)
             except subprocess.TimeoutExpired:
                 p.kill()
     kind = {x: inet.hosts[x].nat for x in names}
-    by_kind: dict[str, list[bool]] = {}
-    eim_pairs: list[bool] = []
-    sym_pairs: list[bool] = []
-    same_router: list[bool] = []
-    for a, b in itertools.combinations(names, 2):
-        direct = dialled[a][b] or dialled[b][a]
-        by_kind.setdefault(pair_kind(kind[a], kind[b]), []).append(direct)
-        if kind[a] == kind[b] == "eim":
-            eim_pairs.append(direct)
-        if "public" not in (kind[a], kind[b]) and "sym" in (kind[a], kind[b]):
-            sym_pairs.append(direct)
-        if inet.hosts[a].router and inet.hosts[a].router == inet.hosts[b].router:
-            same_router.append(direct)
 
     def share(xs: list[bool]) -> float | None:
         return round(sum(xs) / len(xs), 3) if xs else None
 
-    return {
-        "direct_share_by_pair": {k: share(v) for k, v in sorted(by_kind.items())},
-        "pairs_by_kind": {k: len(v) for k, v in sorted(by_kind.items())},
-        "direct_share_endpoint_independent": share(eim_pairs),
-        "direct_share_symmetric": share(sym_pairs),
-        "direct_share_same_router": share(same_router),
-        "direct_share_all": share([d for v in by_kind.values() for d in v]),
-    }
+    result: dict[str, Any] = {}
+    punch_s: list[float] = []
+    for with_punch in (True, False):
+        by_kind: dict[str, list[bool]] = {}
+        eim_pairs: list[bool] = []
+        sym_pairs: list[bool] = []
+        same_router: list[bool] = []
+        for a, b in itertools.combinations(names, 2):
+            direct = dialled[a][b] or dialled[b][a]
+            if with_punch and not direct:
+                # A punched connection counts when both ends have it upgraded.
+                pa, pb = punched[a][b], punched[b][a]
+                direct = pa["ok"] and pb["ok"]
+                if direct:
+                    punch_s.append(max(pa["s"], pb["s"]))
+            by_kind.setdefault(pair_kind(kind[a], kind[b]), []).append(direct)
+            if kind[a] == kind[b] == "eim":
+                eim_pairs.append(direct)
+            if "public" not in (kind[a], kind[b]) and "sym" in (kind[a], kind[b]):
+                sym_pairs.append(direct)
+            if inet.hosts[a].router and inet.hosts[a].router == inet.hosts[b].router:
+                same_router.append(direct)
+        tail = "" if with_punch else "_no_punch"
+        result.update(
+            {
+                f"direct_share_by_pair{tail}": {k: share(v) for k, v in sorted(by_kind.items())},
+                f"direct_share_endpoint_independent{tail}": share(eim_pairs),
+                f"direct_share_symmetric{tail}": share(sym_pairs),
+                f"direct_share_same_router{tail}": share(same_router),
+                f"direct_share_all{tail}": share([d for v in by_kind.values() for d in v]),
+            }
+        )
+        if with_punch:
+            result["pairs_by_kind"] = {k: len(v) for k, v in sorted(by_kind.items())}
+    one_sided = sum(punched[a][b]["ok"] != punched[b][a]["ok"] for a, b in to_punch)
+    result.update(
+        {
+            "punch_pairs": len(to_punch),
+            "punch_ok_by_pair": {
+                k: f"{sum(v)}/{len(v)}"
+                for k, v in sorted(
+                    _group(
+                        (pair_kind(kind[a], kind[b]), punched[a][b]["ok"] and punched[b][a]["ok"])
+                        for a, b in to_punch
+                    ).items()
+                )
+            },
+            "punch_one_sided": one_sided,
+            "punch_time_s_median": round(statistics.median(punch_s), 3) if punch_s else None,
+            "punch_timeout_s": PUNCH_TIMEOUT_S,
+        }
+    )
+    return result
+
+
+def _group(items: Any) -> dict[str, list[bool]]:
+    out: dict[str, list[bool]] = {}
+    for k, v in items:
+        out.setdefault(k, []).append(v)
+    return out
 
 
 # ============================================================================ time-to-all
@@ -312,6 +408,9 @@ def _extra(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size-mb", type=float, default=None, help="payload (16; --quick 4)")
     parser.add_argument("--repeats", type=int, default=3, help="tree runs per configuration")
     parser.add_argument("--swarm", action="store_true", help="also run scripts/nat_swarm.py")
+    parser.add_argument(
+        "--direct-only", action="store_true", help="only part 1 (direct connections, punching)"
+    )
     parser.set_defaults(prefix="ecb", pace=0.92)
 
 
@@ -342,7 +441,15 @@ def main() -> None:
         result: dict[str, Any] = probe_direct(args.prefix, inet, names)
     finally:
         netem_nat.down(args.prefix, quiet=True)
-    say(f"direct connections ({time.monotonic() - t0:.0f} s): {result['direct_share_by_pair']}")
+    say(
+        f"direct connections ({time.monotonic() - t0:.0f} s): {result['direct_share_by_pair']}"
+        f" (without punching: {result['direct_share_by_pair_no_punch']}); punches that worked"
+        f" per pair kind: {result['punch_ok_by_pair']}"
+    )
+    if args.direct_only:
+        result.update({"n": args.n, "behind_nat": len(router_of)})
+        emit(result)
+        return
     public_rows = trio.run(time_to_all, args, [], {})
     nat_rows = trio.run(time_to_all, args, routers, router_of)
     t_pub = statistics.median(r["time_s"] for r in public_rows)

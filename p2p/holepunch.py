@@ -6,11 +6,12 @@ open): each side dials the other's public address from its OWN LISTEN PORT (SO_R
 the dial socket shares the port with the listener). An endpoint-independent (eim) router maps
 that port to the same public port for every remote -- Linux MASQUERADE keeps the source port
 when it is free -- so the other side's SYN, addressed to that public port, matches the
-conntrack entry our own SYN created and is let in. Whichever SYN gets through first meets a
-socket in SYN_SENT (or, if that one is gone, our listener), and the kernel completes the
-connection. The order does not matter as long as both sides' dials overlap in time: an unanswered
-SYN stays in the router's conntrack for minutes and the dialling socket waits for the whole
-punch timeout, so a start skew of a few seconds only delays the connection.
+conntrack entry our own SYN created and is let in. Whichever SYN gets through first meets the
+other side's socket in SYN_SENT, and the kernel completes the connection. The order does not
+matter as long as both sides' dials overlap in time: an unanswered SYN stays in the router's
+conntrack for minutes and the dialling socket waits for the whole punch timeout, so a start
+skew of a few seconds only delays the connection (the later side's first SYN meets the earlier
+side's waiting socket).
 
 A symmetric router (MASQUERADE ``--random-fully``) gives every remote a new random port: the
 peer's SYN then never matches, and :func:`punch` raises :class:`HolePunchFailed` after its
@@ -20,16 +21,27 @@ timeout. That is expected: such a pair needs a relay.
 multistream-select need exactly one initiator. Both sides derive the roles from the two peer
 ids (:func:`is_initiator`: the smaller id initiates), so no message is needed: the initiator
 upgrades its socket as outbound (Noise initiator, multistream dialer), the responder upgrades
-its socket as inbound (as py-libp2p's ``dial_addr_as_responder`` does for DCUtR). When the
-initiator's SYN instead lands on the responder's *listener* (the responder's dial socket was
-not there), the listener upgrades it as inbound too: roles still agree, and :func:`punch` picks
-that connection up.
+its socket as inbound (as py-libp2p's ``dial_addr_as_responder`` does for DCUtR). Measured in
+netem_nat's internet: both sides upgrading as initiator (a plain ``dial_addr`` from the listen
+port on each side) fails the Noise handshake every time.
 
-**What the caller provides.** On both sides at once (:data:`MAX_START_SKEW_S` at most between
-the two ``start_at``): the peer's id and its public address ``/ip4/<router WAN ip>/tcp/<port>``
-(behind an eim router, port = the peer's listen port, unless another host behind the same
-router already holds that public port -- two nodes behind one router must listen on different
-ports), and a shared start time (wall clock, e.g. from the coordinator's go message). The host
+**Why both sides keep their dial socket.** The variant "one side only sends a SYN to open its
+router's conntrack and abandons it, the other side dials into its listener" fails behind Linux
+routers (measured: 0 of 1 in netem_nat, and it works once the routers set
+``nf_conntrack_tcp_be_liberal=1``): the listener answers with a new initial sequence number,
+which the router's TCP window tracking, primed by the abandoned SYN, marks INVALID, so the
+SYN-ACK is not NATed and never arrives. A socket that stays in SYN_SENT answers the peer's SYN
+with its own sequence numbers, which conntrack expects (its simultaneous-open state). If the
+peer's SYN does reach our listener (a liberal router), the listener upgrades it as inbound --
+roles still agree -- and :func:`punch` picks that connection up.
+
+**What the caller provides.** On both sides, at about the same time: the peer's id, its
+public address ``/ip4/<router WAN ip>/tcp/<port>``, and a shared start time ``start_at`` (wall
+clock, e.g. from the coordinator's go message; within :data:`MAX_START_SKEW_S` of now). Behind
+an eim router the public port is the peer's listen port, unless another host behind the same
+router already uses that port towards the same remote: two nodes behind one router that
+listen on the same port cannot both punch to one peer (its two dials would share one 4-tuple),
+so they should listen on different ports or learn their mapped port from an observer. The host
 must listen on an IPv4 TCP address (:attr:`EchoHost.tcp_listen_endpoint`).
 
 Owns: the dial socket(s) it opens; every one is closed on failure or cancellation, and on
@@ -169,7 +181,13 @@ async def _upgrade(
         raise
     except Exception as exc:
         await _close_quietly(raw)
-        raise HolePunchFailed(f"handshake with {peer_id} at {addr} failed: {exc}") from exc
+        why = f"{type(exc).__name__}: {exc}"
+        if exc.__cause__ is not None:
+            why += f" ({type(exc.__cause__).__name__}: {exc.__cause__})"
+        raise HolePunchFailed(
+            f"{'outbound' if initiator else 'inbound'} handshake with {peer_id} at {addr} "
+            f"failed (does the peer take the other role?): {why}"
+        ) from exc
     if muxed.peer_id != peer_id:
         with trio.CancelScope(shield=True):
             await _close_quietly(muxed)
