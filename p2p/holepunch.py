@@ -35,6 +35,12 @@ with its own sequence numbers, which conntrack expects (its simultaneous-open st
 peer's SYN does reach our listener (a liberal router), the listener upgrades it as inbound --
 roles still agree -- and :func:`punch` picks that connection up.
 
+**Only for two peers that cannot be dialled.** Where nothing drops the early side's SYN (one
+side public, or loopback), it reaches the other side's listener before that side dials. That is
+fine when the early side is the initiator, but if it is the responder, the initiator's listener
+upgrades it as inbound too: two Noise responders, and the punch fails after its timeout. A
+peer that can be dialled should simply be dialled.
+
 **What the caller provides.** On both sides, at about the same time: the peer's id, its
 public address ``/ip4/<router WAN ip>/tcp/<port>``, and a shared start time ``start_at`` (wall
 clock, e.g. from the coordinator's go message; within :data:`MAX_START_SKEW_S` of now). Behind
@@ -233,7 +239,7 @@ async def punch(
     start = now if start_at is None else start_at
     if abs(start - now) > MAX_START_SKEW_S:
         raise ValueError(f"start_at is {start - now:+.1f} s from now (at most {MAX_START_SKEW_S})")
-    before = {id(c) for c in _conns(host, pid)}
+    before = _conns(host, pid)
     dialled: list[trio.SocketStream] = []
     accepted: list[INetConn] = []
     last_error: list[OSError] = []
@@ -254,7 +260,11 @@ async def punch(
 
     async def watch(race: trio.CancelScope) -> None:
         while True:
-            fresh = [c for c in _conns(host, pid) if id(c) not in before and not c.is_closed]
+            fresh = [
+                c
+                for c in _conns(host, pid)
+                if not c.is_closed and not any(c is old for old in before)
+            ]
             if fresh:
                 accepted.append(fresh[0])
                 race.cancel()

@@ -1,10 +1,14 @@
-"""TCP hole punching (echo.p2p.holepunch) in the emulated internet (scripts/netem_nat.py).
+"""TCP hole punching (echo.p2p.holepunch): on loopback, and in the emulated internet
+(scripts/netem_nat.py).
 
-Two real EchoHosts, each behind its own endpoint-independent router, punch at the same start
+On loopback (no root needed): the roles and the listener path -- a responder that starts late
+finds the initiator's connection already accepted by its listener. In the emulated internet, two
+real EchoHosts, each behind its own endpoint-independent router, punch at the same start
 time and exchange RPCs over the direct connection; behind a symmetric router the punch fails
 within its timeout with a clear error and leaves no socket or connection behind.
 
-Needs root, iproute2, iptables (nat table) and network namespaces; skipped where they are missing.
+The emulated internet needs root, iproute2, iptables (nat table) and network namespaces; those
+tests are skipped where they are missing.
 """
 
 from __future__ import annotations
@@ -16,9 +20,73 @@ import time
 from pathlib import Path
 
 import pytest
+import trio
+
+from echo.p2p.holepunch import is_initiator, punch
+from echo.p2p.host import open_host
+from echo.p2p.identity import Identity
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import netem_nat  # noqa: E402
+
+ECHO = "/echo-test/holepunch-echo/1"
+
+
+async def _echo(peer, req: bytes) -> bytes:
+    return b"echo:" + req
+
+
+def test_loopback_late_responder_takes_the_connection_its_listener_accepted() -> None:
+    """No NAT drops the initiator's early SYN: it reaches the responder's listener, which
+    upgrades it as inbound (the responder's role); the responder's own punch, a second later,
+    cannot dial the same 4-tuple and picks up that connection instead."""
+
+    async def body() -> None:
+        async with (
+            open_host(Identity.generate(), pubsub=False) as x,
+            open_host(Identity.generate(), pubsub=False) as y,
+        ):
+            ini, res = (x, y) if is_initiator(x.peer_id, y.peer_id) else (y, x)
+            for h in (ini, res):
+                h.set_handler(ECHO, _echo, max_request=1024, max_response=1024)
+            start = time.time() + 0.2
+            got = {}
+
+            async def one(me, other, late: float) -> None:
+                addr = f"/ip4/127.0.0.1/tcp/{other.tcp_listen_endpoint[1]}"
+                got[me] = await punch(me, other.peer_id, addr, start_at=start + late, timeout=5)
+
+            with trio.fail_after(20):
+                async with trio.open_nursery() as n:
+                    n.start_soon(one, ini, res, 0.0)
+                    n.start_soon(one, res, ini, 1.0)
+                assert (got[ini].initiator, got[ini].via) == (True, "dial")
+                assert (got[res].initiator, got[res].via) == (False, "listener")
+                reply = await res.request(ini.peer_id, ECHO, b"r", timeout=5, max_response=64)
+                assert reply == b"echo:r"
+                reply = await ini.request(res.peer_id, ECHO, b"i", timeout=5, max_response=64)
+                assert reply == b"echo:i"
+
+    trio.run(body)
+
+
+def test_punch_refuses_bad_arguments() -> None:
+    async def body() -> None:
+        async with open_host(Identity.generate(), pubsub=False) as h:
+            other = Identity.generate().peer_id_str
+            with pytest.raises(ValueError, match="ourselves"):
+                await punch(h, h.peer_id, "/ip4/127.0.0.1/tcp/1")
+            with pytest.raises(ValueError, match="/ip4/<ip>/tcp/<port>"):
+                await punch(h, other, "/dns4/example.org/tcp/1")
+            with pytest.raises(ValueError, match="another peer"):
+                await punch(h, other, f"/ip4/127.0.0.1/tcp/1/p2p/{h.peer_id}")
+            with pytest.raises(ValueError, match="start_at"):
+                await punch(h, other, "/ip4/127.0.0.1/tcp/1", start_at=time.time() + 3600)
+
+    trio.run(body)
+
+
+# ------------------------------------------------------------------ in the emulated internet
 
 PREFIX = "ecnh"
 _OK, _WHY = netem_nat.available(prefix="ecnq")
