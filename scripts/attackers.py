@@ -140,7 +140,12 @@ async def junk(args, stats: Stats) -> None:
     async def stream() -> None:
         while True:
             async with open_host(Identity.generate(), pubsub=False) as host:
-                peer = await host.connect(args.coordinator)
+                try:
+                    peer = await host.connect(args.coordinator)
+                except (RpcError, OSError):  # refused at the door: try again as someone else
+                    stats.add("errors")
+                    await trio.sleep(0.1)
+                    continue
                 stats.add("identities")
                 failures = 0
                 while failures < 5:  # closed off or backed off: come back as someone else

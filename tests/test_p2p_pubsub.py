@@ -10,7 +10,7 @@ from libp2p.peer.id import ID
 
 from echo.p2p.host import EchoHost, open_host
 from echo.p2p.identity import Identity
-from echo.p2p.pubsub import MAX_PUBSUB_MESSAGE_BYTES
+from echo.p2p.pubsub import INVALID_BEFORE_BLACKLIST, MAX_PUBSUB_MESSAGE_BYTES
 
 TOPIC = "echo/test/announce"
 TEST_DEADLINE = 30.0
@@ -86,5 +86,45 @@ def test_pubsub_disabled_and_misuse() -> None:
             await late.aclose()
             with pytest.raises(RuntimeError):
                 await b.publish(TOPIC, b"x")
+
+    trio.run(main)
+
+
+def test_junk_forwarder_is_shut_out() -> None:
+    """A peer whose messages the validator keeps refusing is blacklisted: its streams are reset
+    and what it publishes later is never validated again; the honest publisher still gets
+    through."""
+
+    async def main() -> None:
+        with trio.fail_after(TEST_DEADLINE):
+            async with (
+                open_host(Identity.generate()) as good,
+                open_host(Identity.generate()) as spam,
+                open_host(Identity.generate()) as b,
+            ):
+                await good.connect(b.listen_multiaddrs[0], timeout=5)
+                await spam.connect(b.listen_multiaddrs[0], timeout=5)
+                service = b.pubsub
+                assert service is not None
+                sub = await b.subscribe(TOPIC, validator=lambda origin, _: origin == good.peer_id)
+                await good.wait_for_subscribers(TOPIC, 1, timeout=10)
+                await spam.wait_for_subscribers(TOPIC, 1, timeout=10)
+                for i in range(INVALID_BEFORE_BLACKLIST + 5):
+                    await spam.publish(TOPIC, b"junk-%d" % i)
+                with trio.fail_after(10):
+                    while not service.pubsub.is_peer_blacklisted(spam.peer_id):
+                        await trio.sleep(0.05)
+                assert service.blacklisted == 1
+                refused_before = service._refused.get(spam.peer_id)
+                for i in range(10):
+                    await spam.publish(TOPIC, b"more-junk-%d" % i)
+                await good.publish(TOPIC, b"news")
+                got = await collect(sub, 1, timeout=10)
+                assert [d for _, d in got] == [b"news"]
+                await trio.sleep(0.5)
+                # Nothing the spammer sent after the blacklist reached the validator.
+                assert service._refused.get(spam.peer_id) == refused_before
+                assert not service.pubsub.is_peer_blacklisted(good.peer_id)
+                await sub.aclose()
 
     trio.run(main)
