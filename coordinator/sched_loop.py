@@ -65,6 +65,7 @@ class _Node:
     since: float = 0.0
     decided: bool = False  # placed by a scheduling pass (else: never, or adopted)
     switches: int = 0
+    proven: bool = False  # has at least one accepted group (any job)
 
 
 class Placement:
@@ -144,14 +145,19 @@ class Placement:
         )
 
     def plannable(self, node_id: str, job_id: str, anchor: bool) -> bool:
-        """Whether a version of ``job_id`` may be planned through the node: it serves the job
-        and holds one of its versions, or the version is an anchor (which needs no base). A
-        job new since the last pass is scheduled first, so its first version reaches the nodes
-        placed on it."""
+        """Whether a version of ``job_id`` may be planned through the node: it serves the job,
+        has had a group accepted, and holds one of the job's versions, or the version is an
+        anchor (which needs no base). A job new since the last pass is scheduled first, so its
+        first version reaches the nodes placed on it.
+
+        Identities are free: planned before they had delivered anything, 16 lease hoarders (no
+        relay at all) sat in every anchor's tree, their subtrees stalled until the pull
+        fallback, and honest nodes spent pushes on them (benchmarks/attack.py). A new node
+        pulls its versions until its first accepted group."""
         if job_id not in self.views:
             self.refresh()
         node = self.nodes.get(node_id)
-        if node is None or node.job != job_id:
+        if node is None or node.job != job_id or not node.proven:
             return False
         return anchor or node.held.get(job_id, -1) >= 0
 
@@ -204,6 +210,7 @@ class Placement:
         supplies = []
         for row in self._active_rows(now):
             node = self.nodes.setdefault(row.node_id, _Node(engine=row.engine))
+            node.proven = row.accepted > 0
             if not node.hardware:
                 node.hardware, node.declared_tps = dict(row.hardware), row.tokens_per_s
             rates, why_not = {}, []
