@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from _common import emit, parse_args, say  # noqa: E402
-from local_swarm import HEADS, JOB_TOML, Swarm  # noqa: E402
+from local_swarm import HEADS, JOB_TOML, Swarm, new_run_dir  # noqa: E402
 
 from echo.p2p.identity import Identity  # noqa: E402
 
@@ -209,7 +209,7 @@ def main() -> int:
     )
     nodes = args.nodes or (2 if args.quick else 3)
     phase_s = args.phase_s or (40.0 if args.quick else 180.0)
-    out = args.out or Path(tempfile.mkdtemp(prefix="echo-attack-"))
+    out = new_run_dir(args.out) if args.out else Path(tempfile.mkdtemp(prefix="echo-attack-"))
     say(f"attack benchmark: {nodes} honest nodes, {phase_s:.0f} s per phase, logs in {out}")
     bench = Bench(out, nodes)
     try:

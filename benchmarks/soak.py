@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from _common import emit, parse_args, say  # noqa: E402
-from local_swarm import DEMO_COORDINATOR_TOML, HEADS, JOB_TOML, Swarm, stop  # noqa: E402
+from local_swarm import DEMO_COORDINATOR_TOML, HEADS, JOB_TOML, Swarm, new_run_dir, stop  # noqa: E402
 
 TABLES = ("nodes", "leases", "rollouts", "rejections", "versions")
 
@@ -78,7 +78,7 @@ def main() -> int:
     minutes = args.minutes or (2.0 if args.quick else 30.0)
     every = args.every_s or max(2.0, minutes * 60 / 90)
     retain = args.retain_s or max(20.0, minutes * 6)
-    out = args.out or Path(tempfile.mkdtemp(prefix="echo-soak-"))
+    out = new_run_dir(args.out) if args.out else Path(tempfile.mkdtemp(prefix="echo-soak-"))
     out.mkdir(parents=True, exist_ok=True)
     say(
         f"soak: {minutes:g} min, {args.rate:g} new identities/s, retention {retain:.0f} s, "

@@ -90,6 +90,18 @@ def stop(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
             p.wait()
 
 
+def new_run_dir(out: Path) -> Path:
+    """``out``, created, for a new run; SystemExit with a message when it holds an earlier run's
+    coordinator data (started there, the coordinator would resume that run's jobs beside the
+    new one)."""
+    out = out.resolve()
+    if (out / "coordinator" / "coordinator.sqlite").exists():
+        raise SystemExit(f"{out} holds an earlier run (its coordinator would resume that run's "
+                         "jobs): choose a new --out")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> dict:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -367,8 +379,7 @@ def main() -> int:
                     help="crash drill: SIGKILL the learner once version V is out")
     args = ap.parse_args()
 
-    out = args.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    out = new_run_dir(args.out)
     console = Console()
     engines = node_engines(args.engines)
     with_vllm = "vllm" in engines[: args.nodes]  # nodes take engines in turn
