@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from _common import emit, parse_args, say  # noqa: E402
-from local_swarm import HEADS, JOB_TOML, Swarm, new_run_dir  # noqa: E402
+from local_swarm import Swarm, job_toml, new_run_dir  # noqa: E402
 
 from echo.p2p.identity import Identity  # noqa: E402
 
@@ -68,21 +68,8 @@ class Bench:
         self.swarm.start_coordinator()
         self.coord = psutil.Process(self.swarm.procs[0].pid)
         self.job_id = self.swarm.submit(
-            JOB_TOML.format(
-                name="attack",
-                steps=100000,
-                group_size=8,
-                batch_groups=4,
-                staleness=2,
-                anchor_every=10,
-                dtype="float32",
-                task="addition",
-                max_operand=5,
-                lr=1e-3,
-                warmup=5,
-                heads=HEADS,
-                seed=0,
-                eval_every=0,
+            job_toml(
+                "attack", steps=100000, group_size=8, batch_groups=4, warmup=5, eval_every=0
             )
         )
         self.node_addrs = []

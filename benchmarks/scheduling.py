@@ -50,21 +50,8 @@ headroom = 1.1
 
 def job_toml(name: str, steps: int, hidden: int, layers: int, batch_groups: int) -> str:
     """A tiny addition job (no warm-up, no evaluation: the run measures pace, not learning)."""
-    return local_swarm.JOB_TOML.format(
-        name=name,
-        steps=steps,
-        group_size=8,
-        batch_groups=batch_groups,
-        staleness=2,
-        anchor_every=10,
-        dtype="float32",
-        task="addition",
-        max_operand=5,
-        lr=1e-3,
-        warmup=0,
-        heads=4,
-        seed=0,
-        eval_every=0,
+    return local_swarm.job_toml(
+        name, steps=steps, group_size=8, batch_groups=batch_groups, warmup=0, eval_every=0
     ).replace("hidden = 64\nlayers = 2", f"hidden = {hidden}\nlayers = {layers}")
 
 

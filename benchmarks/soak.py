@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from _common import emit, parse_args, say  # noqa: E402
-from local_swarm import DEMO_COORDINATOR_TOML, HEADS, JOB_TOML, Swarm, new_run_dir, stop  # noqa: E402
+from local_swarm import DEMO_COORDINATOR_TOML, Swarm, job_toml, new_run_dir, stop  # noqa: E402
 
 TABLES = ("nodes", "leases", "rollouts", "rejections", "versions")
 
@@ -91,22 +91,7 @@ def main() -> int:
         coord_proc = _start_configured(swarm, retain)
         coord = psutil.Process(coord_proc.pid)
         job_id = swarm.submit(
-            JOB_TOML.format(
-                name="soak",
-                steps=1000000,
-                group_size=8,
-                batch_groups=4,
-                staleness=2,
-                anchor_every=10,
-                dtype="float32",
-                task="addition",
-                max_operand=5,
-                lr=1e-3,
-                warmup=5,
-                heads=HEADS,
-                seed=0,
-                eval_every=0,
-            )
+            job_toml("soak", steps=1000000, group_size=8, batch_groups=4, warmup=5, eval_every=0)
         )
         swarm.start_node("node-0", ["--threads", "1", "--leases-at-once", "2", "--engine", "torch"])
         with open(out / "churn.log", "wb") as log:

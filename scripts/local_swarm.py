@@ -66,6 +66,33 @@ every = {eval_every}
 """
 
 
+# The demo job's settings: what job_toml fills in for the fields a caller leaves out.
+JOB_DEFAULTS: dict[str, object] = {
+    "steps": 200,
+    "group_size": 16,
+    "batch_groups": 16,
+    "staleness": 2,
+    "anchor_every": 10,
+    "dtype": "float32",
+    "task": "addition",
+    "max_operand": 5,
+    "lr": 1e-3,
+    "warmup": 30,
+    "heads": HEADS,
+    "seed": 0,
+    "eval_every": 10,
+}
+
+
+def job_toml(name: str, **fields: object) -> str:
+    """The tiny-model job file :data:`JOB_TOML` with ``fields`` over :data:`JOB_DEFAULTS`;
+    TypeError for a field the template does not have."""
+    unknown = sorted(set(fields) - set(JOB_DEFAULTS))
+    if unknown:
+        raise TypeError(f"job_toml: unknown fields {unknown}")
+    return JOB_TOML.format(name=name, **{**JOB_DEFAULTS, **fields})
+
+
 def start(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         cmd,
@@ -392,8 +419,10 @@ def main() -> int:
         info = swarm.start_coordinator()
         console.print(f"coordinator at {swarm.maddr}\nHTTP API {info['http'][0]}")
         job_id = swarm.submit(
-            args.job.read_text() if args.job else JOB_TOML.format(
-                name="demo",
+            args.job.read_text()
+            if args.job
+            else job_toml(
+                "demo",
                 steps=args.steps,
                 group_size=args.group_size,
                 batch_groups=args.batch_groups,

@@ -20,7 +20,7 @@ from tests.adversaries import EXPECTED
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-from local_swarm import HEADS, JOB_TOML, Swarm  # noqa: E402
+from local_swarm import Swarm, job_toml  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 HONEST = 3
@@ -34,22 +34,7 @@ def adversarial_run(tmp_path_factory) -> Path:
     try:
         swarm.start_coordinator()
         job_id = swarm.submit(
-            JOB_TOML.format(
-                name="adv",
-                steps=STEPS,
-                group_size=16,
-                batch_groups=16,
-                staleness=3,
-                anchor_every=10,
-                dtype="float32",
-                task="addition",
-                max_operand=5,
-                lr=1e-3,
-                warmup=30,
-                heads=HEADS,
-                seed=0,
-                eval_every=10,
-            )
+            job_toml("adv", steps=STEPS, staleness=3)
         )
         for i in range(HONEST):
             swarm.start_node(f"honest-{i}", ["--threads", "1", "--engine", "torch"])

@@ -38,7 +38,7 @@ from echo.protocol.jobspec import JobSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-from local_swarm import HEADS, JOB_TOML, Swarm  # noqa: E402
+from local_swarm import Swarm, job_toml  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -161,20 +161,13 @@ def chaos_run(tmp_path_factory) -> Chaos:
     try:
         chaos.start_coordinator()
         chaos.job_id = chaos.swarm.submit(
-            JOB_TOML.format(
-                name="chaos",
+            job_toml(
+                "chaos",
                 steps=STEPS,
                 group_size=8,
                 batch_groups=4,
-                staleness=2,
                 anchor_every=5,
-                dtype="float32",
-                task="addition",
-                max_operand=5,
-                lr=1e-3,
                 warmup=5,
-                heads=HEADS,
-                seed=0,
                 eval_every=0,
             )
         )

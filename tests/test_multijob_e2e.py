@@ -22,11 +22,9 @@ SCHED = "\n[scheduler]\nevery_s = 1.0\nmin_stay_s = 5.0\n"
 
 
 def job(name: str, steps: int) -> str:
-    return local_swarm.JOB_TOML.format(
-        name=name, steps=steps, group_size=4, batch_groups=2, staleness=2, anchor_every=5,
-        dtype="float32", task="addition", max_operand=5, lr=1e-3, warmup=0, heads=4, seed=0,
-        eval_every=0,
-    )  # fmt: skip
+    return local_swarm.job_toml(
+        name, steps=steps, group_size=4, batch_groups=2, anchor_every=5, warmup=0, eval_every=0
+    )
 
 
 def test_two_nodes_serve_three_jobs_to_completion_without_restarting(
