@@ -121,6 +121,8 @@ def main() -> int:
         end = time.time() + minutes * 60
         while time.time() < end:
             time.sleep(every)
+            if churn.poll() is not None:  # without its churn the run measures nothing
+                raise SystemExit(f"the churn attacker exited early: the soak is void; see {out}")
             s = _sample(coord, db_path)
             s["version"] = int(swarm.status(job_id)[0]["current_version"])
             samples.append(s)

@@ -254,9 +254,15 @@ async def churn(args, stats: Stats) -> None:
 
 async def _one_visit(args, stats: Stats) -> None:
     ident = Identity.generate()
+    # Caught inside the host's block too: an error leaving it comes out of the host's nursery
+    # as an ExceptionGroup, which ended the whole churn process (a soak lost its churn at 50 s).
     try:
         async with open_host(ident, pubsub=False) as host:
-            peer = await host.connect(args.coordinator)
+            try:
+                peer = await host.connect(args.coordinator)
+            except (RpcError, OSError):
+                stats.add("errors")
+                return
             stats.add("identities")
             await _call(host, peer, ids.PROTO_REGISTER, _register(ident, host), stats)
             req = m.LeaseRequest(
