@@ -26,7 +26,12 @@ down but never change it. So that no single identity can steer a plan:
 Reachability: a node the coordinator's dial-back could not reach (:meth:`set_reachable`, from
 :mod:`echo.coordinator.reachability`) is planned as a leaf -- it never holds up a subtree -- and
 announced without addresses; it dials its parents itself when it joins the plan and they push
-over that connection (:meth:`echo.p2p.relay.peers.Peers.reach_out`).
+over that connection (:meth:`echo.p2p.relay.peers.Peers.reach_out`). Two such nodes may get a
+direct connection by a coordinated punch (:mod:`echo.coordinator.punching` asks for the pairs
+:meth:`punch_pairs` names and books the outcome with :meth:`set_punched`); once both ends reported
+it, the plan makes one of them a relay for the other
+(:func:`echo.coordinator.dissemination_nat.with_punched_relays`), announced still without
+addresses: the push goes over the punched connection.
 
 Nothing here does I/O except :meth:`Dissemination.refresh_forever` (a trio task that only
 sleeps and runs the planner in a thread); it raises nothing for well-formed input.
@@ -36,11 +41,18 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
 import trio
 
+from echo.coordinator.dissemination_nat import (
+    NatInfo,
+    PunchPair,
+    pair_key,
+    punch_pairs,
+    with_punched_relays,
+)
 from echo.p2p import tree
 from echo.p2p.tree_equal import plan_tree
 from echo.p2p.tree_patch import patch_plan
@@ -71,6 +83,9 @@ class NodeLink:
     reporters: set[str] = field(default_factory=set)  # who reported it for a bad chunk
     # Whether a dial-back reached it (None: not probed yet, planned as before -- dialable).
     reachable: bool | None = None
+    # The dial-back's verdict and the ip it saw the node on (its router's, when "nat").
+    verdict: str = ""
+    observed_ip: str = ""
 
 
 @dataclass
@@ -104,6 +119,9 @@ class Dissemination:
         self._plans: dict[str, TreePlan] = {}
         self._due: dict[str, _Inputs] = {}
         self._lock = threading.Lock()
+        # Per pair of nodes behind NAT that were asked to connect: whether both ends reported
+        # a direct connection. Dropped when either node's addresses or public ip change.
+        self.punched: dict[frozenset[str], bool] = {}
 
     def registered(self, node_id: str, addrs: Sequence[str], declared_bps: float) -> None:
         """A node (re)registered: where it listens and the uplink it declared."""
@@ -111,16 +129,58 @@ class Dissemination:
         fresh = [a for a in addrs if a][: b.MAX_ADDRS]
         if fresh != link.addrs:  # new addresses: the last dial-back says nothing about them
             link.reachable = None
+            self._forget_paths(node_id)
         link.addrs = fresh
         link.declared_bps = declared_bps
 
-    def set_reachable(self, node_id: str, reachable: bool) -> None:
+    def set_reachable(
+        self, node_id: str, reachable: bool, *, verdict: str = "", observed_ip: str = ""
+    ) -> None:
         """A dial-back's verdict on the node's addresses (unknown nodes are ignored). One that
         cannot be dialled is planned as a leaf, announced without addresses (nobody wastes a
-        dial on them): its parents push over the connection it opens to them."""
+        dial on them): its parents push over the connection it opens to them. ``verdict`` "nat"
+        with the ``observed_ip`` it was seen from makes it a candidate for punches."""
         link = self.links.get(node_id)
         if link is not None:
+            if observed_ip != link.observed_ip or reachable:
+                self._forget_paths(node_id)
             link.reachable = reachable
+            link.verdict = verdict
+            link.observed_ip = observed_ip
+
+    def _forget_paths(self, node_id: str) -> None:
+        self.punched = {k: v for k, v in self.punched.items() if node_id not in k}
+
+    def punch_pairs(
+        self,
+        busy: Mapping[str, int] | None = None,
+        in_flight: Set[frozenset[str]] = frozenset(),
+    ) -> list[PunchPair]:
+        """Pairs of nodes behind NAT to ask for a direct connection now (see
+        :func:`~echo.coordinator.dissemination_nat.punch_pairs`)."""
+        return punch_pairs(self._nat(), self.punched, busy, in_flight)
+
+    def set_punched(self, pair: PunchPair, ok: bool) -> None:
+        """Both ends of ``pair`` answered (``ok``: both have the connection). Ignored when
+        either node's addresses or public ip changed meanwhile (:meth:`punch_pairs` asks
+        again)."""
+        nat = self._nat()
+        if nat.get(pair.a) == pair.info_a and nat.get(pair.b) == pair.info_b:
+            # Copied, not updated in place: plan() may read it from a worker thread.
+            self.punched = {**self.punched, pair_key(pair.a, pair.b): ok}
+
+    def paths_of(self, node_id: str) -> set[str]:
+        """The nodes behind NAT that ``node_id`` has a confirmed direct connection to."""
+        punched = self.punched  # one snapshot: the trio thread replaces it, never mutates it
+        return {n for k, ok in punched.items() if ok and node_id in k for n in k} - {node_id}
+
+    def _nat(self) -> dict[str, NatInfo]:
+        """The nodes a dial-back judged "nat" (seen from a public ip, not dialable there)."""
+        return {
+            n: NatInfo(k.observed_ip, tuple(k.addrs))
+            for n, k in self.links.items()
+            if k.reachable is False and k.verdict == "nat" and k.observed_ip and not k.demoted
+        }
 
     def unprobed(self) -> list[tuple[str, list[str]]]:
         """(node, addresses) of the nodes no dial-back has judged since their addresses."""
@@ -194,13 +254,22 @@ class Dissemination:
             self._plans[job_id] = chosen
             if last is None or _changed(last, chosen):
                 self._due[job_id] = inputs
+        # The stored plan keeps NAT'd nodes as leaves (the next patch and the full re-plan start
+        # from it); the announced one adds the relays over punched paths, as they stand now.
+        paths = {n: self.paths_of(n) for n in members}
+        announced = with_punched_relays(
+            chosen,
+            {n: p for n, p in paths.items() if p},
+            lambda n: self._relay_upload(n, ceiling),
+            self.max_fanout,
+        )
         peers = [b.PeerAddr(peer_id=source, addrs=list(source_addrs)[: b.MAX_ADDRS])]
         peers += [b.PeerAddr(peer_id=n, addrs=self._dialable(n)) for n in members]
         return b.PlanAnnouncement(
             job_id=job_id,
             version=version,
             manifest=manifest,
-            plan=tree.plan_record(chosen, job_id, version),
+            plan=tree.plan_record(announced, job_id, version),
             peers=peers,
         )
 
@@ -209,6 +278,11 @@ class Dissemination:
         link = self.links[node_id]
         if link.demoted or link.reachable is False:  # a leaf: it relays to nobody
             return 0.0
+        return self._relay_upload(node_id, ceiling)
+
+    def _relay_upload(self, node_id: str, ceiling: float) -> float:
+        """The node's uplink as a relay, whether or not others can dial it."""
+        link = self.links[node_id]
         return link.measured_bps or min(link.declared_bps or self.default_node_upload_bps, ceiling)
 
     def _dialable(self, node_id: str) -> list[str]:

@@ -5,13 +5,18 @@ volunteer nodes on public hosts and behind home routers of both NAT kinds.
 Builds the internet with :mod:`netem_nat` (prefix ``--prefix``): a public host ``coord``, public
 hosts ``p0..``, and behind NAT ``e0, e1`` (two nodes behind one endpoint-independent router),
 then alternately a node behind a symmetric router and one behind another eim router. Half the
-nodes (rounded down) are behind NAT. Then it runs itself again inside ``coord``'s namespace
-(``--inside``: the coordinator's HTTP API listens on that namespace's loopback), which drives the
-swarm as :mod:`local_swarm` does: coordinator, the tiny demo job, nodes started with
+nodes (rounded down) are behind NAT, or ``--nat`` of them (4 gives e0, e1, s2 and e3: a pair on
+one LAN, a symmetric NAT, and two eim routers that a hole punch can cross). Then it runs itself
+again inside ``coord``'s namespace (``--inside``: the coordinator's HTTP API listens on that
+namespace's loopback), which drives the swarm as :mod:`local_swarm` does: coordinator, the tiny
+demo job, nodes started with
 ``ip netns exec <host> echo-node join --listen /ip4/<its address>/tcp/4001``; polls until the job
 is done and every node holds the final version, and writes ``OUT/summary.json``:
 local_swarm's summary plus ``hosts`` (each node's NAT kind, router, address, peer id, groups
-accepted, version) and ``verdicts`` (the coordinator's dial-back verdict per node, from its log).
+accepted, version), ``verdicts`` (the coordinator's dial-back verdict per node, from its log),
+``punches`` (each pair the coordinator asked to connect directly, and whether both ends did)
+and ``direct_chunks`` (per receiving node and sender behind NAT: the versions and chunks pushed
+to it over such a punched or LAN path, from the node's log).
 
 Needs root, iproute2 and iptables (``netem_nat.available()``). Exit status 0 when the job
 finished and every node reached its final version. Owns the internet it builds (removed on the
@@ -39,16 +44,21 @@ COORD = "coord"
 MAX_NODES = 40  # the public /24 and one LAN per router hold far more; the machine does not
 
 
-def layout(n_nodes: int) -> tuple[list[netem_nat.RouterSpec], list[netem_nat.NatHostSpec]]:
-    """Routers and hosts for ``n_nodes`` nodes, half of them (rounded down) behind NAT: the
-    first two behind one eim router, the rest alternately behind a sym and an eim router of
-    their own.
+def layout(
+    n_nodes: int, n_nat: int | None = None
+) -> tuple[list[netem_nat.RouterSpec], list[netem_nat.NatHostSpec]]:
+    """Routers and hosts for ``n_nodes`` nodes, ``n_nat`` of them (default: half, rounded down)
+    behind NAT: the first two behind one eim router, the rest alternately behind a sym and an
+    eim router of their own.
 
-    :raises ValueError: fewer than 2 or more than :data:`MAX_NODES` nodes.
+    :raises ValueError: fewer than 2 or more than :data:`MAX_NODES` nodes, or ``n_nat`` not
+        within 0..n_nodes.
     """
     if not 2 <= n_nodes <= MAX_NODES:
         raise ValueError(f"nodes must be 2..{MAX_NODES}, not {n_nodes}")
-    n_nat = n_nodes // 2
+    n_nat = n_nodes // 2 if n_nat is None else n_nat
+    if not 0 <= n_nat <= n_nodes:
+        raise ValueError(f"nat must be 0..{n_nodes}, not {n_nat}")
     routers = [netem_nat.RouterSpec("r0", "eim")] if n_nat else []
     hosts = [netem_nat.NatHostSpec(COORD)]
     hosts += [netem_nat.NatHostSpec(f"p{i}") for i in range(n_nodes - n_nat)]
@@ -68,6 +78,32 @@ def coordinator_verdicts(log_text: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for m in re.finditer(r"node (\S{8}) (?:can|cannot) be dialled[^(]*\((\w+)", log_text):
         out[m.group(1)] = m.group(2)
+    return out
+
+
+def coordinator_punches(log_text: str) -> list[dict]:
+    """Each pair the coordinator asked to connect, as coordinator/punching.py logs it:
+    ``punched XXXXXXXX <-> YYYYYYYY (punch): ok via dial/dial in 0.05/0.06 s`` or ``: failed``."""
+    out = []
+    pat = r"punched (\S{8}) <-> (\S{8}) \((\w+)\): (ok|failed)(?: via (\S+) in (\S+) s)?"
+    for m in re.finditer(pat, log_text):
+        out.append(
+            {"a": m.group(1), "b": m.group(2), "method": m.group(3), "ok": m.group(4) == "ok",
+             "via": m.group(5) or "", "elapsed_s": m.group(6) or ""}
+        )
+    return out
+
+
+def direct_chunks(log_text: str) -> dict[str, dict[str, int]]:
+    """Per sender (last 8 characters of its peer id): how many versions and chunks it pushed to
+    this node over a direct path, as node/policy.py tells the volunteer:
+    ``v12: 40 chunks pushed by XXXXXXXX over a direct path (dial)``."""
+    out: dict[str, dict[str, int]] = {}
+    pat = r"v(\d+): (\d+) chunks pushed by (\S{8}) over a direct path \((\w+)\)"
+    for m in re.finditer(pat, log_text):
+        got = out.setdefault(m.group(3), {"versions": 0, "chunks": 0})
+        got["versions"] += 1
+        got["chunks"] += int(m.group(2))
     return out
 
 
@@ -162,6 +198,16 @@ def inside(args: argparse.Namespace) -> int:
         }
         verdicts = coordinator_verdicts((out / "coordinator.log").read_text(errors="replace"))
         summary["verdicts"] = {h.name: verdicts.get(peer_of[h.name][-8:]) for h in nodes}
+        name_of = {pid[-8:]: name for name, pid in peer_of.items()}
+        summary["punches"] = [
+            {**p, "a": name_of.get(p["a"], p["a"]), "b": name_of.get(p["b"], p["b"])}
+            for p in coordinator_punches((out / "coordinator.log").read_text(errors="replace"))
+        ]
+        summary["direct_chunks"] = {}
+        for h in nodes:
+            got = direct_chunks((out / f"{h.name}.log").read_text(errors="replace"))
+            if got:
+                summary["direct_chunks"][h.name] = {name_of.get(k, k): v for k, v in got.items()}
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         final = summary["versions"]
         ok = summary["status"] == "done" and all(
@@ -174,6 +220,17 @@ def inside(args: argparse.Namespace) -> int:
                 f"{n} ({v['nat']}: {summary['verdicts'][n]}, v{v['version']}, {v['accepted']})"
                 for n, v in summary["hosts"].items()
             )
+            + "; punches: "
+            + (", ".join(
+                f"{p['a']}-{p['b']} {p['method']} {'ok' if p['ok'] else 'failed'}"
+                for p in summary["punches"]
+            ) or "none")
+            + "; pushed over direct paths: "
+            + (", ".join(
+                f"{src}->{dst} {v['chunks']} chunks in {v['versions']} versions"
+                for dst, by in summary["direct_chunks"].items()
+                for src, v in by.items()
+            ) or "none")
         )
         return 0 if ok else 1
     finally:
@@ -182,7 +239,7 @@ def inside(args: argparse.Namespace) -> int:
 
 def outside(args: argparse.Namespace) -> int:
     """Build the internet, run :func:`inside` in ``coord``'s namespace, tear everything down."""
-    routers, hosts = layout(args.nodes)
+    routers, hosts = layout(args.nodes, args.nat)
     args.out.mkdir(parents=True, exist_ok=True)
     netem_nat.up(routers, hosts, prefix=args.prefix, public_subnet=args.public_subnet, quiet=True)
     try:
@@ -212,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--nodes", type=int, default=6)
+    ap.add_argument("--nat", type=int, default=None, help="nodes behind NAT (default: half)")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--timeout", type=float, default=360.0, help="give up after this many s")
     ap.add_argument("--prefix", default="ecw", help="netem_nat name prefix")

@@ -3,6 +3,7 @@ and still receives by push -- over the connection it opens to its parents."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import trio
@@ -95,6 +96,183 @@ def test_a_leaf_without_addresses_receives_by_push(tmp_path: Path) -> None:
                     assert t is not None
                     states = {st for (_, c), st in t.child_state.items() if c == h}
                     assert states and states <= {"pushing", "done"}  # a push stream opened
+            nursery.cancel_scope.cancel()
+
+    run(body)
+
+
+# ------------------------------------------------------------------ punched paths (issue 14)
+
+
+def _nat_diss(routers: dict[str, str], ups: dict[str, float]) -> Dissemination:
+    """Nodes named in ``routers`` are behind NAT (their router's public ip); the rest public."""
+    d = Dissemination(learner_upload_bps=2 * MB, default_node_upload_bps=1 * MB)
+    for i, (name, up) in enumerate(sorted(ups.items())):
+        d.registered(name, [f"/ip4/192.168.{i}.2/tcp/{4001 + i}/p2p/{name}"], up)
+        d.measured(name, up)
+        if name in routers:
+            d.set_reachable(name, False, verdict="nat", observed_ip=routers[name])
+        else:
+            d.set_reachable(name, True, verdict="public", observed_ip="10.0.0.1")
+    return d
+
+
+def test_punch_pairs_lan_behind_one_router_punch_across_and_one_per_public_endpoint() -> None:
+    routers = {"a": "198.51.100.1", "b": "198.51.100.1", "c": "198.51.100.2", "s": "198.51.100.3"}
+    d = _nat_diss(routers, {n: 1 * MB for n in [*routers, "p"]})
+    seen: dict[frozenset[str], str] = {}
+    for _ in range(10):  # book them all as ok, round by round
+        pairs = d.punch_pairs()
+        if not pairs:
+            break
+        for p in pairs:
+            seen[frozenset((p.a, p.b))] = p.method
+            d.set_punched(p, True)
+    assert "p" not in {n for k in seen for n in k}  # public nodes are dialled, not punched
+    assert seen[frozenset("ab")] == "lan" and seen[frozenset("ac")] == "punch"
+    assert len(seen) == 6
+    assert d.punch_pairs() == []  # all tried: nothing is asked twice
+    assert d.paths_of("c") == {"a", "b", "s"}
+    # The punch goes to the router's public ip and the node's listen port.
+    d2 = _nat_diss({"a": routers["a"], "c": routers["c"]}, {"a": MB, "c": MB})
+    (ac,) = d2.punch_pairs()
+    assert (ac.a, ac.b, ac.method) == ("a", "c", "punch")
+    assert ac.addrs_for_a == ("/ip4/198.51.100.2/tcp/4002/p2p/c",)
+    assert ac.addrs_for_b == ("/ip4/198.51.100.1/tcp/4001/p2p/a",)
+    # New addresses: the node's paths are forgotten and it is judged (then paired) afresh.
+    d.registered("c", ["/ip4/192.168.9.2/tcp/4009/p2p/c"], 1 * MB)
+    assert d.paths_of("c") == set() and d.paths_of("a") == {"b", "s"}
+
+
+def test_punches_run_side_by_side_up_to_a_few_per_node_and_none_twice() -> None:
+    from echo.coordinator.dissemination_nat import MAX_CONCURRENT_PER_NODE
+
+    routers = {f"n{i}": f"198.51.100.{i}" for i in range(8)}
+    d = _nat_diss(routers, {n: MB for n in routers})
+    pairs = d.punch_pairs()
+    per_node = Counter(n for p in pairs for n in (p.a, p.b))
+    assert max(per_node.values()) == MAX_CONCURRENT_PER_NODE
+    busy = Counter(per_node)
+    flying = {frozenset((p.a, p.b)) for p in pairs}
+    assert d.punch_pairs(busy, flying) == []  # everyone at the cap
+    busy.subtract(["n0"] * MAX_CONCURRENT_PER_NODE)
+    again = d.punch_pairs(busy, flying)
+    assert again and all("n0" in (p.a, p.b) for p in again)
+    assert not {frozenset((p.a, p.b)) for p in again} & flying
+
+
+def test_two_behind_one_router_on_one_port_only_the_first_punches() -> None:
+    routers = {"a": "198.51.100.1", "b": "198.51.100.1", "c": "198.51.100.2"}
+    d = Dissemination(learner_upload_bps=2 * MB, default_node_upload_bps=1 * MB)
+    for n, ip in routers.items():
+        d.registered(n, [f"/ip4/192.168.0.{ord(n)}/tcp/4001/p2p/{n}"], 1 * MB)
+        d.set_reachable(n, False, verdict="nat", observed_ip=ip)
+    pairs = []
+    for _ in range(5):
+        got = d.punch_pairs()
+        pairs += got
+        for p in got:
+            d.set_punched(p, p.method == "lan")
+    assert {(p.a, p.b, p.method) for p in pairs} == {("a", "b", "lan"), ("a", "c", "punch")}
+
+
+def test_an_outcome_for_old_addresses_is_not_booked() -> None:
+    routers = {"a": "198.51.100.1", "c": "198.51.100.2"}
+    d = _nat_diss(routers, {"a": MB, "c": MB})
+    (pair,) = d.punch_pairs()
+    d.registered("c", ["/ip4/192.168.9.2/tcp/4009/p2p/c"], 1 * MB)
+    d.set_reachable("c", False, verdict="nat", observed_ip="198.51.100.2")
+    d.set_punched(pair, True)
+    assert d.paths_of("a") == set()
+
+
+def test_a_nat_node_with_punched_paths_relays_to_them_and_a_symmetric_one_stays_a_leaf() -> None:
+    # e0, e1 behind one eim router, e3 behind another, s2 behind a symmetric one (every punch
+    # with it fails); three public nodes.
+    routers = {"e0": "198.51.100.1", "e1": "198.51.100.1", "s2": "198.51.100.2",
+               "e3": "198.51.100.3"}
+    ups = {n: 1 * MB for n in [*routers, "p0", "p1", "p2"]}
+    d = _nat_diss(routers, ups)
+    for _ in range(10):
+        for p in d.punch_pairs():
+            d.set_punched(p, "s2" not in (p.a, p.b))
+    assert d.paths_of("s2") == set() and d.paths_of("e3") == {"e0", "e1"}
+    for _ in range(2):  # the quick plan, then the full re-plan patched
+        ann = d.plan("job", 1, b"m", 64 * MB, source="L", source_addrs=[], nodes=list(ups))
+        assert ann is not None
+        relays = _parents(ann) & set(routers)
+        assert len(relays) == 1 and "s2" not in relays
+        (relay,) = relays
+        for s in ann.plan.stripes:
+            assert sorted(c for e in s for c in e.children) == sorted(ups)  # once per stripe
+            kids = {c for e in s if e.parent == relay for c in e.children}
+            assert kids == set(routers) - {relay, "s2"}  # its punched peers, in every stripe
+            parent_of = {c: e.parent for e in s for c in e.children}
+            assert parent_of[relay] not in routers  # fed by a dialable parent
+            assert parent_of["s2"] not in routers
+        by_peer = {p.peer_id: p.addrs for p in ann.peers}
+        assert by_peer[relay] == []  # still announced without addresses
+        d.refresh("job")
+    # A punched path that is gone (new addresses): the relay is a leaf again.
+    d.registered("e0", ["/ip4/192.168.9.2/tcp/4009/p2p/e0"], 1 * MB)
+    d.registered("e1", ["/ip4/192.168.9.3/tcp/4010/p2p/e1"], 1 * MB)
+    d.set_reachable("e0", False, verdict="nat", observed_ip="198.51.100.1")
+    d.set_reachable("e1", False, verdict="nat", observed_ip="198.51.100.1")
+    ann = d.plan("job", 2, b"m", 64 * MB, source="L", source_addrs=[], nodes=list(ups))
+    assert ann is not None and not _parents(ann) & set(routers)
+
+
+def test_a_nat_relay_pushes_over_the_punched_connection(tmp_path: Path) -> None:
+    """Three "behind NAT" nodes announced without addresses; two of them hold a direct
+    connection (here dialled on loopback, standing in for a punched one) and the plan makes one
+    the other's relay. The child gets the version pushed by its NAT'd parent over that
+    connection: no address of either is announced, pulls start only after 60 s."""
+    learner, coord = Identity.generate(), Identity.generate()
+    payload, _, env, src_store = make_version(tmp_path, learner, 1_000_000)
+    keys = {JOB: learner.public_key_bytes}
+    cfg = RelayConfig(stall_timeout_s=60.0)
+
+    async def body() -> None:
+        src = Node(learner.peer_id_str, learner, src_store)
+        nodes = nodes_for(tmp_path, 5)
+        by_name = {n.name: n for n in [src, *nodes]}
+        async with trio.open_nursery() as nursery:
+            addrs = await start_swarm(nursery, [src, *nodes], keys, cfg)
+            d = _diss({n.name: 1 * MB for n in nodes}, addrs)
+            hidden = [nodes[0].name, nodes[1].name, nodes[2].name]
+            for i, n in enumerate(nodes):
+                if n.name in hidden:
+                    d.set_reachable(n.name, False, verdict="nat", observed_ip=f"198.51.100.{i}")
+                else:
+                    d.set_reachable(n.name, True, verdict="public", observed_ip="127.0.0.1")
+            pairs = d.punch_pairs()
+            assert len(pairs) == 3 and {p.method for p in pairs} == {"punch"}  # three routers
+            (pair,) = [p for p in pairs if {p.a, p.b} == set(hidden[:2])]
+            # The "punch": a direct connection between the pair, then both ends say ok.
+            a, b_ = by_name[pair.a], by_name[pair.b]
+            await a.host.connect(addrs[b_.name][0])
+            d.set_punched(pair, True)
+            ann = d.plan(JOB, 1, env, len(payload), chunk_bytes=64 * 1024, source=src.name,
+                         source_addrs=addrs[src.name], nodes=[n.name for n in nodes])
+            assert ann is not None
+            edges = {(e.parent, c) for s in ann.plan.stripes for e in s for c in e.children}
+            relay, child = (a, b_) if (a.name, b_.name) in edges else (b_, a)
+            assert (relay.name, child.name) in edges
+            assert {p.peer_id: p.addrs for p in ann.peers}[relay.name] == []
+            sealed = signing.seal_record(coord.private_key, ann)
+            for n in [src, *nodes]:
+                await n.relay.join_plan(sealed, coord.public_key_bytes, JOB)
+            with trio.fail_after(30):
+                for n in nodes:
+                    t = await n.relay.wait(JOB, 1, timeout=30)
+                    assert t.payload(n.store) == payload
+            t = relay.relay.transfer(JOB, 1)
+            assert t is not None
+            states = {st for (_, c), st in t.child_state.items() if c == child.name}
+            assert states and states <= {"pushing", "done"}, states  # a push stream opened
+            got = child.relay.transfer(JOB, 1)
+            assert got is not None
+            assert sum(f.received for f in got.feeds if f.peer == relay.name) == got.n
             nursery.cancel_scope.cancel()
 
     run(body)

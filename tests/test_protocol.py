@@ -173,3 +173,34 @@ def test_packed_arrays_are_checked() -> None:
         m.unpack_logprobs(m.pack_logprobs([-1.0, math.nan]), max_len=8)
     with pytest.raises(SchemaError, match="finite"):
         m.unpack_logprobs(m.pack_logprobs([0.5]), max_len=8)
+
+
+def test_punch_messages_round_trip_and_bounds() -> None:
+    from echo.protocol import reachability as r
+
+    req = r.PunchRequest(
+        peer_id="12D3KooWpeer",
+        method="punch",
+        peer_addrs=["/ip4/198.51.100.7/tcp/4001/p2p/12D3KooWpeer"],
+        start_in_s=2.0,
+        timeout_s=10.0,
+    )
+    assert m.decode(r.PunchRequest, m.encode(req)) == req
+    reply = r.PunchReply(ok=True, via="dial", elapsed_s=0.05)
+    assert m.decode(r.PunchReply, m.encode(reply)) == reply
+    good = req.to_obj()
+    for field, bad in [
+        ("method", "relay"),
+        ("peer_addrs", []),
+        ("peer_addrs", ["/ip4/1.2.3.4/tcp/1"] * (r.MAX_PUNCH_ADDRS + 1)),
+        ("start_in_s", -1.0),
+        ("start_in_s", r.MAX_PUNCH_DELAY_S + 1),
+        ("start_in_s", math.nan),
+        ("timeout_s", 0.0),
+        ("timeout_s", r.MAX_PUNCH_TIMEOUT_S + 1),
+        ("peer_id", ""),
+    ]:
+        with pytest.raises(SchemaError):
+            m.from_obj(r.PunchRequest, {**good, field: bad})
+    with pytest.raises(SchemaError):
+        m.from_obj(r.PunchReply, {"ok": True, "elapsed_s": -1.0})
