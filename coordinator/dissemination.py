@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Collection, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
 import trio
@@ -233,14 +233,18 @@ class Dissemination:
         source: str,
         source_addrs: Sequence[str],
         nodes: Sequence[str],
+        leaves: Collection[str] = (),
     ) -> b.PlanAnnouncement | None:
         """The plan of ``version`` over those of ``nodes`` whose addresses are known (None when
-        none are: nodes then pull from the learner)."""
+        none are: nodes then pull from the learner). ``leaves`` receive and relay to nobody
+        (the coordinator passes nodes without an accepted group: identities are free, and one
+        planned as a relay that never relays stalls its subtree)."""
         members = sorted({n for n in nodes if n != source and self.links.get(n, NodeLink()).addrs})
         if not members:
             return None
         ceiling = self._ceiling()
-        ups = {n: self._upload(n, ceiling) for n in members}
+        leaf_only = set(leaves)
+        ups = {n: 0.0 if n in leaf_only else self._upload(n, ceiling) for n in members}
         inputs = _Inputs(source, ups, total_bytes, chunk_bytes)
         with self._lock:
             last = self._plans.get(job_id)
@@ -256,7 +260,7 @@ class Dissemination:
                 self._due[job_id] = inputs
         # The stored plan keeps NAT'd nodes as leaves (the next patch and the full re-plan start
         # from it); the announced one adds the relays over punched paths, as they stand now.
-        paths = {n: self.paths_of(n) for n in members}
+        paths = {n: self.paths_of(n) for n in members if n not in leaf_only}
         announced = with_punched_relays(
             chosen,
             {n: p for n, p in paths.items() if p},

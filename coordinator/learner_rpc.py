@@ -233,6 +233,14 @@ class LearnerRPC:
             return b""
         row = self.store.job(man.job_id)
         assert row is not None  # the report that published this version named it
+        nodes = [
+            n.node_id
+            for n in active_nodes(self.store)
+            if self.placement is None
+            or self.placement.plannable(n.node_id, man.job_id, man.kind == "anchor")
+        ]
+        placement = self.placement
+        leaves = [n for n in nodes if placement is not None and not placement.proven(n)]
         ann = await trio.to_thread.run_sync(
             functools.partial(
                 self.dissemination.plan,
@@ -243,12 +251,8 @@ class LearnerRPC:
                 chunk_bytes=max((c.size for c in man.chunks), default=1),
                 source=row.learner_peer_id,
                 source_addrs=row.learner_addrs,
-                nodes=[
-                    n.node_id
-                    for n in active_nodes(self.store)
-                    if self.placement is None
-                    or self.placement.plannable(n.node_id, man.job_id, man.kind == "anchor")
-                ],
+                nodes=nodes,
+                leaves=leaves,
             )
         )
         if ann is None:

@@ -145,21 +145,25 @@ class Placement:
         )
 
     def plannable(self, node_id: str, job_id: str, anchor: bool) -> bool:
-        """Whether a version of ``job_id`` may be planned through the node: it serves the job,
-        has had a group accepted, and holds one of the job's versions, or the version is an
-        anchor (which needs no base). A job new since the last pass is scheduled first, so its
-        first version reaches the nodes placed on it.
-
-        Identities are free: planned before they had delivered anything, 16 lease hoarders (no
-        relay at all) sat in every anchor's tree, their subtrees stalled until the pull
-        fallback, and honest nodes spent pushes on them (benchmarks/attack.py). A new node
-        pulls its versions until its first accepted group."""
+        """Whether a version of ``job_id`` may be planned through the node: it serves the job
+        and holds one of its versions, or the version is an anchor (which needs no base). A
+        job new since the last pass is scheduled first, so its first version reaches the nodes
+        placed on it."""
         if job_id not in self.views:
             self.refresh()
         node = self.nodes.get(node_id)
-        if node is None or node.job != job_id or not node.proven:
+        if node is None or node.job != job_id:
             return False
         return anchor or node.held.get(job_id, -1) >= 0
+
+    def proven(self, node_id: str) -> bool:
+        """The node has had a group accepted (as of the last scheduling pass). Identities are
+        free: planned as relays before they had delivered anything, 16 lease hoarders (no relay
+        at all) sat in anchors' trees and stalled their subtrees (benchmarks/attack.py), so an
+        unproven node is planned as a leaf. Left out of plans instead, a new node had to pull
+        whole versions and, on a fast job, never caught up to earn its first acceptance."""
+        node = self.nodes.get(node_id)
+        return node is not None and node.proven
 
     def serves(self, node_id: str, job_id: str) -> bool:
         """The node is placed on ``job_id``."""

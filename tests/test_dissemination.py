@@ -197,3 +197,17 @@ def test_learner_gets_a_signed_plan_and_bad_peer_reports_are_heard(tmp_path) -> 
         assert coord.dissemination.upload_of(str(nodes[1].host.peer_id)) > 0.0
 
     run_with_coordinator(tmp_path, body)
+
+
+def test_leaves_receive_and_relay_to_nobody() -> None:
+    """Nodes the coordinator passes as ``leaves`` (no accepted group yet) are reached once per
+    stripe like everyone else and are nobody's parent, however fast they say they are."""
+    ups = {f"n{i}": 1 * MB for i in range(6)} | {f"fresh{i}": 100 * MB for i in range(4)}
+    d = _diss(**ups)
+    fresh = [n for n in ups if n.startswith("fresh")]
+    ann = d.plan("job", 3, b"m", 64 * MB, source="L", source_addrs=[], nodes=list(ups),
+                 leaves=fresh)
+    assert ann is not None
+    _reaches_everyone_once(ann, list(ups))
+    for stripe in _edges(ann):
+        assert not set(stripe) & set(fresh), stripe

@@ -1,4 +1,4 @@
-"""Fresh identities cannot bench the nodes that work, nor sit in broadcast trees (found by
+"""Fresh identities cannot bench the nodes that work, nor relay in broadcast trees (found by
 benchmarks/attack.py).
 
 The scheduler counted a node that had measured nothing at the typical rate of the job's nodes,
@@ -55,10 +55,10 @@ def test_sixteen_fresh_identities_do_not_send_working_nodes_to_standby(tmp_path)
     run_with_coordinator(tmp_path, body, lease_quota_ramp=0, exclude_after_failures=100)
 
 
-def test_only_nodes_with_accepted_work_are_planned_through(tmp_path) -> None:
-    """A fresh identity placed on the job, holding a version, is not put in a broadcast tree
-    (it pulls) until one of its groups is accepted: hoarders no relay at all once sat in every
-    anchor's tree and stalled their subtrees (benchmarks/attack.py)."""
+def test_only_nodes_with_accepted_work_relay(tmp_path) -> None:
+    """A fresh identity placed on the job, holding a version, is planned as a leaf (it receives,
+    relays to nobody) until one of its groups is accepted: hoarders, no relay at all, once sat
+    in anchors' trees as relays and stalled their subtrees (benchmarks/attack.py)."""
 
     async def body(coord, client) -> None:
         job_id, _ = await start_job(coord, client)
@@ -67,13 +67,11 @@ def test_only_nodes_with_accepted_work_are_planned_through(tmp_path) -> None:
         nid = str(node.host.peer_id)
         coord.placement.observed(nid, job_id, 0.0, 0)  # it says it holds v0
         coord.placement.refresh()
-        assert coord.placement.serves(nid, job_id)
-        assert not coord.placement.plannable(nid, job_id, anchor=True)
-        assert not coord.placement.plannable(nid, job_id, anchor=False)
+        assert coord.placement.plannable(nid, job_id, anchor=False)
+        assert not coord.placement.proven(nid)
         lease = open_lease(coord, (await node.leases(job_id, 0, 1)).leases[0])
         assert (await node.submit(node.seal(group_for(lease)))).accepted
         coord.placement.refresh()
-        assert coord.placement.plannable(nid, job_id, anchor=True)
-        assert coord.placement.plannable(nid, job_id, anchor=False)
+        assert coord.placement.proven(nid)
 
     run_with_coordinator(tmp_path, body, lease_quota_ramp=0, exclude_after_failures=100)
