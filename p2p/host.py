@@ -66,6 +66,8 @@ DEFAULT_LISTEN_ADDRS = ("/ip4/127.0.0.1/tcp/0",)
 DEFAULT_CONNECT_TIMEOUT = 10.0
 # Pubsub's queue tasks start within milliseconds; a bound so a broken start cannot hang us.
 PUBSUB_START_TIMEOUT = 10.0
+# Closing a host's connections on the way out of open_host: a few round trips at most.
+HOST_CLOSE_TIMEOUT = 5.0
 # A response frame carries one status byte before the payload.
 _STATUS_LEN = 1
 
@@ -316,7 +318,23 @@ async def open_host(
             yield echo
         finally:
             echo._closed = True
+            await _close_connections(host)
     logger.debug("host %s closed", identity.peer_id_str)
+
+
+async def _close_connections(host: IHost) -> None:
+    """Close every connection of ``host`` (bounded by :data:`HOST_CLOSE_TIMEOUT`, shielded: it
+    runs on the way out of a cancelled block too). Leaving ``host.run`` does not (py-libp2p
+    0.8.1): each host a process opened and left kept its TCP connections, and the peer at the
+    other end kept them too -- a coordinator takes at most 250 inbound connections, so a
+    churn of short-lived peers (benchmarks/soak.py) shut every later one out."""
+    with trio.move_on_after(HOST_CLOSE_TIMEOUT) as scope:
+        scope.shield = True
+        for peer in list(host.get_network().connections):
+            try:
+                await host.disconnect(peer)
+            except Exception as exc:  # noqa: BLE001 (best effort: the process is leaving it)
+                logger.debug("closing the connection to %s: %s", peer, exc)
 
 
 __all__ = ["DEFAULT_LISTEN_ADDRS", "EchoHost", "open_host"]

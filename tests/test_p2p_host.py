@@ -115,3 +115,23 @@ def test_close_with_active_streams_and_subscriptions() -> None:
         assert trio.current_time() - start < 10
 
     run(body)
+
+
+def test_leaving_open_host_closes_its_connections() -> None:
+    """A host that leaves its block closes its connections, so the peer at the other end is
+    not left holding them (py-libp2p kept them open: a coordinator takes 250 inbound ones, and
+    a churn of short-lived peers shut every later peer out)."""
+
+    async def main() -> None:
+        with trio.fail_after(30):
+            async with open_host(Identity.generate(), pubsub=False) as a:
+                addr = a.listen_multiaddrs[0]
+                for _ in range(5):
+                    async with open_host(Identity.generate(), pubsub=False) as b:
+                        await b.connect(addr)
+                        assert a.peer_id in b.connected_peers()
+                with trio.fail_after(5):
+                    while a.connected_peers():
+                        await trio.sleep(0.05)
+
+    trio.run(main)
