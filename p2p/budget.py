@@ -17,6 +17,7 @@ The buckets are pure and synchronous over an injectable monotonic clock; :class:
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import time
 from collections import OrderedDict
@@ -185,6 +186,18 @@ class Gate:
             if key_rpc == rpc:
                 # Prefix keys are networks ("a.b.c.0/24"); peer ids never hold a '/'.
                 bucket.limit = limit.scaled(self.prefix_factor) if "/" in who else limit
+
+    def raise_burst(self, rpc: str, burst_bytes: float) -> None:
+        """Raise ``rpc``'s byte burst to ``burst_bytes`` (a smaller value changes nothing); the
+        buckets already made get the difference at once, as a bucket made now would."""
+        limit = self.limit(rpc)
+        extra = burst_bytes - limit.burst_bytes
+        if extra <= 0:
+            return
+        self.set_limit(rpc, dataclasses.replace(limit, burst_bytes=burst_bytes))
+        for (who, key_rpc), bucket in self._buckets.items():
+            if key_rpc == rpc:
+                bucket.bytes += extra * (self.prefix_factor if "/" in who else 1.0)
 
     def resize(self, max_keys: int) -> None:
         """Keep at most ``max_keys`` keys per map from now on (applied as keys are added)."""

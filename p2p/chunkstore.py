@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from echo.p2p.budget import Limit
 from echo.p2p.host import EchoHost
 from echo.protocol import ids
 from echo.protocol import messages as m
@@ -63,6 +64,7 @@ class ChunkStore:
         self.keep_versions = keep_versions
         root.mkdir(parents=True, exist_ok=True)
         self._index: dict[bytes, Path] = {}
+        self._version_bytes: dict[int, int] = {}  # bytes held per version (sizes the budget)
         # When a chunk was last handed out (time.monotonic()); a finished learner serves its
         # final version until nobody has asked for a while.
         self.last_read = 0.0
@@ -71,6 +73,8 @@ class ChunkStore:
                 for f in vdir.iterdir():
                     if len(f.name) == 64:
                         self._index[bytes.fromhex(f.name)] = f
+                        v = int(vdir.name)
+                        self._version_bytes[v] = self._version_bytes.get(v, 0) + f.stat().st_size
 
     def has(self, sha: bytes) -> bool:
         return sha in self._index
@@ -99,8 +103,13 @@ class ChunkStore:
             tmp = path.with_suffix(".tmp")
             tmp.write_bytes(data)
             os.replace(tmp, path)
+            self._version_bytes[version] = self._version_bytes.get(version, 0) + len(data)
         self._index[digest] = path
         return digest
+
+    def largest_version_bytes(self) -> int:
+        """The bytes of the largest version held (0 when none)."""
+        return max(self._version_bytes.values(), default=0)
 
     def versions(self) -> list[int]:
         return sorted(int(p.name) for p in self.root.iterdir() if p.is_dir() and p.name.isdigit())
@@ -112,6 +121,7 @@ class ChunkStore:
         dropped = {str(v) for v in vs if v not in keep}
         for v in dropped:
             shutil.rmtree(self.root / v, ignore_errors=True)
+            self._version_bytes.pop(int(v), None)
         # Entry by entry: a relay's worker thread may be adding chunks meanwhile.
         for sha, path in list(self._index.items()):
             if path.parent.name in dropped:
@@ -168,11 +178,27 @@ def serve_chunks(
     on the host's upload cap (:attr:`EchoHost.upload_limiter`), which relay pushes share.
     """
 
+    fitted: list[Limit | None] = [None]  # the limit this function set, if any
+
+    def fit_budget() -> None:
+        # The default burst (64 MB) is smaller than one anchor of a real model (SmolLM2 in
+        # bf16: 269 MB), so a new node pulling its first version from the learner was refused
+        # and backed off, again and again. The burst covers two of the largest version held;
+        # the sustained rate still holds a leecher. A limit someone else set is left alone.
+        current = host.gate.limits.get(ids.PROTO_CHUNK)
+        if current is not None and current is not fitted[0]:
+            return
+        need = 2.0 * store.largest_version_bytes()
+        if need > host.gate.limit(ids.PROTO_CHUNK).burst_bytes:
+            host.gate.raise_burst(ids.PROTO_CHUNK, need)
+            fitted[0] = host.gate.limits[ids.PROTO_CHUNK]
+
     async def handler(peer_id, data: bytes) -> bytes:
         req = m.decode(m.ChunkRequest, data)
         chunk = store.get(req.sha256)
         if chunk is None:
             raise ProtocolError("chunk not held here", code="no_chunk")
+        fit_budget()
         peer = str(peer_id)
         if not host.gate.admit_bytes(peer, None, ids.PROTO_CHUNK, len(chunk)):
             host.gate.punish(peer)

@@ -177,3 +177,26 @@ def test_chunk_serving_has_a_per_peer_byte_budget(tmp_path) -> None:
                 await fetch_chunk(other, peer2, refs[2], timeout=10)
 
     trio.run(main)
+
+
+def test_chunk_budget_covers_a_whole_version_but_not_endless_pulls(tmp_path) -> None:
+    """A peer may pull the largest version held twice in a burst, however small the default
+    budget (a real model's anchor outgrew the 64 MB default and a new node was refused and
+    backed off); the sustained rate still stops a third pull."""
+    store, refs = _chunks(tmp_path, 3, 1 << 20)
+
+    async def main() -> None:
+        with trio.fail_after(40):
+            async with (
+                open_host(Identity.generate(), pubsub=False) as server,
+                open_host(Identity.generate(), pubsub=False) as node,
+            ):
+                server.gate.default = Limit(100, 100, 1e5, 1.5 * (1 << 20))
+                serve_chunks(server, store)
+                peer = await node.connect(server.listen_multiaddrs[0])
+                for ref in refs + refs:  # the whole 3 MiB version, twice
+                    await fetch_chunk(node, peer, ref, timeout=10)
+                with pytest.raises((RemoteError, RpcConnectionError)):
+                    await fetch_chunk(node, peer, refs[0], timeout=10)
+
+    trio.run(main)
