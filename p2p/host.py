@@ -68,6 +68,9 @@ DEFAULT_CONNECT_TIMEOUT = 10.0
 PUBSUB_START_TIMEOUT = 10.0
 # Closing a host's connections on the way out of open_host: a few round trips at most.
 HOST_CLOSE_TIMEOUT = 5.0
+# Open connections a host accepts more from (py-libp2p's own figure: 300 minus 50 kept for
+# dialling out).
+INBOUND_CONNECTION_CAP = 250
 # A response frame carries one status byte before the payload.
 _STATUS_LEN = 1
 
@@ -252,6 +255,33 @@ class EchoHost:
         await self._require_pubsub().wait_for_subscribers(topic, count, timeout)
 
 
+class LiveConnectionCap:
+    """Stands in for py-libp2p's inbound-connection limiter, counting live connections.
+
+    py-libp2p 0.8.1 holds one slot of a ``trio.CapacityLimiter(max - min)`` per inbound
+    connection until the whole swarm stops (its handler waits on the swarm's manager, not on
+    the connection), so a host accepted 250 inbound connections in its life and refused every
+    later one: a coordinator, after its 250th node connection, took no new node. This one
+    admits a connection while fewer than ``cap`` are open; ``release`` has nothing to give back.
+    """
+
+    def __init__(self, network: object, cap: int) -> None:
+        self._network = network
+        self.total_tokens = cap
+
+    @property
+    def borrowed_tokens(self) -> int:
+        conns = getattr(self._network, "connections", {})
+        return sum(len(c) for c in list(conns.values()))
+
+    def acquire_nowait(self) -> None:
+        if self.borrowed_tokens >= self.total_tokens:
+            raise trio.WouldBlock
+
+    def release(self) -> None:
+        pass
+
+
 def _build_libp2p_host(identity: Identity, addrs: Sequence[Multiaddr]) -> IHost:
     install_yamux()
     keypair = identity.libp2p_keypair()
@@ -298,6 +328,8 @@ async def open_host(
     """
     addrs = _parse_listen_addrs(listen_addrs)
     host = _build_libp2p_host(identity, addrs)
+    network = host.get_network()
+    network._inbound_limiter = LiveConnectionCap(network, INBOUND_CONNECTION_CAP)  # type: ignore[attr-defined]
     service = PubsubService(host, pubsub_config) if pubsub else None
     echo = EchoHost(host, identity, service)
     if on_violation is not None:

@@ -135,3 +135,36 @@ def test_leaving_open_host_closes_its_connections() -> None:
                         await trio.sleep(0.05)
 
     trio.run(main)
+
+
+def test_inbound_cap_counts_open_connections_not_a_lifetime(monkeypatch) -> None:
+    """py-libp2p kept a slot per inbound connection until its host stopped, so a coordinator
+    took 250 connections in its life and refused every later one. The cap (3 here) now
+    counts open connections: peers that come and go never run out of slots, and a fourth
+    peer while three stay connected is refused."""
+    import echo.p2p.host as host_mod
+
+    monkeypatch.setattr(host_mod, "INBOUND_CONNECTION_CAP", 3)
+
+    async def main() -> None:
+        with trio.fail_after(60):
+            async with open_host(Identity.generate(), pubsub=False) as a:
+                addr = a.listen_multiaddrs[0]
+                for _ in range(6):  # twice the cap, one after another
+                    async with open_host(Identity.generate(), pubsub=False) as b:
+                        await b.connect(addr)
+                with trio.fail_after(5):
+                    while a.connected_peers():
+                        await trio.sleep(0.05)
+                async with (
+                    open_host(Identity.generate(), pubsub=False) as c1,
+                    open_host(Identity.generate(), pubsub=False) as c2,
+                    open_host(Identity.generate(), pubsub=False) as c3,
+                    open_host(Identity.generate(), pubsub=False) as c4,
+                ):
+                    for c in (c1, c2, c3):
+                        await c.connect(addr)
+                    with pytest.raises((RpcConnectionError, RpcTimeout)):
+                        await c4.connect(addr, timeout=5)
+
+    trio.run(main)
