@@ -23,6 +23,7 @@ import logging
 import socket
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
 
 import trio
 from libp2p import new_host
@@ -282,6 +283,28 @@ class LiveConnectionCap:
         pass
 
 
+def _keep_own_keys(host: IHost) -> None:
+    """Keep the host's own entry out of its peerstore's eviction.
+
+    py-libp2p 0.8.1 caps a peerstore at 1,000 peers and evicts entries without addresses
+    first, our own among them; the next ``get_public_key`` raised PeerStoreError and the
+    coordinator died (benchmarks/soak.py: about 1,000 churned identities in). Our entry is
+    set aside while the store evicts, then put back."""
+    store: Any = host.get_peerstore()
+    own = host.get_id()
+    evict = store._enforce_peer_limit
+
+    def enforce() -> None:
+        mine = store.peer_data_map.pop(own, None)
+        try:
+            evict()
+        finally:
+            if mine is not None:
+                store.peer_data_map[own] = mine
+
+    store._enforce_peer_limit = enforce
+
+
 def _build_libp2p_host(identity: Identity, addrs: Sequence[Multiaddr]) -> IHost:
     install_yamux()
     keypair = identity.libp2p_keypair()
@@ -330,6 +353,7 @@ async def open_host(
     host = _build_libp2p_host(identity, addrs)
     network = host.get_network()
     network._inbound_limiter = LiveConnectionCap(network, INBOUND_CONNECTION_CAP)  # type: ignore[attr-defined]
+    _keep_own_keys(host)
     service = PubsubService(host, pubsub_config) if pubsub else None
     echo = EchoHost(host, identity, service)
     if on_violation is not None:

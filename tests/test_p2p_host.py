@@ -168,3 +168,24 @@ def test_inbound_cap_counts_open_connections_not_a_lifetime(monkeypatch) -> None
                         await c4.connect(addr, timeout=5)
 
     trio.run(main)
+
+
+def test_own_keys_survive_peerstore_eviction() -> None:
+    """py-libp2p's peerstore keeps 1,000 peers and evicted the host's own entry first (it has
+    no addresses): the coordinator died on its next get_public_key after ~1,000 churned peers."""
+
+    async def main() -> None:
+        with trio.fail_after(30):
+            async with open_host(Identity.generate(), pubsub=False) as a:
+                store = a.libp2p.get_peerstore()
+                key = a.libp2p.get_public_key()
+                for _ in range(store.max_peers + 50):  # strangers' keys, as handshakes add them
+                    other = Identity.generate()
+                    store.add_pubkey(
+                        ID.from_base58(other.peer_id_str), other.libp2p_keypair().public_key
+                    )
+                    store._enforce_peer_limit()
+                assert len(store.peer_data_map) <= store.max_peers + 1
+                assert a.libp2p.get_public_key() == key
+
+    trio.run(main)
