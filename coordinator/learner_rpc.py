@@ -239,8 +239,9 @@ class LearnerRPC:
             if self.placement is None
             or self.placement.plannable(n.node_id, man.job_id, man.kind == "anchor")
         ]
+        # Nodes without an accepted group receive but relay to nobody (Placement.proven).
         placement = self.placement
-        leaves = [n for n in nodes if placement is not None and not placement.proven(n)]
+        leaves = [] if placement is None else [n for n in nodes if not placement.proven(n)]
         ann = await trio.to_thread.run_sync(
             functools.partial(
                 self.dissemination.plan,
