@@ -21,7 +21,7 @@ from echo.learner.evaluate import greedy_accuracy
 from echo.learner.grpo import GRPOConfig, GRPOLearner, TrainGroup
 from echo.learner.warmup import warmup
 from echo.models.spec import ModelSpec, build_model, decode_completion, encode_prompt
-from echo.models.weights import export_state
+from echo.models.weights import export_state, load_state
 from echo.node.engines.base import GenRequest, SamplingParams
 from echo.node.engines.torch_engine import TorchEngine
 from echo.tasks import make_task
@@ -43,6 +43,10 @@ class LocalConfig:
     threads: int | None = None
     temperature: float = 1.0
     lag: int = 0  # sample from the weights of this many versions ago (the swarm's staleness)
+    # The gradient at the weights that sampled the batch, applied to the current ones (a delayed
+    # gradient: every group would be on-policy where its gradient is taken, so the re-scoring
+    # gate could always be fused into the step). An experiment: it learns worse (README).
+    grad_at_sampler: bool = False
     eval_every: int = 50  # greedy accuracy on held-out prompts every this many steps (0: never)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
@@ -98,7 +102,8 @@ def run(cfg: LocalConfig, log: bool = True) -> tuple[list[dict[str, float]], flo
             )
             for pid, r, cs in zip(prompt_ids, reqs, out, strict=True)
         ]
-        m = learner.step(groups)
+        m = _delayed_step(learner, groups, published[0]) if cfg.grad_at_sampler else (
+            learner.step(groups))
         # What a node gets: the published state, copied exactly into its own model (with a lag,
         # the state published that many versions ago, as a node that has not caught up holds).
         published = (published + [export_state(learner.model)])[-(cfg.lag + 1):]
@@ -126,6 +131,28 @@ def run(cfg: LocalConfig, log: bool = True) -> tuple[list[dict[str, float]], flo
     return history, acc
 
 
+def _delayed_step(
+    learner: GRPOLearner, groups: list[TrainGroup], sampler: dict[str, torch.Tensor]
+) -> dict[str, float]:
+    """One step whose gradient is taken at ``sampler`` (the weights the groups were sampled
+    from) and applied by the optimizer to the learner's current weights."""
+    current = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
+    load_state(learner.model, sampler)
+    opt_step = learner.opt.step
+
+    def restore_then_step(*args, **kwargs):
+        with torch.no_grad():
+            for n, p in learner.model.named_parameters():
+                p.copy_(current[n])
+        return opt_step(*args, **kwargs)
+
+    learner.opt.step = restore_then_step  # type: ignore[method-assign]
+    try:
+        return learner.step(groups)
+    finally:
+        learner.opt.step = opt_step  # type: ignore[method-assign]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=LocalConfig.steps)
@@ -137,6 +164,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lag", type=int, default=0,
                     help="sample from the weights of this many versions ago (swarm staleness)")
+    ap.add_argument("--grad-at-sampler", action="store_true",
+                    help="experiment: take the gradient at the sampling weights (delayed gradient)")
     ap.add_argument("--warmup-steps", type=int, default=LocalConfig.warmup_steps)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-cache", action="store_true", help="do not read or write the warm-up")
@@ -148,6 +177,7 @@ def main() -> None:
         steps=args.steps,
         seed=args.seed,
         lag=args.lag,
+        grad_at_sampler=args.grad_at_sampler,
         warmup_steps=args.warmup_steps,
         threads=args.threads,
         grpo=GRPOConfig(lr=args.lr),
