@@ -5,7 +5,8 @@ transport (TCP), one security protocol (Noise: the peer id is authenticated) and
 (yamux: about 5x mplex's throughput here, in :mod:`echo.p2p.yamux`'s variant whose reader never
 waits to write); QUIC, secio, TLS and plaintext are not offered. The
 host, its pubsub services and all tasks we start run inside the context; leaving it cancels and
-closes them all.
+closes them all. Which inbound connections the host keeps -- a per-prefix cap at admission,
+idle reaping under pressure -- is :attr:`EchoHost.guard`'s (:mod:`echo.p2p.conn_guard`).
 
 Errors raised by :class:`EchoHost` methods: ``ValueError`` for malformed multiaddrs / peer ids,
 :class:`~echo.p2p.rpc.RpcTimeout` and :class:`~echo.p2p.rpc.RpcConnectionError` from
@@ -41,6 +42,7 @@ from libp2p.transport.tcp.tcp import TCP
 from multiaddr import Multiaddr
 
 from echo.p2p.budget import Gate, UploadLimiter
+from echo.p2p.conn_guard import ConnectionGuard, GuardPolicy
 from echo.p2p.identity import Identity
 from echo.p2p.pubsub import PubsubConfig, PubsubService, Subscription, Validator
 from echo.p2p.rpc import (
@@ -88,10 +90,19 @@ def _as_peer_id(peer_id: ID | str) -> ID:
 class EchoHost:
     """A running libp2p host (only valid inside :func:`open_host`)."""
 
-    def __init__(self, host: IHost, identity: Identity, pubsub: PubsubService | None) -> None:
+    def __init__(
+        self,
+        host: IHost,
+        identity: Identity,
+        pubsub: PubsubService | None,
+        guard: ConnectionGuard | None = None,
+    ) -> None:
         self.libp2p = host
         self.identity = identity
         self.pubsub = pubsub
+        # Which inbound connections the host keeps (per-prefix cap, idle reaping): the
+        # coordinator protects the peers it must keep (guard.protect(peer_id)).
+        self.guard = guard or ConnectionGuard(connection_cap=INBOUND_CONNECTION_CAP)
         self._violations = ViolationLog()
         # Every request handler's admission: per-peer and per-prefix budgets, backoff. The
         # defaults are generous; a daemon sets tighter limits per protocol (gate.set_limit).
@@ -344,8 +355,13 @@ async def open_host(
     pubsub: bool = True,
     pubsub_config: PubsubConfig | None = None,
     on_violation: ViolationCallback | None = None,
+    guard_policy: GuardPolicy | None = None,
 ) -> AsyncIterator[EchoHost]:
     """Run a host for ``identity`` listening on ``listen_addrs`` for the duration of the block.
+
+    ``guard_policy`` sets which inbound connections the host keeps (:mod:`echo.p2p.conn_guard`:
+    per-prefix caps, idle reaping under pressure; its defaults when None). The guard's reaper
+    runs in the host's nursery.
 
     :raises ValueError: malformed or non-TCP listen addresses.
     """
@@ -353,9 +369,11 @@ async def open_host(
     host = _build_libp2p_host(identity, addrs)
     network = host.get_network()
     network._inbound_limiter = LiveConnectionCap(network, INBOUND_CONNECTION_CAP)  # type: ignore[attr-defined]
+    guard = ConnectionGuard(guard_policy, connection_cap=INBOUND_CONNECTION_CAP)
+    guard.install(network)
     _keep_own_keys(host)
     service = PubsubService(host, pubsub_config) if pubsub else None
-    echo = EchoHost(host, identity, service)
+    echo = EchoHost(host, identity, service, guard)
     if on_violation is not None:
         echo.add_violation_listener(on_violation)
     async with AsyncExitStack() as stack:
@@ -369,6 +387,7 @@ async def open_host(
         stack.callback(nursery.cancel_scope.cancel)
         if service is not None:
             service.bind_nursery(nursery)
+        nursery.start_soon(guard.run)
         logger.info("host %s listening on %s", echo.peer_id, echo.listen_multiaddrs)
         try:
             yield echo
