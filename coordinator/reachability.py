@@ -5,10 +5,11 @@ coordinator's host (nodes and ``echo-node doctor`` ask it "can you dial me?") an
 node whose addresses no dial-back has judged yet (:meth:`Dissemination.unprobed`: after each
 registration that brings new addresses), from a prober host of its own, on a fresh connection
 (:mod:`echo.p2p.reachability`). The verdict goes to :meth:`Dissemination.set_reachable`: a node
-that cannot be dialled is planned as a leaf.
+that cannot be dialled is planned as a leaf; two behind NAT may then be connected by a punch
+(:func:`echo.coordinator.punching.run_punching`, run here beside the dial-backs).
 
-Owns the prober host and its probe tasks; runs until cancelled and raises nothing else (a
-failed probe is logged and retried at the next registration).
+Owns the prober host, its probe tasks and the punching loop; runs until cancelled and raises
+nothing else (a failed probe is logged and retried at the next registration).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 import trio
 
 from echo.coordinator.dissemination import Dissemination
+from echo.coordinator.punching import run_punching
 from echo.p2p.host import EchoHost
 from echo.p2p.reachability import DialBack, observed_ip, open_dialback, serve_dialback
 
@@ -35,7 +37,9 @@ async def _probe(
     link = dissemination.links.get(node)
     if link is None or link.addrs != addrs:  # re-registered meanwhile: judge the new ones
         return
-    dissemination.set_reachable(node, reply.reachable)
+    dissemination.set_reachable(
+        node, reply.reachable, verdict=reply.verdict, observed_ip=reply.observed_ip
+    )
     log.info(
         "node %s %s (%s%s)",
         node[-8:],
@@ -46,10 +50,11 @@ async def _probe(
 
 
 async def run_reachability(host: EchoHost, dissemination: Dissemination) -> None:
-    """Serve dial-backs on ``host`` and judge every node :class:`Dissemination` learns of;
-    runs until cancelled."""
+    """Serve dial-backs on ``host``, judge every node :class:`Dissemination` learns of and
+    punch between the nodes judged "nat"; runs until cancelled."""
     async with open_dialback() as dialback, trio.open_nursery() as nursery:
         serve_dialback(host, dialback)
+        nursery.start_soon(run_punching, host, dissemination)
         limiter = trio.CapacityLimiter(PARALLEL)
         busy: set[str] = set()
 

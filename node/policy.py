@@ -79,6 +79,7 @@ class PolicyFollower:
         self.sync: WeightSync | None = None
         self.relay: Relay | None = None
         self.announced = -1  # the newest version a broadcast plan announced
+        self._punched_said: set[int] = set()  # versions whose punched-path chunks were told
         self._bad_peers_in, self._bad_peers_out = trio.open_memory_channel[b.BadPeerReport](
             BAD_PEER_QUEUE
         )
@@ -215,12 +216,31 @@ class PolicyFollower:
                 rebase = True
                 with contextlib.suppress(WeightError, RpcError, ProtocolError):
                     target = max(target, await sync.latest_version())
+        self._say_punched(sync.job.job_id, sync.version)
         if changed:
             assert self.engine is not None and sync.state is not None
             await trio.to_thread.run_sync(self.engine.load_state, sync.state)
             if self.cfg.keep_weights:
                 await trio.to_thread.run_sync(self._save_weights)
             await self.send_status()
+
+    def _say_punched(self, job_id: str, version: int) -> None:
+        """Tell the volunteer (and a test reading the log) how many of ``version``'s chunks came
+        pushed over a direct path punched through both routers (or dialled on the LAN)."""
+        punches = self.session.punches
+        t = self.relay.transfer(job_id, version) if self.relay is not None else None
+        if punches is None or t is None or version in self._punched_said:
+            return
+        self._punched_said.add(version)
+        by_peer: dict[str, int] = {}
+        for feed in t.feeds:
+            if feed.peer in punches.peers and feed.received:
+                by_peer[feed.peer] = by_peer.get(feed.peer, 0) + feed.received
+        for peer, chunks in sorted(by_peer.items()):
+            self.display.say(
+                f"v{version}: {chunks} chunks pushed by {peer[-8:]} over a direct path "
+                f"({punches.peers[peer]})"
+            )
 
     def _save_weights(self) -> None:
         """--keep-weights: the version's tensors, and beside them the digest the engine computes

@@ -6,7 +6,9 @@ identity, request/response calls with their timeouts, and registration: the repl
 the coordinator's scheduler placed the node on (:meth:`CoordinatorSession.wait_for_job`), and
 registering again is how a node with nothing to do polls for work (every :data:`IDLE_POLL_S`,
 well inside the coordinator's registration budget) and how it learns a job's current learner
-addresses.
+addresses. Once connected it also answers the coordinator's hole-punch go signals
+(:class:`~echo.node.punching.Punches`): a node behind NAT opens direct paths to the peers the
+coordinator pairs it with, over which the relay can then push.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import trio
 
 from echo.node.display import Display
 from echo.node.errors import NodeError
+from echo.node.punching import Punches
 from echo.p2p.host import EchoHost
 from echo.p2p.identity import Identity, public_key_from_peer_id
 from echo.p2p.rpc import RpcError
@@ -49,15 +52,23 @@ class CoordinatorSession:
         self.host: EchoHost | None = None
         self.peer = None  # the coordinator's peer id
         self.key = b""  # the coordinator's public key: leases and plans must carry its signature
+        self.punches: Punches | None = None  # answers the coordinator's punch requests
 
     async def connect(self, host: EchoHost, addr: str) -> None:
-        """Dial the coordinator at ``addr`` over ``host``. :raises NodeError: unreachable."""
+        """Dial the coordinator at ``addr`` over ``host`` and answer its punch requests there.
+
+        :raises NodeError: unreachable.
+        """
         self.host = host
         try:
             self.peer = await host.connect(addr)
         except (RpcError, ValueError, OSError) as exc:
             raise NodeError(f"cannot reach the coordinator at {addr}: {exc}") from None
         self.key = public_key_from_peer_id(self.peer)
+        # Before the first registration: the coordinator pairs a node for a punch as soon as
+        # its dial-back says "nat", which can be moments after it registered.
+        self.punches = Punches(host, self.peer)
+        self.punches.serve()
 
     async def call(self, proto: str, payload: bytes, *, timeout: float = RPC_TIMEOUT_S) -> bytes:
         """One request to the coordinator; its reply (at most 16 MiB).

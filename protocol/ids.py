@@ -14,7 +14,11 @@
 # 6: one swarm, many jobs: Register.cost (the volunteer's declared cost), RegisterReply
 #    .assigned_job and LeaseReply.assigned_job (the coordinator's scheduler places each node on
 #    one job, or on standby, and moves it).
-PROTOCOL_VERSION = 6
+# 7: reachability.PunchRequest / PunchReply on PROTO_PUNCH (coordinator -> a node behind NAT:
+#    open a direct connection to this other node now). Additive on the wire, but the go signal
+#    goes to both nodes at once: a v6 node refuses the stream and its partner punches alone
+#    until its timeout, so the swarm is kept on one punch-capable build.
+PROTOCOL_VERSION = 7
 
 # libp2p stream protocols (request/response, one frame each way).
 PROTO_REGISTER = "/echo/register/1.0.0"  # node -> coordinator

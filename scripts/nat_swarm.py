@@ -158,6 +158,7 @@ def inside(args: argparse.Namespace) -> int:
                     "4",
                     "--engine",
                     "torch",
+                    *(["--verbose"] if args.verbose_nodes else []),
                 ],
                 wrap=netem_nat.exec_argv(h.name, [], args.prefix),
             )
@@ -256,6 +257,7 @@ def outside(args: argparse.Namespace) -> int:
             str(args.steps),
             "--timeout",
             str(args.timeout),
+            *(["--verbose-nodes"] if args.verbose_nodes else []),
         ]
         proc = subprocess.run(
             netem_nat.exec_argv(COORD, argv, args.prefix), timeout=args.timeout + 180
@@ -274,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=360.0, help="give up after this many s")
     ap.add_argument("--prefix", default="ecw", help="netem_nat name prefix")
     ap.add_argument("--public-subnet", default="10.72.0.0/24")
+    ap.add_argument("--verbose-nodes", action="store_true", help="nodes log at DEBUG")
     ap.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.out = args.out.resolve()

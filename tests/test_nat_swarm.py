@@ -1,9 +1,13 @@
 """The whole swarm across an emulated internet (scripts/nat_swarm.py): coordinator and learner on
-a public host, 6 nodes -- 3 public, 2 behind one endpoint-independent router, 1 behind a
-symmetric one. It trains end to end: versions advance, every node ends on the final version
-with the published digest, and rollouts from the nodes behind NAT are accepted and trained.
+a public host, 7 nodes -- 3 public, 2 behind one endpoint-independent router (e0, e1), 1 behind a
+symmetric one (s2), 1 behind another eim router (e3). It trains end to end: versions advance,
+every node ends on the final version with the published digest, and rollouts from the nodes
+behind NAT are accepted and trained. The coordinator connects the nodes behind NAT directly
+(a LAN dial behind one router, a hole punch across two eim routers; every punch with the
+symmetric one fails), and a node behind one eim router receives versions pushed by a node
+behind the other over the punched connection.
 
-Needs root, iproute2 and iptables (nat table); skipped where they are missing. About 1.5 minutes
+Needs root, iproute2 and iptables (nat table); skipped where they are missing. About 2.5 minutes
 on 2 cores.
 """
 
@@ -31,6 +35,7 @@ pytestmark = [
     pytest.mark.skipif(not _OK, reason=f"NAT emulation unavailable: {_WHY}"),
 ]
 STEPS = 30
+NODES = 7
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +48,9 @@ def run(tmp_path_factory) -> Path:
             "--out",
             str(out),
             "--nodes",
-            "6",
+            str(NODES),
+            "--nat",
+            "4",
             "--steps",
             str(STEPS),
             "--timeout",
@@ -81,11 +88,15 @@ def test_layout_has_both_nat_kinds_and_two_behind_one_router() -> None:
     assert max(sum(h.router == r for h in behind) for r in kinds) == 2
     with pytest.raises(ValueError, match="nodes must be"):
         nat_swarm.layout(1)
+    # The run's layout: two eim routers a punch can cross, besides the LAN pair and the sym one.
+    routers, hosts = nat_swarm.layout(NODES, 4)
+    assert sorted(r.kind for r in routers) == ["eim", "eim", "sym"]
+    assert [h.name for h in hosts if h.router] == ["e0", "e1", "s2", "e3"]
 
 
 def test_trains_and_the_coordinator_judged_every_node(run: Path) -> None:
     s = _summary(run)
-    assert s["status"] == "done" and s["versions"] == STEPS and s["nodes"] == 6
+    assert s["status"] == "done" and s["versions"] == STEPS and s["nodes"] == NODES
     assert s["rollouts_rejected"] == 0
     for name, h in s["hosts"].items():
         # Dial-backs from the coordinator's host: public nodes can be dialled, NAT'd ones not.
@@ -121,3 +132,36 @@ def test_every_node_ends_on_the_final_version(run: Path) -> None:
         assert meta["version"] == final, (name, meta)
         assert state_digest(state) == meta["state_digest"] == published[final], name
         assert meta["engine_state_digest"] == published[final], (name, meta)
+
+
+def test_nodes_behind_nat_got_direct_paths_and_one_across_two_eim_routers_carried_versions(
+    run: Path,
+) -> None:
+    s = _summary(run)
+    hosts = s["hosts"]
+    routers = {n: h["router"] for n, h in hosts.items() if h["nat"] != "public"}
+    by_pair = {frozenset((p["a"], p["b"])): p for p in s["punches"]}
+    # Public nodes are dialled, never punched; each pair behind NAT was asked once.
+    assert all(set(k) <= set(routers) for k in by_pair), s["punches"]
+    assert len(by_pair) == len(s["punches"])
+    # Behind one router: a LAN dial. With the symmetric router: every punch failed (expected).
+    assert by_pair[frozenset(("e0", "e1"))]["method"] == "lan"
+    assert by_pair[frozenset(("e0", "e1"))]["ok"], s["punches"]
+    for k, p in by_pair.items():
+        if "s2" in k:
+            assert p["method"] == "punch" and not p["ok"], p
+    # Across the two eim routers at least one punch came up (e0 and e1 share a public ip and
+    # a listen port: only one of them punches to e3).
+    across = [p for k, p in by_pair.items() if "e3" in k and "s2" not in k]
+    assert any(p["ok"] and p["method"] == "punch" for p in across), s["punches"]
+    # ... and carried versions: a node behind one eim router got chunks pushed by a node behind
+    # the other over that punched connection.
+    carried = {
+        (src, dst): v
+        for dst, by in s["direct_chunks"].items()
+        for src, v in by.items()
+        if routers.get(src) and routers.get(dst) and routers[src] != routers[dst]
+    }
+    assert carried and all("s2" not in pair for pair in carried), s["direct_chunks"]
+    assert max(v["versions"] for v in carried.values()) >= 1
+    assert max(v["chunks"] for v in carried.values()) > 0
