@@ -220,6 +220,10 @@ class NodeRPC:
             self.metrics.verify_seconds.observe(time.perf_counter() - t0)
         self.metrics.submissions.labels(result="accepted", reason="ok").inc()
         self.metrics.rollout_tokens.inc(result.tokens)
+        if self.placement is not None:  # the node's delivered throughput, counted here
+            self.placement.accepted(
+                node_id, result.lease.job_id, len(result.submission.completions)
+            )
         return self._submit_reply(node_id, True, "ok", "")
 
     def _untrusted(self, node_id: str, node: NodeRow | None) -> bytes | None:

@@ -2,14 +2,16 @@
 
 :func:`param_count` sizes a job's model from its spec (the tiny Llama's shapes, or the weight
 files of a local Hugging Face folder); :func:`misfit` says why a node cannot serve a job (its
-memory against the model's, its engine against the model's shape) or None; :func:`estimate_rate`
-turns a node's measured speed on one job into an estimate for another (generation costs about
-in proportion to the parameters).
+memory against the model's, its engine against the model's shape) or None; :func:`delivered_rate`
+is the throughput a node delivered on a job, from the groups the coordinator accepted from it;
+:func:`estimate_rate` turns what is known of a node (what it delivered, what it reports, what it
+declared) into the rollouts/s it would deliver on a job, one it has not run yet included
+(generation costs about in proportion to the parameters).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,16 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MEMORY_FACTOR = 3.0
 # vLLM's CPU attention needs a head size of at least this (README, vLLM engine).
 VLLM_CPU_MIN_HEAD = 32
+# A node's delivered throughput counts the groups accepted from it over this recent window of its
+# time on a job: long enough to hold many groups of a slow node (in benchmarks/scheduling.py the
+# slowest node returned a group every 1-3 s on the largest job; a real model's group takes far
+# longer), short enough that a node whose pace changes (other work on its machine, a throttle) is
+# planned at its new pace within about a minute.
+DELIVERY_WINDOW_S = 60.0
+# ... and only once the window holds this many accepted groups: groups come in bursts (two leases
+# at once return together; after a switch a node returned 8 groups within 0.2 s), so two or
+# three groups are not a rate. Before that the node's report (or declaration) stands in.
+DELIVERY_MIN_GROUPS = 4
 # Weight files of a Hugging Face folder (stored in 16-bit floats, as published checkpoints are).
 _WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
@@ -84,27 +96,85 @@ def misfit(
     return None
 
 
+def delivered_rate(accepted: Sequence[tuple[float, int]], since: float, now: float) -> float | None:
+    """Completions/s a node delivered on one job, from ``(accepted_at, completions)`` of the
+    groups the coordinator accepted from it there (oldest first), counting only those of its
+    current stint on the job (from ``since``) within the last :data:`DELIVERY_WINDOW_S`.
+
+    With :data:`DELIVERY_MIN_GROUPS` groups or more: the groups after the first over the time
+    from the first to ``now`` (the time before its first group -- a model to download, an engine
+    to start -- is not the node's pace; the time since its last one is, so a node that stops
+    delivering decays towards 0). With fewer, after a whole window on the job: its groups over
+    the window (0.0 for none). Else None: too early to say.
+
+    A lower bound on what the node could do: on a job whose buffer is full (the learner is
+    the bottleneck) a node delivers what the job takes.
+    """
+    start = max(since, now - DELIVERY_WINDOW_S)
+    recent = [(t, c) for t, c in accepted if start <= t <= now]
+    if len(recent) >= DELIVERY_MIN_GROUPS:
+        span = now - recent[0][0]
+        return sum(c for _, c in recent[1:]) / span if span > 0 else None
+    if now - since >= DELIVERY_WINDOW_S:
+        return sum(c for _, c in recent) / DELIVERY_WINDOW_S
+    return None
+
+
 def estimate_rate(
     measured: Mapping[str, float],
     params: Mapping[str, int],
     tokens_per_rollout: Mapping[str, float],
     job_id: str,
     fallback_tokens_per_s: float,
+    delivered: Mapping[str, float] | None = None,
 ) -> float | None:
     """Rollouts/s a node would deliver on ``job_id``.
 
-    ``measured`` maps jobs to the node's measured tokens/s on them (its newest first, as
-    inserted last); ``params`` and ``tokens_per_rollout`` describe the jobs. The node's own
-    measure on the job wins; else its measure on another job scaled by the models' sizes; else
-    ``fallback_tokens_per_s`` (what it declared) when positive; else None (unknown).
+    ``delivered`` maps jobs to the completions/s the coordinator accepted from the node there
+    (:func:`delivered_rate`); ``measured`` maps jobs to the tokens/s the node reports on them;
+    both newest last, as inserted. ``params`` and ``tokens_per_rollout`` describe the jobs.
+
+    What the node delivered on the job wins: the coordinator counts it itself, from groups it
+    verified and accepted, so a node cannot inflate it by reporting more than it does (a report
+    is the node's word; honest ones overstated delivery 2-7x too, since lease round trips,
+    submissions and weight loads are not in an engine's tokens/s, and node processes sharing
+    cores each count their own speed). Else the node's report on the job, or on another job
+    scaled by the models' sizes, or ``fallback_tokens_per_s`` (what it declared) -- scaled by
+    the share of its report the node delivered on a job where both are known (never above 1),
+    so that a node found to deliver a tenth of its word is taken at a tenth of it elsewhere
+    too. Else what it delivered on another job, scaled by the sizes. Else None (unknown).
     """
+    delivered = delivered or {}
     tpr = max(tokens_per_rollout.get(job_id, 1.0), 1e-9)
-    if measured.get(job_id, 0.0) > 0:
-        return measured[job_id] / tpr
-    for other in reversed(list(measured)):
-        tps = measured[other]
+    if delivered.get(job_id, 0.0) > 0:
+        return delivered[job_id]
+
+    def scaled(other: str, tps: float) -> float | None:
         if tps > 0 and params.get(other) and params.get(job_id):
             return tps * params[other] / params[job_id] / tpr
-    if fallback_tokens_per_s > 0:
-        return fallback_tokens_per_s / tpr
+        return None
+
+    reported = None
+    if measured.get(job_id, 0.0) > 0:
+        reported = measured[job_id] / tpr
+    for other in reversed(list(measured)):
+        if reported is None:
+            reported = scaled(other, measured[other])
+    if reported is None and fallback_tokens_per_s > 0:
+        reported = fallback_tokens_per_s / tpr
+    if reported is not None:
+        for other in reversed(list(delivered)):  # the newest job with both measures
+            if (
+                delivered[other] > 0
+                and measured.get(other, 0.0) > 0
+                and other in tokens_per_rollout
+            ):
+                kept = delivered[other] * tokens_per_rollout[other] / measured[other]
+                return reported * min(1.0, kept)
+        return reported
+    for other in reversed(list(delivered)):
+        if other in tokens_per_rollout:
+            rate = scaled(other, delivered[other] * tokens_per_rollout[other])
+            if rate is not None:
+                return rate
     return None

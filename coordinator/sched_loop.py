@@ -3,10 +3,12 @@
 :class:`Placement` owns the coordinator's in-memory placement of nodes on jobs (soft state: a
 restarted coordinator places nodes afresh as they register, ask for leases or report). It
 gathers the scheduler's inputs (runnable jobs with their measured terms and operator settings,
-active nodes with their declared cost, memory and engine, and the tokens/s each measured on each
-job), runs :func:`~echo.coordinator.scheduler.schedule` every ``every_s`` and whenever a node
-registers unplaced, and answers the node RPCs: the job a registering node is placed on, and
-whether a node asking for leases has been moved. Nodes learn of a move from their next lease
+active nodes with their declared cost, memory and engine, the throughput each delivered on each
+job -- counted here, from the groups the coordinator accepted from it
+(:meth:`Placement.accepted`) -- and the tokens/s each reports), runs
+:func:`~echo.coordinator.scheduler.schedule` every ``every_s`` and whenever a node registers
+unplaced, and answers the node RPCs: the job a registering node is placed on, and whether a node
+asking for leases has been moved. Nodes learn of a move from their next lease
 reply (``LeaseReply.assigned_job``) or, when idle, their next registration.
 """
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +26,13 @@ import trio
 
 from echo.coordinator.jobs import RunningJob
 from echo.coordinator.rows import JobRow, NodeRow
-from echo.coordinator.sched_fit import estimate_rate, misfit, param_count
+from echo.coordinator.sched_fit import (
+    DELIVERY_WINDOW_S,
+    delivered_rate,
+    estimate_rate,
+    misfit,
+    param_count,
+)
 from echo.coordinator.sched_measure import JobTerms, job_terms
 from echo.coordinator.scheduler import (
     Decision,
@@ -46,9 +54,13 @@ UNKNOWN_RATE = 1.0
 # The share of its estimated rate a node without an accepted group counts for: a thousand
 # fresh identities weigh as one proven node.
 UNPROVEN_SHARE = 1e-3
-# A node's delivered rate is averaged over at least this long, so its first accepted groups do
-# not read as a burst (an underestimate only activates more nodes; an overestimate benches them).
+# A node's lifetime delivered rate (the cap on its report before it has a windowed delivered rate
+# on the job) is averaged over at least this long, so its first accepted groups do not read as a
+# burst (an underestimate only activates more nodes; an overestimate benches them).
 DELIVERY_MIN_AGE_S = 60.0
+# Accepted groups kept per node and job for its delivered rate: far more than a window holds at
+# the submission rate limit's pace is not needed (older ones leave the window anyway).
+DELIVERY_KEPT = 512
 
 
 @dataclass
@@ -59,7 +71,11 @@ class _Node:
     engine: str = ""
     hardware: dict[str, Any] = field(default_factory=dict)
     declared_tps: float = 0.0
-    measured: dict[str, float] = field(default_factory=dict)  # job -> tokens/s, newest last
+    measured: dict[str, float] = field(default_factory=dict)  # job -> reported tok/s, newest last
+    # job -> completions/s the coordinator accepted from it there (newest last), and the
+    # (accepted_at, completions) of its recent accepted groups per job.
+    delivered: dict[str, float] = field(default_factory=dict)
+    accepted: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
     held: dict[str, int] = field(default_factory=dict)  # job -> version it reported holding
     job: str | None = None
     since: float = 0.0
@@ -91,6 +107,7 @@ class Placement:
         self._terms: dict[str, tuple[int, JobTerms]] = {}
         self._params_count: dict[str, int] = {}
         self._misfits: dict[str, str] = {}  # node -> why no running job fits it
+        self._rates: dict[str, dict[str, float]] = {}  # node -> job -> rollouts/s, last pass
 
     # ------------------------------------------------------------------ node RPC hooks
 
@@ -113,6 +130,33 @@ class Placement:
             node.measured[job_id] = tokens_per_s
         if version >= 0:
             node.held[job_id] = version
+
+    def accepted(
+        self, node_id: str, job_id: str, completions: int, at: float | None = None
+    ) -> None:
+        """The coordinator accepted a group of ``completions`` from the node for ``job_id``: the
+        node's delivered throughput is counted from these (see :meth:`refresh`), never from its
+        own report."""
+        node = self.nodes.setdefault(node_id, _Node())
+        at = time.time() if at is None else at
+        times = node.accepted.setdefault(job_id, deque(maxlen=DELIVERY_KEPT))
+        times.append((at, completions))
+        while times and times[0][0] < at - DELIVERY_WINDOW_S:
+            times.popleft()
+
+    def _delivered_now(self, node: _Node, now: float) -> None:
+        """Update the node's delivered rate on the job it serves (rates on jobs it left stay as
+        they were when it left: what it delivered there)."""
+        if node.job is None:
+            return
+        rate = delivered_rate(node.accepted.get(node.job, ()), node.since, now)
+        if rate is None:
+            return
+        node.delivered.pop(node.job, None)  # re-inserted last: the newest measure
+        if rate > 0:
+            node.delivered[node.job] = rate
+        # else nothing delivered for a whole window: no measure, and the node's report counts for
+        # no more than its lifetime delivery (see refresh) -- not 0, which would bench it for good
 
     def redirect(self, node_id: str, job_id: str) -> str | None:
         """None when the node should keep working for ``job_id``; else where the scheduler put
@@ -201,7 +245,10 @@ class Placement:
         """Run one scheduling pass over the runnable jobs and active nodes, and apply it."""
         now = time.time() if now is None else now
         runnable = self._runnable()
-        demands, tpr, sizes = [], {}, {}
+        demands = []
+        # Jobs that ended keep their terms and sizes: a node's rates there still calibrate it.
+        tpr = {job_id: t.tokens_per_rollout for job_id, (_, t) in self._terms.items()}
+        sizes = dict(self._params_count)
         for job_id, job in runnable.items():
             row = self.store.job(job_id)
             assert row is not None  # runnable
@@ -211,10 +258,11 @@ class Placement:
             demands.append(
                 JobDemand(job_id, terms.need_rps, sched.priority, sched.max_share, row.created_at)
             )
-        supplies = []
+        supplies, self._rates = [], {}
         for row in self._active_rows(now):
             node = self.nodes.setdefault(row.node_id, _Node(engine=row.engine))
             node.proven = row.accepted > 0
+            self._delivered_now(node, now)
             if not node.hardware:
                 node.hardware, node.declared_tps = dict(row.hardware), row.tokens_per_s
             rates, why_not = {}, []
@@ -225,33 +273,46 @@ class Placement:
                 if reason is not None:
                     why_not.append(reason)
                     continue
-                rate = estimate_rate(node.measured, sizes, tpr, job_id, node.declared_tps)
+                rate = estimate_rate(
+                    node.measured, sizes, tpr, job_id, node.declared_tps, node.delivered
+                )
                 rate = rate if rate is not None else self._typical_rate(job_id, tpr)
                 # Identities are free: a node with no verified work counts for next to nothing
                 # towards a job's need (it is still placed, and measured, where a job lacks
                 # throughput), or a swarm of fresh ones "meets" the need and benches the
                 # nodes that do the work (found by benchmarks/attack.py).
-                # A node counts for no more than it has delivered (accepted rollouts over its
-                # time in the swarm): a reported rate is the node's word, and counting it let
-                # nodes that had stopped working keep the need "met" while honest nodes were put
-                # on standby (tests/test_adversaries.py: 44 of 150 versions in 330 s).
-                delivered = (
-                    row.accepted
-                    * job.spec.group_size
-                    / max(now - row.first_seen, DELIVERY_MIN_AGE_S)
-                )
-                rates[job_id] = min(rate, delivered) if row.accepted > 0 else rate * UNPROVEN_SHARE
+                # A node counts for no more than it has delivered: a reported rate is the node's
+                # word, and counting it let nodes that had stopped working keep the need "met"
+                # while honest nodes were put on standby (tests/test_adversaries.py: 44 of 150
+                # versions in 330 s). Its delivered rate on a job is the estimate itself; without
+                # one, its estimate is capped by its accepted rollouts over its time in the swarm.
+                if row.accepted <= 0:
+                    rates[job_id] = rate * UNPROVEN_SHARE
+                elif job_id in node.delivered:
+                    rates[job_id] = rate
+                else:
+                    lifetime = (
+                        row.accepted
+                        * job.spec.group_size
+                        / max(now - row.first_seen, DELIVERY_MIN_AGE_S)
+                    )
+                    rates[job_id] = min(rate, lifetime)
             if why_not and not rates:
                 self._misfits[row.node_id] = why_not[0]
             else:
                 self._misfits.pop(row.node_id, None)
             supplies.append(NodeSupply(row.node_id, rates, node.cost, node.job, node.since))
+            self._rates[row.node_id] = rates
         decision = schedule(demands, supplies, now, self.params)
         self._apply(decision, now)
         return decision
 
     def _typical_rate(self, job_id: str, tpr: Mapping[str, float]) -> float:
-        """The median measured rate of the job's nodes, for a node that has measured nothing."""
+        """The median rate the job's nodes delivered (else reported), for a node of which
+        nothing is known."""
+        delivered = [n.delivered[job_id] for n in self.nodes.values() if n.delivered.get(job_id)]
+        if delivered:
+            return statistics.median(delivered)
         seen = [n.measured[job_id] for n in self.nodes.values() if n.measured.get(job_id)]
         if not seen:
             return UNKNOWN_RATE
@@ -316,6 +377,10 @@ class Placement:
             "nodes": view.nodes,
             "need_rollouts_per_s": view.need_rps,
             "have_rollouts_per_s": view.have_rps,
+            # Each node's share of it: the rollouts/s the scheduler counts it for on this job.
+            "node_rollouts_per_s": {
+                nid: self._rates.get(nid, {}).get(job_id, 0.0) for nid in view.nodes
+            },
             "learner": view.state,
             "learner_busy": busy,
             "switches_in": self.switches_into[job_id],

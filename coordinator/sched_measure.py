@@ -74,7 +74,10 @@ def terms_from_versions(
     recent = list(versions[-(RECENT + 1) :])
     trained = [learner_seconds(v.metrics) for v in recent if v.version > 0]
     trained = [s for s in trained if s > 0]
-    tta = [v.all_nodes_at - v.published_at for v in recent if v.all_nodes_at]
+    # Version 0's time to all nodes is the nodes starting or switching in (engine start, model
+    # download: 25-37 s in benchmarks/scheduling.py), not dissemination; counted, it was the
+    # median T_bcast of a short job and made its need unreachable ("broadcast too slow").
+    tta = [v.all_nodes_at - v.published_at for v in recent if v.all_nodes_at and v.version > 0]
     busy = learner_busy([(v.published_at, learner_seconds(v.metrics)) for v in recent])
     return JobTerms(
         R=R,
