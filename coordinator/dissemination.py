@@ -266,6 +266,8 @@ class Dissemination:
             {n: p for n, p in paths.items() if p},
             lambda n: self._relay_upload(n, ceiling),
             self.max_fanout,
+            total_bytes,
+            chunk_bytes,
         )
         peers = [b.PeerAddr(peer_id=source, addrs=list(source_addrs)[: b.MAX_ADDRS])]
         peers += [b.PeerAddr(peer_id=n, addrs=self._dialable(n)) for n in members]

@@ -108,12 +108,17 @@ class TreePlan:
         worst node's slowest stripe. Assumes every edge is busy for the whole transfer, so it is
         slightly pessimistic once stripes finish at different times.
         """
+        return max(self.finish_times(total_bytes, chunk_bytes), default=0.0)
+
+    def finish_times(self, total_bytes: int, chunk_bytes: int) -> list[float]:
+        """Every node's estimated finish time in every stripe (see :meth:`estimate_s`, their
+        maximum); ``[inf]`` when an edge has no rate, ``[]`` for nothing to send."""
         if total_bytes <= 0 or not self.nodes:
-            return 0.0
+            return []
         chunk = max(1, min(chunk_bytes, total_bytes))
         n_chunks = math.ceil(total_bytes / chunk)
         sizes = Counter(b.stripe_table(n_chunks, len(self.stripes), self.weights))
-        worst = 0.0
+        out: list[float] = []
         for s, stripe in enumerate(self.stripes):
             n_s = sizes[s]
             if n_s == 0:
@@ -129,15 +134,13 @@ class TreePlan:
                     for c in stripe.children.get(p, ()):
                         r = self.edge_rate(p, c)
                         if r <= 0:
-                            return math.inf
+                            return [math.inf]
                         hops[c] = hops[p] + chunk / r
                         slowest[c] = min(slowest[p], r)
                         nxt.append(c)
                 frontier = nxt
-            for node in self.nodes:
-                t = hops[node] + (n_s - 1) * chunk / slowest[node]
-                worst = max(worst, t)
-        return worst
+            out.extend(hops[node] + (n_s - 1) * chunk / slowest[node] for node in self.nodes)
+        return out
 
     def stripe_rate(self, stripe: int) -> float:
         """The slowest edge of ``stripe``: the rate its chunks pipeline through the tree at."""
