@@ -112,6 +112,8 @@ class LearnerRPC:
         row = self.store.job(hello.job_id)
         assert row is not None and row.learner_pubkey is not None  # checked by _open
         self.store.attach_learner(hello.job_id, row.learner_pubkey, str(peer_id), list(hello.addrs))
+        if self._host is not None:  # the learner's connection is never reaped as idle
+            self._host.guard.protect(peer_id)
         row = self.store.job(hello.job_id)
         assert row is not None
         log.info(

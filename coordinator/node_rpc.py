@@ -27,6 +27,7 @@ from echo.coordinator.sched_loop import Placement
 from echo.coordinator.store import Store, StoreError
 from echo.coordinator.verify import Accepted, Rejected, check_submission
 from echo.p2p.budget import Gate
+from echo.p2p.conn_guard import ConnectionGuard
 from echo.p2p.host import EchoHost
 from echo.p2p.identity import public_key_from_peer_id
 from echo.protocol import broadcast as b
@@ -83,11 +84,15 @@ class NodeRPC:
         self.penalties = penalties
         # The host's admission gate (set by install): strangers' submissions put them in backoff.
         self.gate: Gate | None = None
+        # The host's connection guard (set by install): nodes with accepted work are protected
+        # from idle reaping; registering alone is free, so it protects nothing.
+        self.guard: ConnectionGuard | None = None
 
     def install(self, host: EchoHost, admission: AdmissionSection | None = None) -> None:
         """Serve the node protocols on ``host``, budget them per peer and per network prefix
         (``admission``, else its defaults), and book the host's framing violations."""
         self.gate = configure_gate(host.gate, admission or AdmissionSection())
+        self.guard = host.guard
         small = SMALL_REQUEST_BYTES
         host.set_handler(ids.PROTO_REGISTER, self.handle_register, max_request=small)
         host.set_handler(ids.PROTO_LEASE, self.handle_lease, max_request=small)
@@ -125,9 +130,13 @@ class NodeRPC:
             reg.download_bps,
         )
         if row.excluded:
+            if self.guard is not None:
+                self.guard.unprotect(peer_id)
             raise ProtocolError(
                 "this node is excluded after repeated verification failures", code=R.NODE_EXCLUDED
             )
+        if row.accepted and self.guard is not None:  # also after a coordinator restart
+            self.guard.protect(peer_id)
         self.dissemination.registered(node_id, reg.addrs, reg.upload_bps)
         log.info("node %s registered (%s, %.0f tok/s)", node_id[-8:], reg.engine, reg.tokens_per_s)
         jobs = self._job_infos()
@@ -213,6 +222,8 @@ class NodeRPC:
             if result.lease.node_id != node_id:
                 raise Rejected(R.LEASE_NOT_YOURS, "lease was issued to another node")
             self._store_accepted(node_id, data, result)
+            if self.guard is not None:
+                self.guard.protect(peer_id)
         except Rejected as rej:
             self._book_rejection(node_id, seen[0] if seen else None, rej)
             return self._submit_reply(node_id, False, rej.reason, rej.detail)
@@ -264,6 +275,8 @@ class NodeRPC:
             counts_against=rej.reason in R.COUNTS_AGAINST,
         )
         self.penalties.maybe_exclude(node_id)
+        if self.guard is not None and (row := self.store.node(node_id)) and row.excluded:
+            self.guard.unprotect(node_id)
         self.metrics.submissions.labels(result="rejected", reason=rej.reason).inc()
         log.info("rejected %s from %s: %s", lease_id or "?", node_id[-8:], rej)
 

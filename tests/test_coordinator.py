@@ -89,12 +89,17 @@ def test_register_lease_submit_and_batch(tmp_path) -> None:
         reply = await node.register()
         assert [j.job_id for j in reply.jobs] == [job_id]
         assert reply.jobs[0].learner_public_key == learner.identity.public_key_bytes
+        # Idle reaping spares the learner and nodes with accepted work, not a mere registrant.
+        guard = coord.host.guard
+        assert guard.is_protected(learner.host.peer_id)
+        assert not guard.is_protected(node.host.peer_id)
         lr = await node.leases(job_id, have=0, n=2)
         assert len(lr.leases) == 2
         lease = open_lease(coord, lr.leases[0])
         assert lease.node_id == str(node.host.peer_id)
         ok = await node.submit(node.seal(group_for(lease)))
         assert ok.accepted and ok.accepted_total == 1
+        assert guard.is_protected(node.host.peer_id)
         # A wrong answer is still accepted (reward 0, recomputed here), compressed on the wire.
         lease2 = open_lease(coord, lr.leases[1])
         ok2 = await node.submit(
@@ -264,11 +269,13 @@ def test_repeated_failures_exclude_node_and_drop_its_buffer(tmp_path) -> None:
         await node.register()
         leases = [open_lease(coord, b) for b in (await node.leases(job_id, 0, 4)).leases]
         assert (await node.submit(node.seal(group_for(leases[0])))).accepted
+        assert coord.host.guard.is_protected(node.host.peer_id)
         for lease in leases[1:3]:
             r = await node.submit(node.seal(group_for(lease, n=1)))
             assert r.reason == R.INCOMPLETE_GROUP
         row = coord.store.node(str(node.host.peer_id))
         assert row.excluded == 1
+        assert not coord.host.guard.is_protected(node.host.peer_id)  # reaped like a stranger
         status = coord.store._db.execute(
             "SELECT status, reason FROM rollouts WHERE rollout_id=?", (leases[0].lease_id,)
         ).fetchone()
