@@ -20,6 +20,7 @@ they are cancelled when the host closes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -32,6 +33,7 @@ from libp2p.abc import IHost, INetStream
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.exceptions import BaseLibp2pError
+from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
@@ -294,6 +296,39 @@ class LiveConnectionCap:
         pass
 
 
+def _release_inbound_handlers(network: Any) -> None:
+    """End each inbound connection's handler task when its connection closes.
+
+    py-libp2p 0.8.1's handler, once the connection is up, waits on the swarm's manager, so one
+    task (with its frames and its TCP stream object) stayed parked per connection ever accepted
+    until the host stopped: memory grew with the churn of identities (benchmarks/soak.py).
+    This handler upgrades the connection the same way (the swarm's ``upgrade_inbound_raw_conn``,
+    which the connection guard wraps with its admission) and then waits only for that
+    connection's close. trio's listener does not close a stream when its handler returns, so
+    the connection lives on as before. py-libp2p's connection gate (allow-all by default, no
+    Echo code configures it) is not consulted: the guard's admission stands in for it.
+    """
+
+    async def handle(read_write_closer: Any, maddr: Multiaddr, failure_event: Any) -> None:
+        raw = RawConnection(read_write_closer, False)
+        try:
+            muxed = await network.upgrade_inbound_raw_conn(raw, maddr)
+        except Exception as exc:  # noqa: BLE001 (a stranger's failed handshake: drop it)
+            logger.debug("inbound connection on %s not upgraded: %s", maddr, exc)
+            with contextlib.suppress(Exception):
+                await raw.close()
+            return
+        conn = next(
+            (c for cs in list(network.connections.values()) for c in cs
+             if getattr(c, "muxed_conn", None) is muxed),
+            None,
+        )
+        if conn is not None:
+            await conn.event_closed.wait()
+
+    network._do_handle_inbound_connection = handle
+
+
 def _keep_own_keys(host: IHost) -> None:
     """Keep the host's own entry out of its peerstore's eviction.
 
@@ -371,6 +406,7 @@ async def open_host(
     network._inbound_limiter = LiveConnectionCap(network, INBOUND_CONNECTION_CAP)  # type: ignore[attr-defined]
     guard = ConnectionGuard(guard_policy, connection_cap=INBOUND_CONNECTION_CAP)
     guard.install(network)
+    _release_inbound_handlers(network)
     _keep_own_keys(host)
     service = PubsubService(host, pubsub_config) if pubsub else None
     echo = EchoHost(host, identity, service, guard)

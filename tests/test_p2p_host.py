@@ -189,3 +189,38 @@ def test_own_keys_survive_peerstore_eviction() -> None:
                 assert a.libp2p.get_public_key() == key
 
     trio.run(main)
+
+
+def _inbound_handler_tasks() -> int:
+    """trio listener handler tasks (py-libp2p runs one per inbound connection)."""
+    stack, n = [trio.lowlevel.current_root_task()], 0
+    while stack:
+        task = stack.pop()
+        n += task.name.endswith("serve_listeners._run_handler")
+        for nursery in task.child_nurseries:
+            stack.extend(nursery.child_tasks)
+    return n
+
+
+def test_inbound_handler_tasks_end_with_their_connections() -> None:
+    """py-libp2p parked each inbound connection's handler task until the host stopped, so a
+    host's memory grew with every connection it ever accepted; now the task ends when its
+    connection closes (and lives while it is open)."""
+
+    async def main() -> None:
+        with trio.fail_after(60):
+            async with open_host(Identity.generate(), pubsub=False) as a:
+                addr = a.listen_multiaddrs[0]
+                async with open_host(Identity.generate(), pubsub=False) as b:
+                    await b.connect(addr)
+                    assert _inbound_handler_tasks() == 1  # b's connection, alive
+                    for _ in range(8):
+                        async with open_host(Identity.generate(), pubsub=False) as c:
+                            await c.connect(addr)
+                    with trio.fail_after(10):
+                        while len(a.connected_peers()) > 1:
+                            await trio.sleep(0.05)
+                    await trio.sleep(0.2)
+                    assert _inbound_handler_tasks() == 1  # 8 came and went: only b's is left
+
+    trio.run(main)
