@@ -155,6 +155,22 @@ def test_truncated_frame_is_a_violation() -> None:
     run_pair(body)
 
 
+def test_a_stream_abandoned_before_its_request_is_not_a_violation() -> None:
+    """A client that gives up before sending a byte (its timeout while an overloaded server
+    negotiated) is not booked: five such streams excluded an honest node in the soak. One
+    byte, then nothing, still is a truncated frame."""
+
+    async def body(a: EchoHost, b: EchoHost, peer: ID) -> None:
+        for _ in range(3):
+            assert await _raw_stream_exchange(a, peer, b"", close=True) == b""
+        assert await a.request(peer, PROTO, b"alive", timeout=5, max_response=10) == b"evila"
+        assert not b.violations
+        await _raw_stream_exchange(a, peer, b"\x00", close=True)
+        await wait_for(lambda: b.violations.get(a.peer_id) == 1)
+
+    run_pair(body)
+
+
 def test_slow_loris_is_cut_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(rpc, "REQUEST_HEADER_TIMEOUT", 0.3)
 
