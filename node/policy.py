@@ -46,6 +46,10 @@ SYNC_GIVE_UP_S = 300.0
 # to complete the version before falling back to pulling it whole.
 PLAN_WAIT_S = 1.0
 BROADCAST_WAIT_S = 30.0
+# A push that brought no chunk for this long is given up for a direct fetch: a chunk is at most
+# 4 MiB, under 10 s on a 4 Mb/s home downlink; the relay's own stall watchdog and its pulls
+# from other holders can take longer than that again when those holders sit behind NAT.
+BROADCAST_STALL_S = 10.0
 # How often a node waiting for a version's push checks whether a newer one completed first:
 # a fraction of the fastest version period (about half a second in the tiny demo).
 OVERTAKEN_POLL_S = 0.1
@@ -314,12 +318,19 @@ class PolicyFollower:
 async def until_overtaken(
     transfers: Mapping[tuple[str, int], Transfer], t: Transfer, scope: trio.CancelScope
 ) -> None:
-    """Cancel ``scope`` once a newer version of ``t``'s job completed here while ``t`` did
-    not: ``t``'s push was lost (its parent gone, a path that never came up) and waiting
-    out :data:`BROADCAST_WAIT_S` would cost a whole short job (tests/test_nat_swarm: a node
-    behind NAT held v1 while v3..v30 arrived, and missed the run waiting for v2). The
-    caller then fetches ``t``'s version from the learner and patches on from there."""
+    """Cancel ``scope`` once ``t`` is not worth waiting for: a newer version of its job
+    completed here first, or no chunk of ``t`` arrived for :data:`BROADCAST_STALL_S`. Its push
+    was lost (a parent gone, a path that never came up) and waiting out
+    :data:`BROADCAST_WAIT_S` would cost a whole short job (tests/test_nat_swarm: a node behind
+    NAT held v1 while v3..v30 arrived and missed the run waiting for v2; another waited 37 s
+    for v0 and served nothing). The caller then fetches ``t``'s version from the learner and
+    patches on from there."""
     while not t.done.is_set():
+        last = t.arrived_at[-1] if t.arrived_at else t.created
+        if time.monotonic() - last > BROADCAST_STALL_S:
+            log.info("v%d: no chunk pushed for %.0f s: fetching it", t.version, BROADCAST_STALL_S)
+            scope.cancel()
+            return
         if any(
             o.job_id == t.job_id and o.version > t.version and o.done.is_set()
             for o in list(transfers.values())

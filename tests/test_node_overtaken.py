@@ -1,5 +1,5 @@
 """A node waiting for a version's push stops waiting once a newer version of the job completed
-first (node/policy.py ``until_overtaken``): found in the NAT swarm, where a node behind NAT held
+first, or when its push stalls (node/policy.py ``until_overtaken``): found in the NAT swarm, where a node behind NAT held
 v1 while v3..v30 arrived and missed the whole run waiting 30 s for v2's lost push."""
 
 from __future__ import annotations
@@ -44,5 +44,21 @@ def test_the_wait_ends_quietly_when_the_version_itself_completes() -> None:
         with trio.CancelScope() as scope:
             await until_overtaken(transfers, waiting, scope)
         assert not scope.cancel_called
+
+    trio.run(body)
+
+
+def test_a_push_that_stalls_is_given_up(monkeypatch) -> None:
+    import echo.node.policy as policy
+
+    monkeypatch.setattr(policy, "BROADCAST_STALL_S", 0.3)
+
+    async def body() -> None:
+        waiting = _transfer("a", 0)
+        with trio.fail_after(2):
+            with trio.CancelScope() as scope:
+                await until_overtaken({("a", 0): waiting}, waiting, scope)
+                await trio.sleep_forever()
+        assert scope.cancelled_caught
 
     trio.run(body)
