@@ -1,6 +1,7 @@
 """A node waiting for a version's push stops waiting once a newer version of the job completed
-first, or when its push stalls (node/policy.py ``until_overtaken``): found in the NAT swarm, where a node behind NAT held
-v1 while v3..v30 arrived and missed the whole run waiting 30 s for v2's lost push."""
+first, or when its push stalls (node/policy.py ``until_overtaken``): found in the NAT swarm,
+where a node behind NAT held v1 while v3..v30 arrived and missed the whole run waiting 30 s for
+v2's lost push."""
 
 from __future__ import annotations
 
