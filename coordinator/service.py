@@ -5,9 +5,10 @@
 :class:`~echo.coordinator.node_rpc.NodeRPC` and :class:`~echo.coordinator.learner_rpc.LearnerRPC`
 (the libp2p handlers), :class:`~echo.coordinator.leases.Leases` (lease minting) and
 :class:`~echo.coordinator.penalties.Penalties` (rate limits, exclusion). :meth:`Coordinator.run`
-owns the libp2p host, the HTTP server and every background task in one nursery; cancelling it
-(Ctrl-C) stops the learners, closes the host and returns. The HTTP API sees the coordinator
-through :class:`~echo.coordinator.ports.ApiBackend` only.
+owns the libp2p host, the HTTP server, the circuit relay it offers its registered nodes
+(:data:`RELAY_LIMITS`; nodes behind NAT keep a reservation there) and every background task in
+one nursery; cancelling it (Ctrl-C) stops the learners, closes the host and returns. The HTTP
+API sees the coordinator through :class:`~echo.coordinator.ports.ApiBackend` only.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import trio
+from libp2p.peer.id import ID
 
 from echo.coordinator.api import serve_http
 from echo.coordinator.config import CoordinatorConfig
@@ -32,7 +34,8 @@ from echo.coordinator.reachability import run_reachability
 from echo.coordinator.sched_loop import Placement
 from echo.coordinator.scheduler import SchedulerParams
 from echo.coordinator.store import Store
-from echo.p2p.host import EchoHost, open_host
+from echo.p2p.circuit import RelayLimits, offer_relay
+from echo.p2p.host import INBOUND_CONNECTION_CAP, EchoHost, open_host
 from echo.p2p.identity import Identity
 from echo.protocol.jobspec import JobSpec
 
@@ -40,6 +43,26 @@ from echo.protocol.jobspec import JobSpec
 HOUSEKEEPING_S = 1.0
 # How often the store forgets what [retention] lets go (see echo.coordinator.store_prune).
 PRUNE_EVERY_S = 60.0
+# The circuit relay (v2) the coordinator offers its registered nodes (issue 14): a node behind
+# NAT keeps a reservation here so that peers can reach it. Only control messages may cross it
+# (chunks and pushes refuse relayed connections), so the limits are those of control traffic:
+RELAY_LIMITS = RelayLimits(
+    # One slot per node: a reservation lives on its holder's connection, and the host keeps at
+    # most this many inbound connections, so more slots could never be used.
+    max_reservations=INBOUND_CONNECTION_CAP,
+    # Nodes refresh at half the TTL (one RESERVE per node every 2.5 minutes); a node that left
+    # loses its slot with its connection anyway.
+    reservation_ttl_s=300,
+    # A few peers at once may hold a control channel to one node.
+    max_circuits_per_peer=4,
+    # A control exchange (a have-map, a punch's rendezvous) takes seconds; a longer circuit is
+    # cut and dialled again. 1 MiB covers Noise, yamux, identify and gossip control inside it
+    # many times over, while a peer that tried to pull weights through us is cut after 1 MiB.
+    circuit_duration_s=120,
+    circuit_data_bytes=1 << 20,
+)
+# How often the relay's figures are logged (only when they changed).
+RELAY_REPORT_S = 10.0
 
 log = logging.getLogger("echo.coordinator")
 
@@ -95,6 +118,7 @@ class Coordinator:
             penalties,
         )
         self.learner_rpc.placement = self.placement
+        self.relay = None  # the circuit relay, while run() serves it (echo.p2p.circuit)
 
     async def run(
         self, *, task_status: trio.TaskStatus[Coordinator] = trio.TASK_STATUS_IGNORED
@@ -115,6 +139,7 @@ class Coordinator:
                 nursery.start_soon(self.dissemination.refresh_forever)
                 nursery.start_soon(run_reachability, host, self.dissemination)
                 nursery.start_soon(self.placement.run_forever)
+                nursery.start_soon(self._serve_relay, host)
                 task_status.started(self)
                 await trio.sleep_forever()
 
@@ -122,6 +147,43 @@ class Coordinator:
     def multiaddrs(self) -> list[str]:
         """Where nodes and learners dial the coordinator (empty before :meth:`run` listens)."""
         return self.host.listen_multiaddrs if self.host else []
+
+    def _relay_admits(self, peer_id: ID) -> bool:
+        """Who may reserve a slot on (or dial through) the relay: registered nodes that are not
+        excluded. Strangers, and the learners, are refused (PERMISSION_DENIED)."""
+        node = self.store.node(str(peer_id))
+        return node is not None and not node.excluded
+
+    async def _serve_relay(self, host: EchoHost) -> None:
+        """Offer circuit relay v2 (:data:`RELAY_LIMITS`) to registered nodes until cancelled;
+        log its figures when they change."""
+        async with offer_relay(host, RELAY_LIMITS, admit=self._relay_admits) as relay:
+            self.relay = relay
+            last: tuple = ()
+            try:
+                while True:
+                    await trio.sleep(RELAY_REPORT_S)
+                    held = len(relay.reservations)
+                    now = (
+                        held,
+                        relay.circuits_opened,
+                        relay.circuits_limited,
+                        relay.bytes_relayed,
+                        sorted(relay.refused.items()),
+                    )
+                    if now != last:
+                        last = now
+                        log.info(
+                            "relay: %d reservations held, %d circuits opened (%d cut at a limit), "
+                            "%d bytes relayed, refused %s",
+                            held,
+                            relay.circuits_opened,
+                            relay.circuits_limited,
+                            relay.bytes_relayed,
+                            dict(relay.refused) or "none",
+                        )
+            finally:
+                self.relay = None
 
     async def _housekeeping(self) -> None:
         last_prune = 0.0

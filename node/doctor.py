@@ -92,48 +92,93 @@ def _port(addr: str) -> str:
     return parts[4] if len(parts) > 4 and parts[3] == "tcp" else "PORT"
 
 
-def reachability_check(reply: DialBackReply | None, listen: list[str], error: str = "") -> Check:
-    """What a dial-back verdict means for this volunteer: relay or leaf, and what to change.
-    Never a failure: a node behind NAT still receives weights and generates rollouts."""
+def _relay_note(relay: str | None) -> str:
+    """What the node gets from the coordinator's relay, by :func:`relay_offered`'s answer."""
+    if relay == "offered":
+        return (
+            "while it runs, the node keeps a reservation on the coordinator's relay (circuit "
+            "relay v2), so peers can reach you there for control messages; weights never "
+            "cross a relay"
+        )
+    if relay == "none":
+        return (
+            "this coordinator offers no relay (an older build), so peers cannot reach you at "
+            "all"
+        )
+    return (
+        "the node asks the coordinator's relay for a reservation while it runs (control "
+        "messages only; weights never cross a relay)"
+    )
+
+
+def reachability_check(
+    reply: DialBackReply | None, listen: list[str], error: str = "", relay: str | None = None
+) -> Check:
+    """What a dial-back verdict means for this volunteer: relay or leaf, what the coordinator's
+    circuit relay gives a node that cannot be dialled (``relay``: "offered", "none", or None
+    when not asked), and what to change. Never a failure: a node behind NAT still receives
+    weights and generates rollouts."""
     port = _port(listen[0]) if listen else "PORT"
+    shown = port if port not in ("0", "PORT") else "N"
     if reply is None:
         return Check(
             "reachability",
             True,
             f"unknown (the coordinator did not dial back: {error or 'no answer'}); you receive "
-            "weights either way",
+            f"weights either way; {_relay_note(relay)}",
         )
     seen = f" (the coordinator sees you as {reply.observed_ip})" if reply.observed_ip else ""
     if reply.verdict == "public":
         return Check(
             "reachability",
             True,
-            f"public: peers can dial you at {reply.dialed}; you can relay weights to others",
+            f"public: peers can dial you at {reply.dialed}; you can relay weights to others "
+            "(no relay reservation needed)",
         )
     if reply.verdict == "forwarded":
         return Check(
             "reachability",
             True,
             f"reachable through a port forwarded on your router ({reply.dialed}); you can "
-            "relay weights to others",
+            "relay weights to others (no relay reservation needed)",
         )
     if reply.verdict == "unreachable":
         return Check(
             "reachability",
             True,
             f"a firewall blocks dials to your address{seen}: you are planned as a leaf (you "
-            f"receive weights over connections you open, you relay to nobody). To relay: allow "
-            f"inbound TCP port {port}",
+            f"receive weights over connections you open, you relay to nobody); "
+            f"{_relay_note(relay)}. To relay weights: allow inbound TCP port {port}",
         )
     return Check(
         "reachability",
         True,
         f"behind NAT{seen}: peers cannot dial you, so you are planned as a leaf -- you receive "
-        "weights over connections you open and relay to nobody (either kind of NAT: "
-        "endpoint-independent or symmetric). To relay: forward TCP port "
-        f"{port if port not in ('0', 'PORT') else 'N'} on your router to this machine and "
-        f"listen on it (--listen /ip4/0.0.0.0/tcp/{port if port not in ('0', 'PORT') else 'N'})",
+        "weights over connections you open and relay to nobody, unless the coordinator punches "
+        "a direct path between you and another node behind NAT (possible behind an "
+        "endpoint-independent NAT, never behind a symmetric one); "
+        f"{_relay_note(relay)}. To relay weights: forward TCP port {shown} on your router to "
+        f"this machine and listen on it (--listen /ip4/0.0.0.0/tcp/{shown})",
     )
+
+
+async def relay_offered(host, coordinator) -> str | None:
+    """Whether the coordinator offers circuit relay v2: "offered", "none" (it does not speak
+    the hop protocol), or None (no answer). Doctor's throwaway identity is no registered node,
+    so a relay that admits only its nodes answers PERMISSION_DENIED -- which says it is
+    offered."""
+    from echo.p2p.circuit import RelayRefused, reserve
+    from echo.p2p.rpc import RpcError, RpcTimeout
+
+    try:
+        await reserve(host, coordinator, timeout=10)
+    except RelayRefused:  # it speaks the hop protocol: refused us, not our node
+        return "offered"
+    except RpcTimeout:
+        return None
+    except RpcError:  # no hop stream: the protocol is not served
+        return "none"
+    return "offered"
 
 
 async def network_checks(cfg: NodeConfig) -> list[Check]:
@@ -167,14 +212,16 @@ async def network_checks(cfg: NodeConfig) -> list[Check]:
                     "check the address, that the coordinator runs, and your firewall",
                 )
             )
-        reply, why = None, ""
+        reply, why, relay = None, "", None
         if out[-1].ok:
             try:
                 with trio.fail_after(30):
                     reply = await ask_dialback(host, coordinator)
             except (RpcError, SchemaError, trio.TooSlowError) as exc:
                 why = str(exc) or type(exc).__name__
-        out.append(reachability_check(reply, host.listen_multiaddrs, why))
+            if reply is None or not reply.reachable:
+                relay = await relay_offered(host, coordinator)
+        out.append(reachability_check(reply, host.listen_multiaddrs, why, relay))
     return out
 
 

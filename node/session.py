@@ -8,7 +8,12 @@ registering again is how a node with nothing to do polls for work (every :data:`
 well inside the coordinator's registration budget) and how it learns a job's current learner
 addresses. Once connected it also answers the coordinator's hole-punch go signals
 (:class:`~echo.node.punching.Punches`): a node behind NAT opens direct paths to the peers the
-coordinator pairs it with, over which the relay can then push.
+coordinator pairs it with, over which the relay can then push. And while it runs,
+:meth:`CoordinatorSession.keep_relay_slot` asks the coordinator's dial-back whether the node can
+be dialled; one that cannot keeps a circuit relay v2 reservation on the coordinator
+(:func:`~echo.p2p.circuit.keep_reservation`), so that peers can reach it for control messages
+(bulk chunks never cross a relay). A refused reservation is said once; the node works on as a
+leaf.
 """
 
 from __future__ import annotations
@@ -20,12 +25,15 @@ import trio
 from echo.node.display import Display
 from echo.node.errors import NodeError
 from echo.node.punching import Punches
+from echo.p2p.circuit import RelayRefused, keep_reservation
 from echo.p2p.host import EchoHost
 from echo.p2p.identity import Identity, public_key_from_peer_id
+from echo.p2p.reachability import ask_dialback
 from echo.p2p.rpc import RpcError
 from echo.protocol import ids, signing
 from echo.protocol import messages as m
 from echo.protocol.errors import ProtocolError
+from echo.protocol.reachability import DialBackReply
 
 RPC_TIMEOUT_S = 30.0
 # An idle node registers again this often to learn of work: 10 a minute, inside the
@@ -34,6 +42,15 @@ IDLE_POLL_S = 6.0
 # A registration that fails once the node has been registered (the coordinator restarting) is
 # retried, with a pause that doubles up to this.
 MAX_RETRY_S = 60.0
+# Whether the node can be dialled: the coordinator's dial-back, asked once after the first
+# registration (as `echo-node doctor` asks it; the coordinator budgets 4 at once per peer). A
+# failed ask is retried DIALBACK_TRIES times, DIALBACK_RETRY_S apart.
+DIALBACK_TIMEOUT_S = 30.0
+DIALBACK_TRIES = 3
+DIALBACK_RETRY_S = 5.0
+# A reservation the coordinator did not answer (timeout, lost connection) is asked again after
+# a pause that doubles from this up to MAX_RETRY_S.
+RESERVE_RETRY_S = 2.0
 
 
 class CoordinatorSession:
@@ -53,6 +70,10 @@ class CoordinatorSession:
         self.peer = None  # the coordinator's peer id
         self.key = b""  # the coordinator's public key: leases and plans must carry its signature
         self.punches: Punches | None = None  # answers the coordinator's punch requests
+        self.addr = ""  # the coordinator's multiaddr (.../p2p/<id>): also its relay's
+        self.registered: trio.Event | None = None  # set by the first successful registration
+        self.reachability: DialBackReply | None = None  # the dial-back's verdict, once asked
+        self.relay_slot = None  # the Reservation kept on the coordinator's relay, if any
 
     async def connect(self, host: EchoHost, addr: str) -> None:
         """Dial the coordinator at ``addr`` over ``host`` and answer its punch requests there.
@@ -60,6 +81,8 @@ class CoordinatorSession:
         :raises NodeError: unreachable.
         """
         self.host = host
+        self.addr = addr
+        self.registered = trio.Event()
         try:
             self.peer = await host.connect(addr)
         except (RpcError, ValueError, OSError) as exc:
@@ -94,7 +117,10 @@ class CoordinatorSession:
         :raises ProtocolError: the reply does not decode.
         """
         data = await self.call(ids.PROTO_REGISTER, self.seal(self.describe()))
-        return m.decode(m.RegisterReply, data)
+        reply = m.decode(m.RegisterReply, data)
+        if self.registered is not None:
+            self.registered.set()
+        return reply
 
     async def wait_for_job(self, *, first: bool = False) -> m.JobInfo:
         """Register until the coordinator places this node on a job, and return that job.
@@ -143,3 +169,69 @@ class CoordinatorSession:
             if job.job_id == job_id:
                 return job.learner_addrs
         return None
+
+    async def _ask_reachability(self) -> DialBackReply | None:
+        """The coordinator's dial-back verdict on this node; None if it never answered."""
+        assert self.host is not None
+        why = ""
+        for attempt in range(DIALBACK_TRIES):
+            if attempt:
+                await trio.sleep(DIALBACK_RETRY_S)
+            try:
+                with trio.fail_after(DIALBACK_TIMEOUT_S):
+                    return await ask_dialback(self.host, self.peer)
+            except (RpcError, ProtocolError, trio.TooSlowError) as exc:
+                why = str(exc) or type(exc).__name__
+        self.display.say(f"[yellow]reachability unknown[/yellow] (no dial-back: {why})")
+        return None
+
+    async def keep_relay_slot(self) -> None:
+        """While the node runs: if the coordinator cannot dial it, hold a reservation on the
+        coordinator's circuit relay so that peers can reach it for control messages. Waits for
+        the first registration (the relay admits registered nodes only). Says once what it
+        got; a refused reservation ends it (the node works on as a leaf), an unanswered one is
+        asked again. Runs until cancelled (the reservation is refreshed meanwhile, see
+        :func:`~echo.p2p.circuit.keep_reservation`); raises nothing else."""
+        assert self.host is not None and self.registered is not None
+        await self.registered.wait()
+        reply = self.reachability = await self._ask_reachability()
+        if reply is not None and reply.reachable:
+            self.display.say(
+                f"reachable directly ({reply.verdict}, dialled at {reply.dialed}): "
+                "no relay reservation needed"
+            )
+            return
+        where = "behind NAT" if reply is not None and reply.verdict == "nat" else (
+            "not reachable" if reply is not None else "reachability unknown"
+        )
+        delay, said = RESERVE_RETRY_S, False
+        while True:
+            try:
+                async with keep_reservation(self.host, self.addr) as res:
+                    self.relay_slot = res
+                    self.display.say(
+                        f"{where}: relay reservation held on the coordinator "
+                        f"({str(res.relay_id)[-8:]}, in {res.reserved_in_s:.2f} s) · reachable "
+                        f"for control messages through its relay at {res.circuit_addr}"
+                    )
+                    await trio.sleep_forever()
+            except RelayRefused as exc:
+                self.display.say(
+                    f"[yellow]{where}: relay reservation refused by the coordinator: "
+                    f"{exc.status.name}[/yellow] · peers cannot reach this node through its "
+                    "relay; it works on as a leaf (weights arrive over connections it opens)"
+                )
+                return
+            except ValueError as exc:  # the coordinator's address: it connected, so unlikely
+                self.display.say(f"[yellow]no relay reservation:[/yellow] {exc}")
+                return
+            except RpcError as exc:
+                if not said:
+                    self.display.say(
+                        f"[yellow]{where}: no relay reservation yet:[/yellow] {exc}; retrying"
+                    )
+                    said = True
+                await trio.sleep(delay)
+                delay = min(delay * 2, MAX_RETRY_S)
+            finally:
+                self.relay_slot = None

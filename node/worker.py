@@ -3,7 +3,9 @@
 :class:`Node` owns the node's libp2p host and its engine, and composes the rest: a
 :class:`~echo.node.session.CoordinatorSession` (registration and signed calls), a
 :class:`~echo.node.policy.PolicyFollower` per job (broadcasts, weight syncs, status and bad-relay
-reports) and a :class:`~echo.node.display.Display` (what the volunteer sees).
+reports) and a :class:`~echo.node.display.Display` (what the volunteer sees). Beside the jobs,
+for as long as it runs, the session keeps a reservation on the coordinator's circuit relay when
+the node cannot be dialled (:meth:`~echo.node.session.CoordinatorSession.keep_relay_slot`).
 
 A node serves jobs until it is stopped. It registers, and the coordinator's scheduler places it
 on one job (or keeps it idle: on standby, or with nothing running that fits it; it registers
@@ -138,22 +140,31 @@ class Node:
         async with open_host(self.identity, [cfg.listen]) as host:
             self.host = host
             await self.session.connect(host, cfg.coordinator)
-            job = await self.session.wait_for_job(first=True)
-            try:
-                while True:
-                    if self.jobs_served and self.jobs_served[-1] != job.job_id:
-                        self.say(
-                            f"switching to job [bold]{job.job_id}[/bold] "
-                            f"(from {self.jobs_served[-1]})"
-                        )
-                    self.jobs_served.append(job.job_id)
-                    await self._serve_job(host, job)
-                    if self.max_groups is not None and self.done_groups >= self.max_groups:
-                        return
-                    await self._close_engine()
-                    job = await self.session.wait_for_job()
-            finally:
+            async with trio.open_nursery() as nursery:
+                # Behind NAT: a reservation on the coordinator's relay while the node runs.
+                nursery.start_soon(self.session.keep_relay_slot)
+                try:
+                    await self._serve_jobs(host)
+                finally:
+                    nursery.cancel_scope.cancel()
+
+    async def _serve_jobs(self, host: EchoHost) -> None:
+        job = await self.session.wait_for_job(first=True)
+        try:
+            while True:
+                if self.jobs_served and self.jobs_served[-1] != job.job_id:
+                    self.say(
+                        f"switching to job [bold]{job.job_id}[/bold] "
+                        f"(from {self.jobs_served[-1]})"
+                    )
+                self.jobs_served.append(job.job_id)
+                await self._serve_job(host, job)
+                if self.max_groups is not None and self.done_groups >= self.max_groups:
+                    return
                 await self._close_engine()
+                job = await self.session.wait_for_job()
+        finally:
+            await self._close_engine()
 
     async def _close_engine(self) -> None:
         """Free the engine's memory. vLLM runs worker processes: stop them here rather than

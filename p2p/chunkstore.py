@@ -19,6 +19,7 @@ from pathlib import Path
 
 from echo.p2p.budget import Limit
 from echo.p2p.host import EchoHost
+from echo.p2p.rpc import set_direct_only_handler
 from echo.protocol import ids
 from echo.protocol import messages as m
 from echo.protocol.errors import ProtocolError
@@ -176,6 +177,8 @@ def serve_chunks(
     Every chunk is charged to the asking peer's byte budget in the host's gate (over it: a
     ``rate_limited`` reply and a backoff, so one leecher cannot take the uplink), then waits
     on the host's upload cap (:attr:`EchoHost.upload_limiter`), which relay pushes share.
+    A request that came through a circuit relay is answered ``relayed`` (bulk data travels on
+    direct connections only; see :mod:`echo.p2p.circuit`).
     """
 
     fitted: list[Limit | None] = [None]  # the limit this function set, if any
@@ -209,7 +212,8 @@ def serve_chunks(
             on_served(len(chunk))
         return chunk
 
-    host.set_handler(ids.PROTO_CHUNK, handler, max_request=CHUNK_REQUEST_MAX)
+    # Chunks are bulk data: never over a relayed connection (a ``relayed`` error instead).
+    set_direct_only_handler(host, ids.PROTO_CHUNK, handler, max_request=CHUNK_REQUEST_MAX)
 
 
 async def fetch_chunk(host: EchoHost, peer_id, ref: m.ChunkRef, *, timeout: float) -> bytes:

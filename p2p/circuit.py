@@ -51,7 +51,8 @@ API:
   connection to the relay drops, and accepts relayed connections from that relay;
   ``res.circuit_addr`` is what to announce;
 - dialler: ``await dial_circuit(host, circuit_addr)`` (or :func:`circuit_addr` to build one);
-- :func:`is_relayed`, :func:`has_direct_connection`.
+- :func:`is_relayed` (defined in :mod:`echo.p2p.rpc`, whose direct-only handlers use it),
+  :func:`has_direct_connection`.
 
 Owns: the hop handler (``offer_relay``), the STOP handler (while any ``keep_reservation`` block
 of the host is open) and the tasks they start; leaving a block removes its handler and cancels
@@ -90,7 +91,7 @@ from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_ms
 from multiaddr import Multiaddr
 
 from echo.p2p.host import EchoHost, _as_peer_id
-from echo.p2p.rpc import RpcConnectionError, RpcTimeout
+from echo.p2p.rpc import RpcConnectionError, RpcTimeout, is_relayed
 
 log = logging.getLogger(__name__)
 
@@ -197,24 +198,6 @@ def parse_circuit_addr(addr: str) -> tuple[str, ID, ID]:
     return relay_part, relay, peer
 
 
-def is_relayed(conn_or_stream: object) -> bool:
-    """Whether a stream or connection (swarm connection, muxed connection) runs through a relay.
-
-    Looks at the connection type py-libp2p records on the raw connection under Noise and yamux
-    (both ends mark a circuit RELAYED), not at peerstore addresses."""
-    candidates = [conn_or_stream, getattr(conn_or_stream, "muxed_conn", None)]
-    for c in candidates:
-        get_type = getattr(c, "get_connection_type", None)
-        if not callable(get_type):
-            continue
-        try:
-            if get_type() == ConnectionType.RELAYED:
-                return True
-        except Exception:  # noqa: BLE001 (a half-closed connection: say what we know)
-            continue
-    return False
-
-
 def has_direct_connection(host: EchoHost, peer_id: ID | str) -> bool:
     """Whether ``host`` holds a connection to ``peer_id`` that does not run through a relay."""
     conns = host.libp2p.get_network().connections.get(_as_peer_id(peer_id), [])
@@ -268,6 +251,7 @@ class _Relay(CircuitV2Protocol):
         self._scopes: set[trio.CancelScope] = set()
         self.circuits_opened = 0  # CONNECT requests taken to the library's handler
         self.circuits_limited = 0
+        self.bytes_relayed = 0  # circuit payload copied, both directions (Noise ciphertext)
         self.refused: Counter[str] = Counter()
 
     @property
@@ -376,6 +360,7 @@ class _Relay(CircuitV2Protocol):
                             await dst_stream.write(data)
                     except Exception:  # noqa: BLE001 (timeout, reset)
                         break
+                    self.bytes_relayed += len(data)
             if scope is not None and getattr(scope, "cancelled_caught", False):
                 limit_hit = True
         finally:
@@ -401,7 +386,8 @@ async def offer_relay(
     ``limits``. ``admit(peer_id)``, if given, decides who may reserve or dial through us (a
     coordinator may admit only its registered nodes). Leaving the block removes the handler
     and resets the circuits in flight. The relay object reports ``reservations``,
-    ``circuits_opened``, ``circuits_limited`` and ``refused`` (counts by status name)."""
+    ``circuits_opened``, ``circuits_limited``, ``bytes_relayed`` and ``refused`` (counts by
+    status name)."""
     relay = _Relay(host.libp2p, limits or RelayLimits(), admit)
     host.libp2p.set_stream_handler(HOP_PROTOCOL_ID, relay._handle_hop_stream)
     try:

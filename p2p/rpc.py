@@ -6,6 +6,11 @@ Wire format (all frames per :mod:`echo.protocol.framing`):
 - server -> client: one frame whose first byte is a status, ``0`` = ok (the rest is the response
   payload) or ``1`` = error (the rest is a UTF-8 message). Then the server closes the stream.
 
+A handler may be *direct only* (:attr:`HandlerSpec.direct_only`, :func:`set_direct_only_handler`):
+bulk data (chunks) never crosses a circuit relay (:mod:`echo.p2p.circuit`), so a request that
+arrived over a relayed connection (:func:`is_relayed`) is answered with a ``relayed`` error
+instead of running the handler.
+
 Server side (:func:`serve_stream`) owns the inbound stream it is given and always closes or
 resets it; it never raises (errors are logged, framing violations are recorded in a
 :class:`ViolationLog`). With a :class:`~echo.p2p.budget.Gate`, a stream is admitted against the
@@ -22,9 +27,11 @@ import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import trio
 from libp2p.abc import IHost, INetStream
+from libp2p.connection_types import ConnectionType
 from libp2p.custom_types import TProtocol
 from libp2p.exceptions import BaseLibp2pError
 from libp2p.peer.id import ID
@@ -34,6 +41,9 @@ from echo.p2p.streams import end_stream, read_exactly, read_frame, write_frame
 from echo.protocol.errors import FrameError, ProtocolError
 from echo.protocol.framing import HEADER_LEN, decode_length
 from echo.protocol.limits import MAX_FRAME_BYTES
+
+if TYPE_CHECKING:
+    from echo.p2p.host import EchoHost
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +65,9 @@ MIN_TRANSFER_RATE = 64 * 1024
 DEFAULT_HANDLER_TIMEOUT = 120.0
 # Generic text for handler crashes: internal details stay in our logs, not on the wire.
 INTERNAL_ERROR_MESSAGE = "internal: the handler failed"
+
+# The error code a direct-only handler answers a relayed request with.
+RELAYED_CODE = "relayed"
 
 Handler = Callable[[ID, bytes], Awaitable[bytes]]
 ViolationCallback = Callable[[ID, ProtocolError], None]
@@ -116,6 +129,27 @@ class HandlerSpec:
     max_request: int
     max_response: int = MAX_FRAME_BYTES - 1
     handler_timeout: float = DEFAULT_HANDLER_TIMEOUT
+    # Refuse requests that arrive over a relayed connection (bulk data: direct connections only).
+    direct_only: bool = False
+
+
+def is_relayed(conn_or_stream: object) -> bool:
+    """Whether a stream or connection (swarm connection, muxed connection) runs through a
+    circuit relay (:mod:`echo.p2p.circuit`).
+
+    Looks at the connection type py-libp2p records on the raw connection under Noise and yamux
+    (both ends mark a circuit RELAYED), not at peerstore addresses."""
+    candidates = [conn_or_stream, getattr(conn_or_stream, "muxed_conn", None)]
+    for c in candidates:
+        get_type = getattr(c, "get_connection_type", None)
+        if not callable(get_type):
+            continue
+        try:
+            if get_type() == ConnectionType.RELAYED:
+                return True
+        except Exception:  # noqa: BLE001 (a half-closed connection: say what we know)
+            continue
+    return False
 
 
 def _error_payload(message: str) -> bytes:
@@ -234,7 +268,15 @@ async def serve_stream(
             gate.punish(peer)
             logger.info("%s from %s refused: %s", protocol, peer, exc)
             return
-        payload = await _run_handler(spec, peer_id, request, protocol)
+        if spec.direct_only and is_relayed(stream):
+            # Answered, not reset: the client learns why and can look for a direct path.
+            logger.info("%s from %s refused: it came through a relay", protocol, peer_id)
+            payload = _error_payload(
+                f"{RELAYED_CODE}: {protocol} is served on direct connections only "
+                "(bulk data never crosses a relay)"
+            )
+        else:
+            payload = await _run_handler(spec, peer_id, request, protocol)
         with trio.move_on_after(transfer_timeout(len(payload), REQUEST_BODY_BASE_TIMEOUT)) as sc:
             await write_frame(stream, payload, spec.max_response + 1)
         if sc.cancelled_caught:
@@ -248,6 +290,30 @@ async def serve_stream(
         logger.exception("unexpected error serving %s for %s", protocol, peer_id)
     finally:
         await end_stream(stream, clean=ok)
+
+
+def set_direct_only_handler(
+    host: EchoHost,
+    protocol_id: str,
+    handler: Handler,
+    *,
+    max_request: int,
+    max_response: int = MAX_FRAME_BYTES - 1,
+    handler_timeout: float = DEFAULT_HANDLER_TIMEOUT,
+) -> None:
+    """Serve ``protocol_id`` on ``host`` as :meth:`EchoHost.set_handler` does (same budgets,
+    same violation log), but answer a request that came over a relayed connection with a
+    ``relayed`` error instead of running ``handler``.
+
+    Stands in for a ``direct_only`` flag on :meth:`EchoHost.set_handler` (which builds its
+    :class:`HandlerSpec` itself); it reads the host's violation log directly."""
+    spec = HandlerSpec(handler, max_request, max_response, handler_timeout, direct_only=True)
+    violations: ViolationLog = host._violations  # noqa: SLF001 (see the docstring)
+
+    async def _stream_handler(stream: INetStream) -> None:
+        await serve_stream(stream, spec, violations, host.gate)
+
+    host.libp2p.set_stream_handler(TProtocol(protocol_id), _stream_handler)
 
 
 async def call(

@@ -16,7 +16,10 @@ local_swarm's summary plus ``hosts`` (each node's NAT kind, router, address, pee
 accepted, version), ``verdicts`` (the coordinator's dial-back verdict per node, from its log),
 ``punches`` (each pair the coordinator asked to connect directly, and whether both ends did)
 and ``direct_chunks`` (per receiving node and sender behind NAT: the versions and chunks pushed
-to it over such a punched or LAN path, from the node's log).
+to it over such a punched or LAN path, from the node's log), ``reservations`` (per node, what
+it said of the coordinator's circuit relay: a reservation held there, refused, or not needed
+because the coordinator dials it directly; from its log) and ``relay`` (the coordinator's relay
+figures: most reservations held at once, circuits, bytes relayed; from its log).
 
 Needs root, iproute2 and iptables (``netem_nat.available()``). Exit status 0 when the job
 finished and every node reached its final version. Owns the internet it builds (removed on the
@@ -104,6 +107,45 @@ def direct_chunks(log_text: str) -> dict[str, dict[str, int]]:
         got = out.setdefault(m.group(3), {"versions": 0, "chunks": 0})
         got["versions"] += 1
         got["chunks"] += int(m.group(2))
+    return out
+
+
+def node_reservation(log_text: str) -> dict | None:
+    """What a node said of the coordinator's relay (node/session.py ``keep_relay_slot``; the
+    volunteer's console wraps long lines, hence ``\\s+``): ``{"held": True, "relay": <last 8 of
+    the relay's id>, "reserved_in_s": s}``, ``{"held": False, "refused": <status>}``, ``{"held":
+    False, "direct": <verdict>}``; None when it said nothing of it."""
+    held = re.search(
+        r"relay\s+reservation\s+held\s+on\s+the\s+coordinator\s+\((\S{8}),\s+in\s+([\d.]+)\s+s\)",
+        log_text,
+    )
+    if held:
+        return {"held": True, "relay": held.group(1), "reserved_in_s": float(held.group(2))}
+    refused = re.search(
+        r"relay\s+reservation\s+refused\s+by\s+the\s+coordinator:\s+(\w+)", log_text
+    )
+    if refused:
+        return {"held": False, "refused": refused.group(1)}
+    direct = re.search(r"reachable\s+directly\s+\((\w+)", log_text)
+    if direct:
+        return {"held": False, "direct": direct.group(1)}
+    return None
+
+
+def coordinator_relay(log_text: str) -> dict:
+    """The coordinator's relay figures, as coordinator/service.py logs them when they change:
+    ``relay: 4 reservations held, 0 circuits opened (0 cut at a limit), 0 bytes relayed, ...``
+    -- the most reservations held at once, and the last line's counters."""
+    pat = (
+        r"relay: (\d+) reservations held, (\d+) circuits opened \((\d+) cut at a limit\), "
+        r"(\d+) bytes relayed, refused (.*)"
+    )
+    out = {"max_reservations": 0, "circuits_opened": 0, "circuits_limited": 0,
+           "bytes_relayed": 0, "refused": "none"}
+    for m in re.finditer(pat, log_text):
+        out["max_reservations"] = max(out["max_reservations"], int(m.group(1)))
+        out.update(circuits_opened=int(m.group(2)), circuits_limited=int(m.group(3)),
+                   bytes_relayed=int(m.group(4)), refused=m.group(5).strip())
     return out
 
 
@@ -209,6 +251,17 @@ def inside(args: argparse.Namespace) -> int:
             got = direct_chunks((out / f"{h.name}.log").read_text(errors="replace"))
             if got:
                 summary["direct_chunks"][h.name] = {name_of.get(k, k): v for k, v in got.items()}
+        coord_id = swarm.maddr.rsplit("/", 1)[-1]
+        name_of[coord_id[-8:]] = COORD
+        summary["reservations"] = {}
+        for h in nodes:
+            got = node_reservation((out / f"{h.name}.log").read_text(errors="replace"))
+            if got is not None and "relay" in got:
+                got["relay"] = name_of.get(got["relay"], got["relay"])
+            summary["reservations"][h.name] = got
+        summary["relay"] = coordinator_relay(
+            (out / "coordinator.log").read_text(errors="replace")
+        )
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         final = summary["versions"]
         ok = summary["status"] == "done" and all(
@@ -226,6 +279,14 @@ def inside(args: argparse.Namespace) -> int:
                 f"{p['a']}-{p['b']} {p['method']} {'ok' if p['ok'] else 'failed'}"
                 for p in summary["punches"]
             ) or "none")
+            + "; relay reservations: "
+            + (", ".join(
+                f"{n} on {r['relay']} ({r['reserved_in_s']:.2f} s)"
+                for n, r in summary["reservations"].items() if r and r.get("held")
+            ) or "none")
+            + f" (coordinator's relay: at most {summary['relay']['max_reservations']} held, "
+            + f"{summary['relay']['circuits_opened']} circuits, "
+            + f"{summary['relay']['bytes_relayed']} bytes relayed)"
             + "; pushed over direct paths: "
             + (", ".join(
                 f"{src}->{dst} {v['chunks']} chunks in {v['versions']} versions"

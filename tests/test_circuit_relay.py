@@ -17,7 +17,9 @@ tests are skipped where they are missing.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -25,18 +27,21 @@ from pathlib import Path
 
 import pytest
 import trio
+from libp2p.custom_types import TProtocol
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import PeerId as CircuitPeerId
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
 from libp2p.relay.circuit_v2.protocol import STOP_PROTOCOL_ID
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 
+from echo.p2p.chunkstore import ChunkStore, fetch_chunk
 from echo.p2p.circuit import (
     RelayLimits,
     RelayRefused,
     StatusCode,
     circuit_addr,
     dial_circuit,
+    has_direct_connection,
     is_relayed,
     keep_reservation,
     offer_relay,
@@ -45,7 +50,11 @@ from echo.p2p.circuit import (
 from echo.p2p.circuit import _acceptors as _acceptors
 from echo.p2p.host import open_host
 from echo.p2p.identity import Identity
-from echo.p2p.rpc import RpcConnectionError
+from echo.p2p.relay import open_relay
+from echo.p2p.relay.peers import Peers
+from echo.p2p.rpc import RemoteError, RpcConnectionError, RpcError
+from echo.protocol import broadcast as bc
+from echo.protocol import messages as m
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import netem_nat  # noqa: E402
@@ -125,6 +134,62 @@ def test_relay_reserves_only_for_the_authenticated_peer_and_nodes_pick_their_rel
                 ]
                 assert len(relayed) == 1
                 assert (_acceptors[b.libp2p].refused, _acceptors[b.libp2p].accepted) == (1, 1)
+
+    trio.run(body)
+
+
+def test_chunks_and_pushes_refuse_a_relayed_connection_and_go_direct(tmp_path, caplog) -> None:
+    """Bulk data travels on direct connections only. A reaches B only through R: a have-map
+    (control) crosses the circuit, a chunk request is answered ``relayed`` and a push stream is
+    reset; a puller's Peers.connect(direct=True) refuses a peer reached only through a relay,
+    then, given B's address, dials it directly beside the circuit, and the same chunk request
+    is served."""
+    caplog.set_level(logging.INFO, logger="echo")
+    store = ChunkStore(tmp_path / "b")
+    data = b"w" * 100_000
+    store.put(1, data)
+    ref = m.ChunkRef(sha256=hashlib.sha256(data).digest(), size=len(data))
+
+    async def body() -> None:
+        async with (
+            open_host(Identity.generate(), pubsub=False) as r,
+            open_host(Identity.generate(), pubsub=False) as b,
+            open_host(Identity.generate(), pubsub=False) as a,
+            offer_relay(r, RelayLimits(max_reservations=4)) as relay,
+        ):
+            ra = r.listen_multiaddrs[0]
+            async with open_relay(b, store, learner_keys={}), keep_reservation(b, ra) as res:
+                with trio.fail_after(20):
+                    pid = await dial_circuit(a, res.circuit_addr, timeout=10)
+                    assert pid == b.peer_id and not has_direct_connection(a, pid)
+                    have = bc.encode(bc.HaveRequest(job_id="job-1", version=1))
+                    raw = await a.request(
+                        pid, bc.PROTO_HAVE, have, timeout=10, max_response=bc.MAX_HAVE_REPLY_BYTES
+                    )
+                    assert bc.decode(bc.HaveReply, raw).chunks == 0  # control: served
+                    with pytest.raises(RemoteError, match="^relayed: "):
+                        await fetch_chunk(a, pid, ref, timeout=10)
+                    s = await a.libp2p.new_stream(pid, [TProtocol(bc.PROTO_PUSH)])
+                    try:
+                        await s.write(b"\x00\x00\x00\x04junk")
+                        got = await s.read(16)
+                    except Exception:  # noqa: BLE001 (reset: what we expect)
+                        got = b""
+                    assert got == b""
+                    assert "came through a relay" in caplog.text
+                    carried = relay.bytes_relayed
+                    assert carried > 0
+
+                    peers = Peers(a, 0.5, None)
+                    with pytest.raises(RpcError, match="only through a relay"):
+                        await peers.connect(str(pid), direct=True)
+                    peers._addrs[str(pid)] = [b.listen_multiaddrs[0]]
+                    await peers.connect(str(pid), direct=True)
+                    assert has_direct_connection(a, pid)
+                    assert await fetch_chunk(a, pid, ref, timeout=10) == data
+                    # The chunk took the direct connection: the relay carried far less than it
+                    # (only what still goes over the circuit: identify, yamux window updates).
+                    assert relay.bytes_relayed - carried < len(data) // 10
 
     trio.run(body)
 

@@ -5,7 +5,8 @@ every node ends on the final version with the published digest, and rollouts fro
 behind NAT are accepted and trained. The coordinator connects the nodes behind NAT directly
 (a LAN dial behind one router, a hole punch across two eim routers; every punch with the
 symmetric one fails), and a node behind one eim router receives versions pushed by a node
-behind the other over the punched connection.
+behind the other over the punched connection. Every node behind NAT holds a reservation on the
+coordinator's circuit relay (reachable there for control messages); public nodes need none.
 
 Needs root, iproute2 and iptables (nat table); skipped where they are missing. About 2.5 minutes
 on 2 cores.
@@ -165,3 +166,17 @@ def test_nodes_behind_nat_got_direct_paths_and_one_across_two_eim_routers_carrie
     assert carried and all("s2" not in pair for pair in carried), s["direct_chunks"]
     assert max(v["versions"] for v in carried.values()) >= 1
     assert max(v["chunks"] for v in carried.values()) > 0
+
+
+def test_nodes_behind_nat_held_a_reservation_on_the_coordinators_relay(run: Path) -> None:
+    s = _summary(run)
+    for name, h in s["hosts"].items():
+        got = s["reservations"][name]
+        if h["nat"] == "public":
+            # The coordinator dials them: no reservation asked for.
+            assert got == {"held": False, "direct": "public"}, (name, s["reservations"])
+        else:
+            assert got and got["held"] and got["relay"] == "coord", (name, s["reservations"])
+    nat = sum(h["nat"] != "public" for h in s["hosts"].values())
+    # The coordinator's side: all of them held at once at some point.
+    assert s["relay"]["max_reservations"] == nat, s["relay"]

@@ -14,8 +14,11 @@ import time
 from collections.abc import Callable
 
 import trio
+from libp2p.exceptions import BaseLibp2pError
 from libp2p.peer.id import ID
+from multiaddr import Multiaddr
 
+from echo.p2p.circuit import has_direct_connection
 from echo.p2p.host import EchoHost
 from echo.p2p.relay.transfer import Transfer
 from echo.p2p.rpc import RpcError
@@ -93,28 +96,59 @@ class Peers:
             if p.addrs:
                 self._addrs[p.peer_id] = list(p.addrs)
 
-    async def connect(self, peer: str) -> None:
+    def connected(self, peer: str, *, direct: bool = False) -> bool:
+        """Whether a connection to ``peer`` is up (with ``direct``: one that does not run
+        through a circuit relay)."""
+        if direct:
+            return has_direct_connection(self.host, peer)
+        return any(peer_str(p) == peer for p in self.host.connected_peers())
+
+    async def connect(self, peer: str, *, direct: bool = False) -> None:
         """Make sure a connection to ``peer`` exists (dialing a remembered address if needed).
 
-        :raises RpcError: no remembered address could be dialed.
+        With ``direct`` (pushes and chunk pulls: bulk data), a connection through a circuit
+        relay does not count: the peer is dialled at its remembered addresses, or, without
+        any, waited for (a node behind NAT dials its parents).
+
+        :raises RpcError: no remembered address could be dialed, or (``direct``) the peer is
+            reached only through a relay.
         """
-        if any(peer_str(p) == peer for p in self.host.connected_peers()):
+        if self.connected(peer, direct=direct):
             return
         errors = []
         if not self._addrs.get(peer):
             # No address: a peer that cannot be dialled (behind NAT) is planned as a leaf and
             # dials its parents itself (reach_out); wait for that connection.
             with trio.move_on_after(self.connect_timeout_s):
-                while not any(peer_str(p) == peer for p in self.host.connected_peers()):
+                while not self.connected(peer, direct=direct):
                     await trio.sleep(_INBOUND_POLL_S)
-                return
+            if direct and not self.connected(peer, direct=True) and self.connected(peer):
+                raise RpcError(f"{peer[-8:]} is reached only through a relay: no bulk data")
+            return
         for addr in self._addrs.get(peer, []):
             try:
-                await self.host.connect(addr, timeout=self.connect_timeout_s)
+                if direct and self.connected(peer):
+                    # Only relayed: host.connect would take that connection as it is.
+                    await self._dial_direct(peer, addr)
+                else:
+                    await self.host.connect(addr, timeout=self.connect_timeout_s)
                 return
             except (RpcError, ValueError) as exc:
                 errors.append(str(exc))
         raise RpcError(f"cannot reach {peer[-8:]}: {'; '.join(errors) or 'no address'}")
+
+    async def _dial_direct(self, peer: str, addr: str) -> None:
+        """A new direct connection to ``peer`` at ``addr`` beside a relayed one.
+
+        :raises RpcError: the dial failed or timed out. :raises ValueError: a bad address."""
+        ma = Multiaddr(addr)
+        try:
+            with trio.fail_after(self.connect_timeout_s):
+                await self.host.libp2p.get_network().dial_addr(ma, ID.from_base58(peer))
+        except trio.TooSlowError:
+            raise RpcError(f"dialling {addr} timed out") from None
+        except (BaseLibp2pError, OSError) as exc:
+            raise RpcError(f"dialling {addr} failed: {exc}") from exc
 
     async def reach_out(self, peers: list[b.PeerAddr]) -> None:
         """Dial ``peers`` (a node's parents in a plan) so they can push over a connection this

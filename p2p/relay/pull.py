@@ -169,7 +169,7 @@ class Puller:
     async def _pull_from(self, t: Transfer, index: int, peer: str) -> bool:
         ref = t.manifest.chunks[index]
         try:
-            await self.peers.connect(peer)
+            await self.peers.connect(peer, direct=True)  # chunks never cross a relay
             data = await fetch_chunk(self.host, peer, ref, timeout=self.config.pull_timeout_s)
         except ChunkHashMismatch as exc:
             t.stats.bad_chunks += 1

@@ -113,7 +113,7 @@ class Pusher:
         cfg = self.config
         try:
             with trio.fail_after(cfg.connect_timeout_s):
-                await self.peers.connect(child.peer_id)
+                await self.peers.connect(child.peer_id, direct=True)  # never via a relay
                 stream = await self.host.libp2p.new_stream(
                     ID.from_base58(child.peer_id), [TProtocol(b.PROTO_PUSH)]
                 )

@@ -28,7 +28,7 @@ from echo.p2p.relay.push import Pusher
 from echo.p2p.relay.receive import Receiver
 from echo.p2p.relay.transfer import Transfer
 from echo.p2p.relay.watchdog import Watchdog
-from echo.p2p.rpc import remote_ip
+from echo.p2p.rpc import is_relayed, remote_ip
 from echo.p2p.streams import end_stream
 from echo.p2p.tree import parents_in, route_from_announcement
 from echo.protocol import broadcast as b
@@ -252,8 +252,14 @@ class Relay:
 
     async def _on_push(self, stream: INetStream) -> None:
         """An inbound push stream, admitted against its sender's budget (the host's gate) before
-        its hello is read; a sender over budget has the stream reset and serves a backoff."""
+        its hello is read; a sender over budget has the stream reset and serves a backoff. A
+        push that came through a circuit relay is reset at once (chunks: direct only)."""
         peer, gate = peer_str(stream.muxed_conn.peer_id), self.host.gate
+        if is_relayed(stream):
+            # Bulk data travels on direct connections only; a relay carries control messages.
+            log.info("push from %s refused: it came through a relay", peer[-8:])
+            await end_stream(stream, clean=False)
+            return
         if not gate.admit(peer, remote_ip(stream), b.PROTO_PUSH):
             if not gate.in_backoff(peer):
                 gate.punish(peer)
