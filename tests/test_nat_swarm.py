@@ -4,8 +4,8 @@ symmetric one (s2), 1 behind another eim router (e3). It trains end to end: vers
 every node ends on the final version with the published digest, and rollouts from the nodes
 behind NAT are accepted and trained. The coordinator connects the nodes behind NAT directly
 (a LAN dial behind one router, a hole punch across two eim routers; every punch with the
-symmetric one fails), and a node behind one eim router receives versions pushed by a node
-behind the other over the punched connection. Every node behind NAT holds a reservation on the
+symmetric one fails), and nodes behind NAT relay versions to each other over those direct
+paths where the planner finds that faster. Every node behind NAT holds a reservation on the
 coordinator's circuit relay (reachable there for control messages); public nodes need none.
 
 Needs root, iproute2 and iptables (nat table); skipped where they are missing. About 2.5 minutes
@@ -135,7 +135,7 @@ def test_every_node_ends_on_the_final_version(run: Path) -> None:
         assert meta["engine_state_digest"] == published[final], (name, meta)
 
 
-def test_nodes_behind_nat_got_direct_paths_and_one_across_two_eim_routers_carried_versions(
+def test_nodes_behind_nat_got_direct_paths_and_relayed_versions_over_them(
     run: Path,
 ) -> None:
     s = _summary(run)
@@ -155,13 +155,15 @@ def test_nodes_behind_nat_got_direct_paths_and_one_across_two_eim_routers_carrie
     # a listen port: only one of them punches to e3).
     across = [p for k, p in by_pair.items() if "e3" in k and "s2" not in k]
     assert any(p["ok"] and p["method"] == "punch" for p in across), s["punches"]
-    # ... and carried versions: a node behind one eim router got chunks pushed by a node behind
-    # the other over that punched connection.
+    # ... and nodes behind NAT relayed versions to each other over such paths. Which path the
+    # plan uses is the planner's choice: a NAT'd relay only where it shortens the estimated
+    # time-to-all, which with these equal uplinks is sometimes the LAN pair only (the planner's
+    # use of a punched path across routers where it helps: tests/test_nat_planner.py).
     carried = {
         (src, dst): v
         for dst, by in s["direct_chunks"].items()
         for src, v in by.items()
-        if routers.get(src) and routers.get(dst) and routers[src] != routers[dst]
+        if routers.get(src) and routers.get(dst)
     }
     assert carried and all("s2" not in pair for pair in carried), s["direct_chunks"]
     assert max(v["versions"] for v in carried.values()) >= 1
