@@ -19,7 +19,6 @@ from pathlib import Path
 
 from echo.p2p.budget import Limit
 from echo.p2p.host import EchoHost
-from echo.p2p.rpc import set_direct_only_handler
 from echo.protocol import ids
 from echo.protocol import messages as m
 from echo.protocol.errors import ProtocolError
@@ -213,7 +212,7 @@ def serve_chunks(
         return chunk
 
     # Chunks are bulk data: never over a relayed connection (a ``relayed`` error instead).
-    set_direct_only_handler(host, ids.PROTO_CHUNK, handler, max_request=CHUNK_REQUEST_MAX)
+    host.set_handler(ids.PROTO_CHUNK, handler, max_request=CHUNK_REQUEST_MAX, direct_only=True)
 
 
 async def fetch_chunk(host: EchoHost, peer_id, ref: m.ChunkRef, *, timeout: float) -> bytes:

@@ -185,15 +185,17 @@ class EchoHost:
         max_request: int,
         max_response: int = MAX_FRAME_BYTES - _STATUS_LEN,
         handler_timeout: float = DEFAULT_HANDLER_TIMEOUT,
+        direct_only: bool = False,
     ) -> None:
         """Serve ``protocol_id``: ``await handler(peer_id, request) -> response``.
 
         Requests over ``max_request`` bytes are refused before their body is read, and every
         request is charged to its peer's budget in :attr:`gate` first. A handler that
         raises ``ProtocolError`` sends ``"{code}: {message}"`` to the client; any other exception
-        is logged and answered with a generic error.
+        is logged and answered with a generic error. With ``direct_only`` (bulk data), a request
+        that came over a circuit-relayed connection is answered with a ``relayed`` error.
         """
-        spec = HandlerSpec(handler, max_request, max_response, handler_timeout)
+        spec = HandlerSpec(handler, max_request, max_response, handler_timeout, direct_only)
 
         async def _stream_handler(stream: INetStream) -> None:
             await serve_stream(stream, spec, self._violations, self.gate)

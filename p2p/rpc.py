@@ -6,7 +6,7 @@ Wire format (all frames per :mod:`echo.protocol.framing`):
 - server -> client: one frame whose first byte is a status, ``0`` = ok (the rest is the response
   payload) or ``1`` = error (the rest is a UTF-8 message). Then the server closes the stream.
 
-A handler may be *direct only* (:attr:`HandlerSpec.direct_only`, :func:`set_direct_only_handler`):
+A handler may be *direct only* (:attr:`HandlerSpec.direct_only`; ``EchoHost.set_handler``'s flag):
 bulk data (chunks) never crosses a circuit relay (:mod:`echo.p2p.circuit`), so a request that
 arrived over a relayed connection (:func:`is_relayed`) is answered with a ``relayed`` error
 instead of running the handler.
@@ -27,7 +27,6 @@ import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import trio
 from libp2p.abc import IHost, INetStream
@@ -41,9 +40,6 @@ from echo.p2p.streams import end_stream, read_exactly, read_frame, write_frame
 from echo.protocol.errors import FrameError, ProtocolError
 from echo.protocol.framing import HEADER_LEN, decode_length
 from echo.protocol.limits import MAX_FRAME_BYTES
-
-if TYPE_CHECKING:
-    from echo.p2p.host import EchoHost
 
 logger = logging.getLogger(__name__)
 
@@ -290,30 +286,6 @@ async def serve_stream(
         logger.exception("unexpected error serving %s for %s", protocol, peer_id)
     finally:
         await end_stream(stream, clean=ok)
-
-
-def set_direct_only_handler(
-    host: EchoHost,
-    protocol_id: str,
-    handler: Handler,
-    *,
-    max_request: int,
-    max_response: int = MAX_FRAME_BYTES - 1,
-    handler_timeout: float = DEFAULT_HANDLER_TIMEOUT,
-) -> None:
-    """Serve ``protocol_id`` on ``host`` as :meth:`EchoHost.set_handler` does (same budgets,
-    same violation log), but answer a request that came over a relayed connection with a
-    ``relayed`` error instead of running ``handler``.
-
-    Stands in for a ``direct_only`` flag on :meth:`EchoHost.set_handler` (which builds its
-    :class:`HandlerSpec` itself); it reads the host's violation log directly."""
-    spec = HandlerSpec(handler, max_request, max_response, handler_timeout, direct_only=True)
-    violations: ViolationLog = host._violations  # noqa: SLF001 (see the docstring)
-
-    async def _stream_handler(stream: INetStream) -> None:
-        await serve_stream(stream, spec, violations, host.gate)
-
-    host.libp2p.set_stream_handler(TProtocol(protocol_id), _stream_handler)
 
 
 async def call(
