@@ -61,6 +61,21 @@ def open_signed(data: bytes, cls: type[RecordT], peer_id: ID) -> tuple[signing.E
     return signing.open_record(data, cls, expected_signer=public_key_from_peer_id(peer_id))
 
 
+def submit_reply(store: Store, node_id: str, ok: bool, reason: str, detail: str) -> bytes:
+    """The reply to a submission: its verdict and the node's running totals."""
+    node = store.node(node_id)
+    return m.encode(
+        m.SubmitReply(
+            accepted=ok,
+            reason=reason,
+            detail=detail[:250],
+            accepted_total=node.accepted if node else 0,
+            rejected_total=node.rejected if node else 0,
+            rejected_by_reason=store.rejection_counts(node_id) if node else {},
+        )
+    )
+
+
 class NodeRPC:
     """The node protocols over the store; ``jobs`` is the live jobs of :class:`JobControl`."""
 
@@ -92,7 +107,7 @@ class NodeRPC:
         """Serve the node protocols on ``host``, budget them per peer and per network prefix
         (``admission``, else its defaults), and book the host's framing violations."""
         self.gate = configure_gate(host.gate, admission or AdmissionSection())
-        self.guard = host.guard
+        self.guard = self.penalties.guard = host.guard
         small = SMALL_REQUEST_BYTES
         host.set_handler(ids.PROTO_REGISTER, self.handle_register, max_request=small)
         host.set_handler(ids.PROTO_LEASE, self.handle_lease, max_request=small)
@@ -130,8 +145,6 @@ class NodeRPC:
             reg.download_bps,
         )
         if row.excluded:
-            if self.guard is not None:
-                self.guard.unprotect(peer_id)
             raise ProtocolError(
                 "this node is excluded after repeated verification failures", code=R.NODE_EXCLUDED
             )
@@ -226,7 +239,7 @@ class NodeRPC:
                 self.guard.protect(peer_id)
         except Rejected as rej:
             self._book_rejection(node_id, seen[0] if seen else None, rej)
-            return self._submit_reply(node_id, False, rej.reason, rej.detail)
+            return submit_reply(self.store, node_id, False, rej.reason, rej.detail)
         finally:
             self.metrics.verify_seconds.observe(time.perf_counter() - t0)
         self.metrics.submissions.labels(result="accepted", reason="ok").inc()
@@ -235,7 +248,7 @@ class NodeRPC:
             self.placement.accepted(
                 node_id, result.lease.job_id, len(result.submission.completions)
             )
-        return self._submit_reply(node_id, True, "ok", "")
+        return submit_reply(self.store, node_id, True, "ok", "")
 
     def _untrusted(self, node_id: str, node: NodeRow | None) -> bytes | None:
         """The reply to a submission not worth reading (None: it is a registered, admitted node
@@ -257,7 +270,7 @@ class NodeRPC:
             self.gate.punish(node_id)
         self.metrics.submissions.labels(result="refused", reason=reason).inc()
         log.debug("submission from %s refused unread: %s", node_id[-8:], reason)
-        return self._submit_reply(node_id, False, reason, detail)
+        return submit_reply(self.store, node_id, False, reason, detail)
 
     def _book_rejection(self, node_id: str, lease: LeaseRow | None, rej: Rejected) -> None:
         """Record a registered node's rejected submission; close its lease unless a duplicate."""
@@ -275,8 +288,6 @@ class NodeRPC:
             counts_against=rej.reason in R.COUNTS_AGAINST,
         )
         self.penalties.maybe_exclude(node_id)
-        if self.guard is not None and (row := self.store.node(node_id)) and row.excluded:
-            self.guard.unprotect(node_id)
         self.metrics.submissions.labels(result="rejected", reason=rej.reason).inc()
         log.info("rejected %s from %s: %s", lease_id or "?", node_id[-8:], rej)
 
@@ -298,19 +309,6 @@ class NodeRPC:
             )
         except StoreError as exc:
             raise Rejected(R.DUPLICATE, str(exc)) from None
-
-    def _submit_reply(self, node_id: str, ok: bool, reason: str, detail: str) -> bytes:
-        node = self.store.node(node_id)
-        return m.encode(
-            m.SubmitReply(
-                accepted=ok,
-                reason=reason,
-                detail=detail[:250],
-                accepted_total=node.accepted if node else 0,
-                rejected_total=node.rejected if node else 0,
-                rejected_by_reason=self.store.rejection_counts(node_id) if node else {},
-            )
-        )
 
     async def handle_manifest(self, peer_id: ID, data: bytes) -> bytes:
         """The learner-signed manifest of a job's version (``-1``: the current one).

@@ -19,6 +19,7 @@ from echo.coordinator.config import VerificationSection
 from echo.coordinator.metrics import Metrics
 from echo.coordinator.store import Store
 from echo.p2p.budget import LruMap
+from echo.p2p.conn_guard import ConnectionGuard
 from echo.protocol import reasons as R
 from echo.protocol.errors import ProtocolError
 
@@ -39,6 +40,9 @@ class Penalties:
         self.verification = verification
         # Bounded: a flood of identities cannot grow it (the least recently seen are dropped).
         self._submit_times: LruMap[str, deque[float]] = LruMap(MAX_TRACKED_NODES)
+        # The host's connection guard (set by NodeRPC.install): an excluded node loses the
+        # protection from idle reaping that its accepted work gave it.
+        self.guard: ConnectionGuard | None = None
 
     def rate_ok(self, node_id: str) -> bool:
         """Count one submission of the node; False (and not counted) when over its rate."""
@@ -61,6 +65,8 @@ class Penalties:
         ):
             self.store.set_excluded(node_id, True)
             self.metrics.nodes_excluded.inc()
+            if self.guard is not None:  # reaped like any stranger from now on
+                self.guard.unprotect(node_id)
             log.warning("node %s excluded after %d failures", node_id[-8:], node.failures)
 
     def on_violation(self, peer_id: ID, error: ProtocolError) -> None:
