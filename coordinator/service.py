@@ -34,7 +34,7 @@ from echo.coordinator.reachability import run_reachability
 from echo.coordinator.sched_loop import Placement
 from echo.coordinator.scheduler import SchedulerParams
 from echo.coordinator.store import Store
-from echo.p2p.circuit import RelayLimits, offer_relay
+from echo.p2p.circuit_relay import RelayLimits, offer_relay
 from echo.p2p.host import INBOUND_CONNECTION_CAP, EchoHost, open_host
 from echo.p2p.identity import Identity
 from echo.protocol.jobspec import JobSpec
@@ -118,7 +118,7 @@ class Coordinator:
             penalties,
         )
         self.learner_rpc.placement = self.placement
-        self.relay = None  # the circuit relay, while run() serves it (echo.p2p.circuit)
+        self.relay = None  # the circuit relay, while run() serves it (echo.p2p.circuit_relay)
 
     async def run(
         self, *, task_status: trio.TaskStatus[Coordinator] = trio.TASK_STATUS_IGNORED

@@ -1,4 +1,5 @@
-"""Circuit relay v2 (issue 14): public hosts relay for nodes behind NAT; such nodes keep a slot.
+"""Circuit relay v2 (issue 14), client side and addresses: a node behind NAT keeps a slot on a
+relay, and others reach it through that relay.
 
 A node behind a NAT router (endpoint-independent or symmetric) cannot be dialled. It keeps an
 outbound connection to a public *relay* (the coordinator, or a volunteer that can be dialled)
@@ -6,7 +7,9 @@ and a *reservation* on it; anyone can then reach the node at its *circuit addres
 ``<relay addr>/p2p/<relay id>/p2p-circuit/p2p/<node id>``: the dialler asks the relay to
 CONNECT, the relay opens a STOP stream to the node over the node's own connection, and from
 then on the relay copies bytes between the two streams. Noise and yamux run end to end inside
-that pipe, so the relay sees ciphertext and cannot forge the node's identity.
+that pipe, so the relay sees ciphertext and cannot forge the node's identity. The relay's side
+(the hop handler a public host runs: ``RelayLimits``, ``offer_relay``) is
+:mod:`echo.p2p.circuit_relay`, which imports its stream helpers from here.
 
 Relayed connections carry control messages only. Bulk chunks travel on direct connections:
 :func:`is_relayed` tells a chunk server (or any handler given the stream) that a stream or
@@ -14,24 +17,11 @@ connection runs through a relay, and :func:`has_direct_connection` tells a reque
 it has a direct path. The relay's per-circuit data and duration limits are the backstop.
 
 **Built on py-libp2p 0.8.1's ``libp2p.relay.circuit_v2``** (the wire protocol: protobufs,
-length-delimited framing, reservation bookkeeping with signed vouchers, the CONNECT/STOP
-handshake, the inbound upgrade of a relayed stream). Measured in netem_nat's internet
-(``tests/test_circuit_relay.py``) it works with our host (TCP + Noise + our yamux variant).
-What is worked around here, and why (details in the docstrings below):
+length-delimited framing, the CONNECT/STOP handshake, the inbound upgrade of a relayed
+stream). Measured in netem_nat's internet (``tests/test_circuit_relay.py``) it works with our
+host (TCP + Noise + our yamux variant). What is worked around on this side, and why (the
+relay's workarounds are listed in :mod:`echo.p2p.circuit_relay`):
 
-- the relay takes the reserving peer's id from the RESERVE message when present
-  (``_handle_reserve``: ``ID(msg.peer.id)``), so anyone could reserve, refresh or hold a slot
-  in another peer's name; :class:`_Relay` reserves for the Noise-authenticated peer only;
-- a reservation slot stays taken until its TTL after its holder disconnected (spec: valid only
-  while connected); :class:`_Relay` prunes those before counting;
-- the hop handler reads further messages on a stream until 30 s of silence, logging an error
-  for every client that closed after its RESERVE; here one message per stream (the spec);
-- the byte pump (``_relay_data``) does not recognise yamux's end-of-stream (it retries 3 times
-  with backoff and logs errors on every circuit close), checks the duration limit only when
-  data arrives (an idle circuit outlives it), writes a STATUS message into the middle of the
-  relayed byte stream on a limit, and on its way out closes the streams it finds under the
-  *peer id* in ``_active_relays`` -- keyed by peer, so one circuit's end can close another
-  circuit of the same source; :meth:`_Relay._relay_data` resets exactly its own two streams;
 - ``CircuitV2Transport`` (the client) reserves a slot on the relay every time it *dials*
   through it (client role), stores circuit addresses in the peerstore with a ~68-year TTL,
   tries those first with unbounded reads, and sends the non-spec ``peer`` field on RESERVE;
@@ -44,8 +34,6 @@ What is worked around here, and why (details in the docstrings below):
 
 API:
 
-- relay side: ``async with offer_relay(host, RelayLimits(...)) as relay`` serves the hop
-  protocol for the block (``relay.reservations`` lists the current holders);
 - NAT side: ``async with keep_reservation(host, relay_addr) as res`` connects, reserves (raises
   :class:`RelayRefused` if refused), refreshes at half the remaining TTL and at once when the
   connection to the relay drops, and accepts relayed connections from that relay;
@@ -54,10 +42,10 @@ API:
 - :func:`is_relayed` (defined in :mod:`echo.p2p.rpc`, whose direct-only handlers use it),
   :func:`has_direct_connection`.
 
-Owns: the hop handler (``offer_relay``), the STOP handler (while any ``keep_reservation`` block
-of the host is open) and the tasks they start; leaving a block removes its handler and cancels
-its circuits and refresh task. Relayed connections themselves belong to the swarm (closed with
-the host, by ``EchoHost.disconnect``, or when the relay resets the circuit).
+Owns: the STOP handler (while any ``keep_reservation`` block of the host is open) and the
+refresh task; leaving a block removes its handler and cancels its refresh task. Relayed
+connections themselves belong to the swarm (closed with the host, by ``EchoHost.disconnect``,
+or when the relay resets the circuit).
 
 Errors: ``ValueError`` for malformed addresses; :class:`RelayRefused` (an
 :class:`~echo.p2p.rpc.RpcConnectionError`, with the relay's :class:`StatusCode`) when the relay
@@ -71,8 +59,8 @@ import logging
 import time
 import weakref
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager, nullcontext, suppress
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 
 import trio
@@ -85,8 +73,7 @@ from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
 from libp2p.relay.circuit_v2.pb.circuit_pb2 import PeerId as CircuitPeerId
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL_ID
 from libp2p.relay.circuit_v2.protocol import STOP_PROTOCOL_ID, CircuitV2Protocol
-from libp2p.relay.circuit_v2.protocol_buffer import StatusCode, to_proto_status
-from libp2p.relay.circuit_v2.resources import RelayLimits as _Libp2pLimits
+from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 from multiaddr import Multiaddr
 
@@ -95,9 +82,6 @@ from echo.p2p.rpc import RpcConnectionError, RpcTimeout, is_relayed
 
 log = logging.getLogger(__name__)
 
-# One hop or stop message is a few hundred bytes; a peer that sends nothing for this long is
-# dropped (the library waits 30 s per message, in a loop).
-MESSAGE_TIMEOUT_S = 10.0
 # Reserve / dial defaults: a relay round trip plus Noise and yamux inside the circuit (~0.1-0.5 s
 # on a busy 2-core machine, see the measurements in tests/test_circuit_relay.py).
 DEFAULT_TIMEOUT_S = 10.0
@@ -115,10 +99,6 @@ MIN_REFRESH_S = 1.0
 CHECK_INTERVAL_S = 5.0
 RETRY_MIN_S = 0.5
 RETRY_MAX_S = 30.0
-# A hop stream's end: how long we wait for the client to close after our answer.
-FINISH_WAIT_S = 1.0
-# The pump's read size: a yamux frame's worth.
-_PUMP_READ = 64 * 1024
 _CIRCUIT = "/p2p-circuit"
 
 
@@ -130,34 +110,6 @@ class RelayRefused(RpcConnectionError):
     def __init__(self, message: str, status: StatusCode) -> None:
         super().__init__(message)
         self.status = status
-
-
-@dataclass(frozen=True)
-class RelayLimits:
-    """What a relay grants. Defaults fit control messages, not bulk data."""
-
-    max_reservations: int = 32  # peers holding a slot at once
-    reservation_ttl_s: int = 600  # a reservation lasts this long unless refreshed
-    max_circuits_per_peer: int = 4  # concurrent circuits to one reserved peer
-    circuit_duration_s: int = 600  # a circuit is reset after this long (0: no limit)
-    circuit_data_bytes: int = 8 << 20  # both directions together (0: no limit)
-
-    def __post_init__(self) -> None:
-        if self.max_reservations < 0 or self.max_circuits_per_peer < 0:
-            raise ValueError("reservation and circuit counts must be >= 0")
-        if self.reservation_ttl_s < 1:
-            raise ValueError("reservation_ttl_s must be >= 1")
-        if self.circuit_duration_s < 0 or self.circuit_data_bytes < 0:
-            raise ValueError("circuit limits must be >= 0")
-
-    def _libp2p(self) -> _Libp2pLimits:
-        return _Libp2pLimits(
-            duration=self.circuit_duration_s,
-            data=self.circuit_data_bytes,
-            max_circuit_conns=self.max_circuits_per_peer,
-            max_reservations=self.max_reservations,
-            reservation_ttl=self.reservation_ttl_s,
-        )
 
 
 # -- addresses & connection kinds ----------------------------------------------------------------
@@ -204,6 +156,11 @@ def has_direct_connection(host: EchoHost, peer_id: ID | str) -> bool:
     return any(not is_relayed(c) for c in conns)
 
 
+# -- stream helpers (also used by echo.p2p.circuit_relay) ----------------------------------------
+# Not echo.p2p.streams' close_quietly / reset_quietly: those wait STREAM_CLOSE_TIMEOUT (1 s),
+# these CLOSE_TIMEOUT_S (2 s), and _reset_quietly takes None.
+
+
 async def _reset_quietly(stream: INetStream | None) -> None:
     if stream is None:
         return
@@ -220,181 +177,8 @@ async def _close_quietly(stream: INetStream) -> None:
             await stream.close()
 
 
-async def _finish(stream: INetStream) -> None:
-    """End a hop stream after our last message: FIN first (a reset alone can overtake the
-    answer: the client then reads StreamReset instead of the status), a short wait for the
-    client's own close, then reset (a client that never closes must not hold the stream)."""
-    await _close_quietly(stream)
-    with trio.move_on_after(FINISH_WAIT_S), suppress(Exception):
-        while await stream.read(_PUMP_READ):
-            pass
-    await _reset_quietly(stream)
-
-
 def _stream_peer(stream: INetStream) -> ID:
     return stream.muxed_conn.peer_id
-
-
-# -- relay (hop) side ----------------------------------------------------------------------------
-
-
-class _Relay(CircuitV2Protocol):
-    """py-libp2p's relay with the fixes listed in the module docstring. Not run as a service:
-    :func:`offer_relay` sets and removes its hop handler (the library's ``run`` would also take
-    over the STOP handler, which :func:`keep_reservation` owns)."""
-
-    def __init__(
-        self, host: IHost, limits: RelayLimits, admit: Callable[[ID], bool] | None
-    ) -> None:
-        super().__init__(host, limits=limits._libp2p(), allow_hop=True)
-        self._admit = admit
-        self._scopes: set[trio.CancelScope] = set()
-        self.circuits_opened = 0  # CONNECT requests taken to the library's handler
-        self.circuits_limited = 0
-        self.bytes_relayed = 0  # circuit payload copied, both directions (Noise ciphertext)
-        self.refused: Counter[str] = Counter()
-
-    @property
-    def reservations(self) -> list[ID]:
-        self._prune()
-        return list(self.resource_manager._reservations)
-
-    def _prune(self) -> None:
-        """Drop reservations that expired or whose holder is no longer connected (the spec ties
-        a reservation to its connection; the library counted them until their TTL)."""
-        rm = self.resource_manager
-        for pid, res in list(rm._reservations.items()):
-            if res.is_expired() or not rm._is_peer_connected(pid):
-                del rm._reservations[pid]
-
-    async def _status(self, stream: INetStream, code: StatusCode, why: str) -> None:
-        self.refused[code.name] += 1
-        log.debug("relay: %s to %s (%s)", code.name, _stream_peer(stream), why)
-        with trio.move_on_after(CLOSE_TIMEOUT_S), suppress(Exception):  # the peer left
-            await write_delimited_msg(
-                stream, HopMessage(type=HopMessage.STATUS, status=to_proto_status(code))
-            )
-
-    async def _handle_hop_stream(self, stream: INetStream) -> None:  # type: ignore[override]
-        """One HOP message per stream (spec), every wait bounded, cancelled with the relay."""
-        scope = trio.CancelScope()
-        self._scopes.add(scope)
-        try:
-            with scope:
-                await self._serve_hop(stream)
-        finally:
-            self._scopes.discard(scope)
-            for key, pair in list(self._active_relays.items()):
-                if stream in pair:
-                    del self._active_relays[key]
-            await _finish(stream)
-
-    async def _serve_hop(self, stream: INetStream) -> None:
-        if is_relayed(stream):
-            await self._status(stream, StatusCode.PERMISSION_DENIED, "over a relayed connection")
-            return
-        try:
-            with trio.fail_after(MESSAGE_TIMEOUT_S):
-                msg = await read_delimited_msg(stream, HopMessage)
-        except Exception as exc:  # noqa: BLE001 (timeout, reset, junk: the stream is dropped)
-            log.debug("relay: no hop message from %s: %r", _stream_peer(stream), exc)
-            return
-        peer = _stream_peer(stream)
-        if self._admit is not None and not self._admit(peer):
-            await self._status(stream, StatusCode.PERMISSION_DENIED, "not admitted")
-            return
-        if msg.type == HopMessage.RESERVE:
-            # Reserve for the authenticated peer only: the library honours msg.peer.
-            msg.ClearField("peer")
-            msg.ClearField("senderRecord")
-            self._prune()
-            before = self.resource_manager.get_reservation(peer)
-            await self._handle_reserve(stream, msg)
-            if self.resource_manager.get_reservation(peer) is None and before is None:
-                self.refused[StatusCode.RESOURCE_LIMIT_EXCEEDED.name] += 1
-        elif msg.type == HopMessage.CONNECT:
-            try:
-                target = ID(msg.peer.id) if msg.HasField("peer") else None
-            except Exception:  # noqa: BLE001 (junk bytes for a peer id)
-                target = None
-            if target is None or target == peer:
-                await self._status(stream, StatusCode.MALFORMED_MESSAGE, "no or own target")
-                return
-            self.circuits_opened += 1
-            await self._handle_connect(stream, msg)
-        else:
-            await self._status(stream, StatusCode.UNEXPECTED_MESSAGE, f"type {msg.type}")
-
-    async def _relay_data(  # type: ignore[override]
-        self,
-        src_stream: INetStream,
-        dst_stream: INetStream,
-        peer_id: ID,
-        deadline: float | None = None,
-        circuit_data_limit: list[int] | None = None,
-    ) -> None:
-        """Copy ``src`` to ``dst`` until either ends or a limit is hit; then reset both (the
-        other direction's pump ends on the reset). ``deadline`` is on ``time.monotonic``."""
-        limit_hit = False
-        if deadline is not None:
-            at = trio.current_time() + (deadline - time.monotonic())
-            scope_cm = trio.move_on_at(at)
-        else:
-            scope_cm = nullcontext()
-        try:
-            with scope_cm as scope:
-                while True:
-                    try:
-                        data = await src_stream.read(_PUMP_READ)
-                    except Exception:  # noqa: BLE001 (EOF or reset: the circuit ends)
-                        break
-                    if not data:
-                        break
-                    if circuit_data_limit is not None:
-                        if len(data) > circuit_data_limit[0]:
-                            limit_hit = True
-                            break
-                        circuit_data_limit[0] -= len(data)
-                    try:
-                        with trio.fail_after(self.write_timeout):
-                            await dst_stream.write(data)
-                    except Exception:  # noqa: BLE001 (timeout, reset)
-                        break
-                    self.bytes_relayed += len(data)
-            if scope is not None and getattr(scope, "cancelled_caught", False):
-                limit_hit = True
-        finally:
-            if limit_hit:
-                self.circuits_limited += 1
-                log.debug("relay: circuit via %s hit its limit, reset", peer_id)
-            await _reset_quietly(src_stream)
-            await _reset_quietly(dst_stream)
-
-    def cancel_all(self) -> None:
-        for scope in list(self._scopes):
-            scope.cancel()
-
-
-@asynccontextmanager
-async def offer_relay(
-    host: EchoHost,
-    limits: RelayLimits | None = None,
-    *,
-    admit: Callable[[ID], bool] | None = None,
-) -> AsyncIterator[_Relay]:
-    """Serve circuit relay v2 (hop) on ``host`` for the block: reservations and circuits within
-    ``limits``. ``admit(peer_id)``, if given, decides who may reserve or dial through us (a
-    coordinator may admit only its registered nodes). Leaving the block removes the handler
-    and resets the circuits in flight. The relay object reports ``reservations``,
-    ``circuits_opened``, ``circuits_limited``, ``bytes_relayed`` and ``refused`` (counts by
-    status name)."""
-    relay = _Relay(host.libp2p, limits or RelayLimits(), admit)
-    host.libp2p.set_stream_handler(HOP_PROTOCOL_ID, relay._handle_hop_stream)
-    try:
-        yield relay
-    finally:
-        host.libp2p.remove_stream_handler(HOP_PROTOCOL_ID)
-        relay.cancel_all()
 
 
 # -- client side: reserve, keep, dial ------------------------------------------------------------
@@ -659,7 +443,6 @@ async def dial_circuit(
 
 
 __all__ = [
-    "RelayLimits",
     "RelayRefused",
     "Reservation",
     "ReservationInfo",
@@ -669,7 +452,6 @@ __all__ = [
     "has_direct_connection",
     "is_relayed",
     "keep_reservation",
-    "offer_relay",
     "parse_circuit_addr",
     "reserve",
 ]

@@ -1,5 +1,5 @@
-"""Circuit relay v2 (echo.p2p.circuit): on loopback, and in the emulated internet
-(scripts/netem_nat.py).
+"""Circuit relay v2 (echo.p2p.circuit, echo.p2p.circuit_relay): on loopback, and in the
+emulated internet (scripts/netem_nat.py).
 
 On loopback (no root needed): the relay reserves only in the authenticated peer's name, a node
 accepts relayed connections only from a relay it holds a reservation with, addresses parse.
@@ -36,7 +36,6 @@ from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_ms
 
 from echo.p2p.chunkstore import ChunkStore, fetch_chunk
 from echo.p2p.circuit import (
-    RelayLimits,
     RelayRefused,
     StatusCode,
     circuit_addr,
@@ -44,10 +43,10 @@ from echo.p2p.circuit import (
     has_direct_connection,
     is_relayed,
     keep_reservation,
-    offer_relay,
     parse_circuit_addr,
 )
 from echo.p2p.circuit import _acceptors as _acceptors
+from echo.p2p.circuit_relay import RelayLimits, offer_relay
 from echo.p2p.host import open_host
 from echo.p2p.identity import Identity
 from echo.p2p.relay import open_relay
@@ -208,8 +207,9 @@ DIRECT_TIMEOUT_S = 2.0
 # One host per namespace, driven by JSON lines on stdin (one reply line per command).
 AGENT = r"""
 import json, os, sys, time, trio
-from echo.p2p.circuit import (RelayLimits, RelayRefused, dial_circuit, has_direct_connection,
-                              is_relayed, keep_reservation, offer_relay)
+from echo.p2p.circuit import (RelayRefused, dial_circuit, has_direct_connection, is_relayed,
+                              keep_reservation)
+from echo.p2p.circuit_relay import RelayLimits, offer_relay
 from echo.p2p.host import open_host
 from echo.p2p.identity import Identity
 from echo.p2p.rpc import RpcError
