@@ -83,6 +83,20 @@ class _Node:
     switches: int = 0
     proven: bool = False  # has at least one accepted group (any job)
 
+    def update_delivered(self, now: float) -> None:
+        """Update the delivered rate on the job the node serves (rates on jobs it left stay as
+        they were when it left: what it delivered there)."""
+        if self.job is None:
+            return
+        rate = delivered_rate(self.accepted.get(self.job, ()), self.since, now)
+        if rate is None:
+            return
+        self.delivered.pop(self.job, None)  # re-inserted last: the newest measure
+        if rate > 0:
+            self.delivered[self.job] = rate
+        # else nothing delivered for a whole window: no measure, and the node's report counts for
+        # no more than its lifetime delivery (see refresh) -- not 0, which would bench it for good
+
 
 class Placement:
     """The placement of nodes on jobs (see the module docstring).
@@ -143,20 +157,6 @@ class Placement:
         times.append((at, completions))
         while times and times[0][0] < at - DELIVERY_WINDOW_S:
             times.popleft()
-
-    def _delivered_now(self, node: _Node, now: float) -> None:
-        """Update the node's delivered rate on the job it serves (rates on jobs it left stay as
-        they were when it left: what it delivered there)."""
-        if node.job is None:
-            return
-        rate = delivered_rate(node.accepted.get(node.job, ()), node.since, now)
-        if rate is None:
-            return
-        node.delivered.pop(node.job, None)  # re-inserted last: the newest measure
-        if rate > 0:
-            node.delivered[node.job] = rate
-        # else nothing delivered for a whole window: no measure, and the node's report counts for
-        # no more than its lifetime delivery (see refresh) -- not 0, which would bench it for good
 
     def redirect(self, node_id: str, job_id: str) -> str | None:
         """None when the node should keep working for ``job_id``; else where the scheduler put
@@ -262,7 +262,7 @@ class Placement:
         for row in self._active_rows(now):
             node = self.nodes.setdefault(row.node_id, _Node(engine=row.engine))
             node.proven = row.accepted > 0
-            self._delivered_now(node, now)
+            node.update_delivered(now)
             if not node.hardware:
                 node.hardware, node.declared_tps = dict(row.hardware), row.tokens_per_s
             rates, why_not = {}, []
