@@ -269,6 +269,10 @@ class Dissemination:
             total_bytes,
             chunk_bytes,
         )
+        if announced is not chosen:
+            nat = {n for n, ps in paths.items() if ps}
+            edges = sum(len(st.children.get(n, ())) for st in announced.stripes for n in nat)
+            log.info("v%d plan: %d edge(s) from NAT'd relays over direct paths", version, edges)
         peers = [b.PeerAddr(peer_id=source, addrs=list(source_addrs)[: b.MAX_ADDRS])]
         peers += [b.PeerAddr(peer_id=n, addrs=self._dialable(n)) for n in members]
         return b.PlanAnnouncement(

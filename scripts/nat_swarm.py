@@ -239,8 +239,14 @@ def inside(args: argparse.Namespace) -> int:
             }
             for h in nodes
         }
-        verdicts = coordinator_verdicts((out / "coordinator.log").read_text(errors="replace"))
+        coord_log = (out / "coordinator.log").read_text(errors="replace")
+        verdicts = coordinator_verdicts(coord_log)
         summary["verdicts"] = {h.name: verdicts.get(peer_of[h.name][-8:]) for h in nodes}
+        # Versions whose announced plan had NAT'd relays feed peers over punched or LAN paths
+        # (the planner does so only where that shortens its estimate).
+        summary["nat_relay_plans"] = len(
+            re.findall(r"v\d+ plan: \d+ edge\(s\) from NAT'd relays", coord_log)
+        )
         name_of = {pid[-8:]: name for name, pid in peer_of.items()}
         summary["punches"] = [
             {**p, "a": name_of.get(p["a"], p["a"]), "b": name_of.get(p["b"], p["b"])}
