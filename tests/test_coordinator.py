@@ -56,8 +56,10 @@ def group_for(
     return m.Submission(**fields)
 
 
-async def start_job(coord, client) -> tuple[str, object]:
-    job_id = submit_job(coord)
+async def start_job(coord, client, **spec) -> tuple[str, object]:
+    """A job (``spec`` over the test defaults) with its learner attached and version 0
+    published; returns the job id and the learner's client."""
+    job_id = submit_job(coord, **spec)
     ident, _, report = learner_publish_v0(coord, job_id)
     learner = await client(ident)
     hello = m.LearnerHello(

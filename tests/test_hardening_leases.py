@@ -8,38 +8,17 @@ for ``expired_lease_window_s``).
 
 from __future__ import annotations
 
-import time
-
 import trio
 
-from echo.protocol import ids
-from echo.protocol import messages as m
-from tests.conftest import learner_publish_v0, run_with_coordinator, submit_job
-from tests.test_coordinator import group_for, open_lease
+from tests.conftest import run_with_coordinator
+from tests.test_coordinator import group_for, open_lease, start_job
 
 HOARDERS = 16
 
 
-async def start(coord, client) -> str:
-    """A running job of batch 4 (a lease window of 8) with version 0 published."""
-    job_id = submit_job(coord, batch_groups=4)
-    ident, _, report = learner_publish_v0(coord, job_id)
-    learner = await client(ident)
-    hello = m.LearnerHello(
-        job_id=job_id,
-        peer_id=str(learner.host.peer_id),
-        addrs=learner.host.listen_multiaddrs,
-        timestamp=time.time(),
-    )
-    await learner.call(ids.PROTO_LEARNER_HELLO, learner.seal(hello))
-    ack = m.decode(m.StepAck, await learner.call(ids.PROTO_LEARNER_REPORT, learner.seal(report)))
-    assert ack.ok
-    return job_id
-
-
 def test_sixteen_fresh_hoarders_cannot_stall_an_honest_node(tmp_path) -> None:
     async def body(coord, client) -> None:
-        job_id = await start(coord, client)
+        job_id, _ = await start_job(coord, client, batch_groups=4)  # a lease window of 8
         honest = await client()
         await honest.register()
         # The honest node earns a record: one valid group.
@@ -61,7 +40,7 @@ def test_sixteen_fresh_hoarders_cannot_stall_an_honest_node(tmp_path) -> None:
 
 def test_an_expired_lease_costs_its_holder(tmp_path) -> None:
     async def body(coord, client) -> None:
-        job_id = await start(coord, client)
+        job_id, _ = await start_job(coord, client, batch_groups=4)  # a lease window of 8
         node = await client()
         await node.register()
         for _ in range(3):  # a record of three: quota 2 with a ramp of 3
@@ -85,7 +64,7 @@ def test_an_expired_lease_costs_its_holder(tmp_path) -> None:
 
 def test_each_hoarder_stalls_the_job_once_then_gets_nothing(tmp_path) -> None:
     async def body(coord, client) -> None:
-        job_id = await start(coord, client)
+        job_id, _ = await start_job(coord, client, batch_groups=4)  # a lease window of 8
         hoarders = [await client() for _ in range(HOARDERS)]
         for h in hoarders:
             await h.register()

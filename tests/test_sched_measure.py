@@ -3,8 +3,6 @@ node, not what the node says it does."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from echo.coordinator.sched_fit import (
@@ -13,27 +11,8 @@ from echo.coordinator.sched_fit import (
     delivered_rate,
     estimate_rate,
 )
-from echo.protocol import ids
-from echo.protocol import messages as m
-from tests.conftest import learner_publish_v0, run_with_coordinator, submit_job
-from tests.test_coordinator import group_for, open_lease
-
-
-async def start_job(coord, client, **spec) -> str:
-    """A job (``spec`` over the test defaults) with its learner's version 0 published."""
-    job_id = submit_job(coord, **spec)
-    ident, _, report = learner_publish_v0(coord, job_id)
-    learner = await client(ident)
-    hello = m.LearnerHello(
-        job_id=job_id,
-        peer_id=str(learner.host.peer_id),
-        addrs=learner.host.listen_multiaddrs,
-        timestamp=time.time(),
-    )
-    await learner.call(ids.PROTO_LEARNER_HELLO, learner.seal(hello))
-    ack = m.decode(m.StepAck, await learner.call(ids.PROTO_LEARNER_REPORT, learner.seal(report)))
-    assert ack.ok, ack.message
-    return job_id
+from tests.conftest import run_with_coordinator
+from tests.test_coordinator import group_for, open_lease, start_job
 
 
 def test_delivered_rate_counts_the_groups_accepted_in_the_window_of_the_current_stint() -> None:
@@ -81,7 +60,7 @@ def test_a_node_that_reports_ten_times_what_it_delivers_is_planned_at_what_it_de
     tmp_path,
 ) -> None:
     async def body(coord, client) -> None:
-        job_id = await start_job(coord, client, batch_groups=8)  # room for 5 groups
+        job_id, _ = await start_job(coord, client, batch_groups=8)  # room for 5 groups
         node = await client()
         assert (await node.register()).assigned_job == job_id
         node_id = str(node.host.peer_id)
