@@ -260,18 +260,18 @@ class Dissemination:
                 self._due[job_id] = inputs
         # The stored plan keeps NAT'd nodes as leaves (the next patch and the full re-plan start
         # from it); the announced one adds the relays over punched paths, as they stand now.
-        paths = {n: self.paths_of(n) for n in members if n not in leaf_only}
+        # Each NAT'd node with a direct path, and the peers it reaches over them.
+        paths = {n: ps for n in members if n not in leaf_only if (ps := self.paths_of(n))}
         announced = with_punched_relays(
             chosen,
-            {n: p for n, p in paths.items() if p},
+            paths,
             lambda n: self._relay_upload(n, ceiling),
             self.max_fanout,
             total_bytes,
             chunk_bytes,
         )
         if announced is not chosen:
-            nat = {n for n, ps in paths.items() if ps}
-            edges = sum(len(st.children.get(n, ())) for st in announced.stripes for n in nat)
+            edges = sum(len(st.children.get(n, ())) for st in announced.stripes for n in paths)
             log.info("v%d plan: %d edge(s) from NAT'd relays over direct paths", version, edges)
         peers = [b.PeerAddr(peer_id=source, addrs=list(source_addrs)[: b.MAX_ADDRS])]
         peers += [b.PeerAddr(peer_id=n, addrs=self._dialable(n)) for n in members]
