@@ -76,8 +76,9 @@ class NodeTables(Database):
         digest: str = "",
         tokens_per_s: float | None = None,
     ) -> None:
-        """The node was heard from now; with ``version``, it holds that version's ``digest``."""
-        with self._tx() as db:
+        """The node was heard from now; with ``version``, it holds that version's ``digest``
+        (a hint: a power cut may lose it, see ``Database._hint_tx``)."""
+        with self._hint_tx() as db:
             db.execute("UPDATE nodes SET last_seen=? WHERE node_id=?", (time.time(), node_id))
             if version is not None:
                 db.execute(
@@ -90,8 +91,9 @@ class NodeTables(Database):
                 )
 
     def record_node_version(self, job_id: str, node_id: str, version: int) -> None:
-        """Log the first time the node held ``version`` of the job (repeats are ignored)."""
-        with self._tx() as db:
+        """Log the first time the node held ``version`` of the job (repeats are ignored; a hint
+        that a power cut may lose)."""
+        with self._hint_tx() as db:
             db.execute(
                 "INSERT OR IGNORE INTO node_versions VALUES (?, ?, ?, ?)",
                 (job_id, node_id, version, time.time()),
