@@ -42,6 +42,19 @@ from local_swarm import Swarm, job_toml, new_run_dir  # noqa: E402
 from echo.p2p.identity import Identity  # noqa: E402
 
 ATTACKERS = ("hoard", "junk", "leech", "liar", "gossip")
+# Where the attackers dial from: one address, another network than the honest nodes' (an
+# attacker with many identities but one machine, the case budgets per network prefix are for).
+# ``--attacker-ip ""``: from 127.0.0.1 with the honest nodes, whose loopback is uncapped -- the
+# case of an attacker with a network of its own for every identity.
+ATTACKER_IP = "127.0.0.2"
+# Between phases: the attackers start up (identities, the liar's engine) or wind down.
+SETTLE_S = 10.0
+# How the attacker processes share this machine's cores with the swarm. On the internet they run
+# on their own machines, so what they should cost here is the work they make the coordinator and
+# the nodes do, not CPU time taken from them. "idle" (SCHED_IDLE) runs an attacker only when no
+# swarm process wants a core; "nice" (nice 19) still lets them in on every wake-up, which on 2
+# cores took the swarm's round trips from 14 to 166 ms by itself (see the README).
+ATTACKER_SCHED = {"idle": ["chrt", "--idle", "0"], "nice": ["nice", "-n", "19"], "none": []}
 
 
 def _free_port() -> int:
@@ -60,17 +73,27 @@ def _pct(xs: list[float], q: float) -> float | None:
 class Bench:
     """The swarm under test and what is measured of it."""
 
-    def __init__(self, out: Path, nodes: int) -> None:
+    def __init__(
+        self,
+        out: Path,
+        nodes: int,
+        verbose_nodes: bool = False,
+        attacker_sched: str = "idle",
+        attacker_ip: str | None = ATTACKER_IP,
+    ) -> None:
         self.out, self.swarm = out, Swarm(out)
         self.times_dir = out / "lease_times"
         self.times_dir.mkdir(parents=True, exist_ok=True)
         self.swarm.env["ECHO_LEASE_TIMES_DIR"] = str(self.times_dir)
-        self.swarm.start_coordinator()
+        # Attackers dial from another loopback address, which the coordinator counts as a
+        # network of its own (the honest nodes and the learner stay on 127.0.0.1).
+        self.attacker_ip = attacker_ip
+        self.swarm.start_coordinator(
+            config_extra="\n[admission]\nloopback_is_network = true\n" if attacker_ip else ""
+        )
         self.coord = psutil.Process(self.swarm.procs[0].pid)
         self.job_id = self.swarm.submit(
-            job_toml(
-                "attack", steps=100000, group_size=8, batch_groups=4, warmup=5, eval_every=0
-            )
+            job_toml("attack", steps=100000, group_size=8, batch_groups=4, warmup=5, eval_every=0)
         )
         self.node_addrs = []
         for i in range(nodes):
@@ -89,10 +112,12 @@ class Bench:
                     "torch",
                     "--listen",
                     f"/ip4/127.0.0.1/tcp/{port}",
+                    *(["--verbose"] if verbose_nodes else []),
                 ],
                 module=["benchmarks._timed_node", "join"],
             )
         self.attackers: list[subprocess.Popen] = []
+        self.attacker_prefix = ATTACKER_SCHED[attacker_sched]
 
     def version(self) -> int:
         return int(self.swarm.status(self.job_id)[0]["current_version"])
@@ -142,9 +167,7 @@ class Bench:
     def start_attackers(self, kinds: list[str]) -> None:
         for kind in kinds:
             cmd = [
-                "nice",
-                "-n",
-                "19",
+                *self.attacker_prefix,
                 sys.executable,
                 str(ROOT / "scripts" / "attackers.py"),
                 kind,
@@ -155,6 +178,8 @@ class Bench:
                 "--stats",
                 str(self.out / f"attack-{kind}.json"),
             ]
+            if self.attacker_ip:
+                cmd += ["--source-ip", self.attacker_ip]
             if kind == "liar":
                 cmd += ["--data-dir", str(self.out / "liar")]
             if kind in ("leech", "gossip"):
@@ -173,10 +198,13 @@ class Bench:
             out[path.stem.removeprefix("attack-")] = json.loads(path.read_text())
         return out
 
-    def stop(self) -> None:
+    def stop_attackers(self) -> None:
         from local_swarm import stop
 
         stop(self.attackers)
+
+    def stop(self) -> None:
+        self.stop_attackers()
         self.swarm.stop()
 
 
@@ -192,49 +220,79 @@ def main() -> int:
                 help="which attackers run (comma-separated; default: all)",
             ),
             p.add_argument("--out", type=Path, default=None),
+            p.add_argument(
+                "--attacker-sched",
+                choices=sorted(ATTACKER_SCHED),
+                default="idle",
+                help="how the attackers share this machine's cores (default: idle, SCHED_IDLE)",
+            ),
+            p.add_argument(
+                "--attacker-ip",
+                default=ATTACKER_IP,
+                help="the address attackers dial from ('' for 127.0.0.1, beside the honest nodes)",
+            ),
+            p.add_argument(
+                "--verbose-nodes",
+                action="store_true",
+                help="the honest nodes log at INFO (their waits for pushes, fetches, refusals)",
+            ),
         ),
     )
     nodes = args.nodes or (2 if args.quick else 3)
-    phase_s = args.phase_s or (40.0 if args.quick else 180.0)
+    phase_s = args.phase_s or (30.0 if args.quick else 180.0)
     out = new_run_dir(args.out) if args.out else Path(tempfile.mkdtemp(prefix="echo-attack-"))
     say(f"attack benchmark: {nodes} honest nodes, {phase_s:.0f} s per phase, logs in {out}")
-    bench = Bench(out, nodes)
+    bench = Bench(out, nodes, args.verbose_nodes, args.attacker_sched, args.attacker_ip or None)
     try:
         deadline = time.time() + 180
         while bench.version() < 3:  # start-up and the warm-up steps are not measured
             if time.time() > deadline:
                 raise SystemExit(f"the swarm did not reach v3 in 180 s; see {out}")
             time.sleep(1.0)
-        calm = bench.phase("unattacked", phase_s)
         kinds = [k for k in args.attackers.split(",") if k]
         unknown = sorted(set(kinds) - set(ATTACKERS))
         if unknown:
             raise SystemExit(f"--attackers: unknown {unknown}; choose from {list(ATTACKERS)}")
+        calm = bench.phase("unattacked", phase_s)
         bench.start_attackers(kinds)
-        time.sleep(10.0)  # the attackers start up (identities, the liar's engine)
+        time.sleep(SETTLE_S)  # the attackers start up (identities, the liar's engine)
         hit = bench.phase("under attack", phase_s)
-        stats = bench.attacker_stats()
         dead = [k for k, p in zip(kinds, bench.attackers, strict=True) if p.poll() is not None]
+        bench.stop_attackers()
+        stats = bench.attacker_stats()
+        time.sleep(SETTLE_S)
+        after = bench.phase("unattacked again", phase_s)
     finally:
         bench.stop()
     for kind, st in stats.items():
         say(f"  {kind}: {json.dumps(st)}")
     if dead:
         say(f"attackers that exited early (see attack-*.log): {dead}")
-    ratio = hit["versions_per_min"] / calm["versions_per_min"] if calm["versions_per_min"] else 0
-    say(f"honest ratio under attack: {ratio:.2f} (goal >= 0.8)")
+    base = (calm["versions_per_min"] + after["versions_per_min"]) / 2
+    ratio = hit["versions_per_min"] / base if base else 0.0
+    recovery = (
+        after["versions_per_min"] / calm["versions_per_min"] if calm["versions_per_min"] else 0
+    )
+    say(
+        f"honest ratio under attack: {ratio:.2f} of the unattacked phases' mean (goal >= 0.8); "
+        f"after the attack the swarm ran at {recovery:.2f} of its first phase"
+    )
     emit(
         {
             "benchmark": "attack",
             "attacker_kinds": kinds,
+            "attacker_sched": args.attacker_sched,
+            "attacker_ip": args.attacker_ip or "127.0.0.1",
             "quick": args.quick,
             "nodes": nodes,
             "phase_s": phase_s,
             "unattacked": calm,
             "under_attack": hit,
+            "unattacked_after": after,
             "attackers": stats,
             "attackers_died": dead,
             "honest_ratio_under_attack": ratio,
+            "recovery_after_attack": recovery,
         }
     )
     return 0

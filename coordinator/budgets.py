@@ -53,6 +53,7 @@ def configure_gate(gate: Gate, cfg: AdmissionSection) -> Gate:
     for rpc, limit in node_limits(cfg).items():
         gate.set_limit(rpc, limit)
     gate.prefix_factor = cfg.prefix_factor
+    gate.loopback_is_network = cfg.loopback_is_network
     gate.backoff_base_s = cfg.backoff_s
     gate.backoff_max_s = cfg.max_backoff_s
     gate.resize(cfg.max_tracked_peers)

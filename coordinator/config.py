@@ -86,6 +86,14 @@ class AdmissionSection(BaseModel):
     max_tracked_peers: int = Field(
         default=20_000, ge=100, description="per-peer entries kept (least recently seen dropped)"
     )
+    loopback_is_network: bool = Field(
+        default=False,
+        description=(
+            "count each loopback address as a network of its own: budgets per address, and "
+            "at most as many connections as a private network (a benchmark running attackers "
+            "from 127.0.0.2 beside honest nodes on 127.0.0.1); off, loopback is uncapped"
+        ),
+    )
 
 
 class RetentionSection(BaseModel):

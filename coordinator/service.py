@@ -35,6 +35,7 @@ from echo.coordinator.sched_loop import Placement
 from echo.coordinator.scheduler import SchedulerParams
 from echo.coordinator.store import Store
 from echo.p2p.circuit_relay import RelayLimits, offer_relay
+from echo.p2p.conn_guard import PRIVATE_PREFIX_CAP, GuardPolicy
 from echo.p2p.host import INBOUND_CONNECTION_CAP, EchoHost, open_host
 from echo.p2p.identity import Identity
 from echo.protocol.jobspec import JobSpec
@@ -128,7 +129,10 @@ class Coordinator:
         Raises OSError if an address cannot be bound, and what :meth:`JobControl.resume` raises
         for a stored job this build cannot load.
         """
-        async with open_host(self.identity, self.config.listen) as host:
+        guard = None
+        if self.config.admission.loopback_is_network:
+            guard = GuardPolicy(loopback_cap=PRIVATE_PREFIX_CAP)
+        async with open_host(self.identity, self.config.listen, guard_policy=guard) as host:
             self.host = host
             self.node_rpc.install(host, self.config.admission)
             self.learner_rpc.install(host)

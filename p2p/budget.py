@@ -131,9 +131,12 @@ class _Backoff:
     strikes: int
 
 
-def network_prefix(address: str | None) -> str | None:
-    """The /24 (IPv4) or /48 (IPv6) network of ``address``; None for none, a malformed one, or
-    loopback (one machine running many nodes on purpose: a test swarm, a benchmark)."""
+def network_prefix(address: str | None, loopback_is_network: bool = False) -> str | None:
+    """The /24 (IPv4) or /48 (IPv6) network of ``address``; None for none or a malformed one.
+    Loopback is None too (one machine running many nodes on purpose: a test swarm, a benchmark)
+    unless ``loopback_is_network``: then each loopback address is a network of its own
+    (``127.0.0.2/32``), so a benchmark can run attackers from 127.0.0.2 beside honest nodes on
+    127.0.0.1 and see the prefix budgets work."""
     if not address:
         return None
     try:
@@ -141,7 +144,7 @@ def network_prefix(address: str | None) -> str | None:
     except ValueError:
         return None
     if ip.is_loopback:
-        return None
+        return str(ipaddress.ip_network(ip)) if loopback_is_network else None
     bits = 24 if ip.version == 4 else 48
     return str(ipaddress.ip_network(f"{ip}/{bits}", strict=False))
 
@@ -167,6 +170,8 @@ class Gate:
         self.limits = dict(limits or {})
         self.default = default
         self.prefix_factor = prefix_factor
+        # Each loopback address its own prefix (see :func:`network_prefix`); off: none.
+        self.loopback_is_network = False
         self.backoff_base_s = backoff_base_s
         self.backoff_max_s = backoff_max_s
         self.clock = clock
@@ -236,7 +241,7 @@ class Gate:
             address = self._where.get(peer)
         limit = self.limit(rpc)
         mine = self._buckets.setdefault((peer, rpc), lambda: Bucket(limit, now))
-        prefix = network_prefix(address)
+        prefix = network_prefix(address, self.loopback_is_network)
         theirs = None
         if prefix is not None:
             scaled = limit.scaled(self.prefix_factor)

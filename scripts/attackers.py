@@ -286,6 +286,18 @@ KINDS = {
 }
 
 
+def _dial_from(source_ip: str) -> None:
+    """Every TCP connection this process opens leaves from ``source_ip`` (py-libp2p's TCP
+    transport dials with ``trio.open_tcp_stream``, looked up on each dial)."""
+    real = trio.open_tcp_stream
+
+    async def open_from(host, port, **kw):
+        kw.setdefault("local_address", source_ip)
+        return await real(host, port, **kw)
+
+    trio.open_tcp_stream = open_from
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("kind", choices=sorted(KINDS))
@@ -295,7 +307,14 @@ def main() -> int:
     ap.add_argument("--peer", action="append", default=[], help="an honest node's multiaddr")
     ap.add_argument("--data-dir", type=Path, default=None, help="the liar node's data dir")
     ap.add_argument("--rate", type=float, default=5.0, help="churn: new identities a second")
+    ap.add_argument(
+        "--source-ip",
+        default=None,
+        help="dial from this local address (127.0.0.2: another network than the honest nodes')",
+    )
     args = ap.parse_args()
+    if args.source_ip:
+        _dial_from(args.source_ip)
     if args.kind == "liar" and args.data_dir is None:
         ap.error("liar needs --data-dir")
     stats = Stats(args.stats, args.kind)

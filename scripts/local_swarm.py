@@ -244,9 +244,11 @@ class Swarm:
         self.api: httpx.Client | None = None
         self.maddr = ""
 
-    def start_coordinator(self, listen: str = "/ip4/127.0.0.1/tcp/0") -> dict:
+    def start_coordinator(
+        self, listen: str = "/ip4/127.0.0.1/tcp/0", config_extra: str = ""
+    ) -> dict:
         (self.out / "coordinator.json").unlink(missing_ok=True)  # never read a previous run's
-        (self.out / "coordinator.toml").write_text(DEMO_COORDINATOR_TOML)
+        (self.out / "coordinator.toml").write_text(DEMO_COORDINATOR_TOML + config_extra)
         coord = start(
             [
                 sys.executable,

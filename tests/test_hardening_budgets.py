@@ -13,6 +13,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.exceptions import BaseLibp2pError
 
 from echo.p2p.budget import Gate, Limit, network_prefix
+from echo.p2p.conn_guard import PRIVATE_PREFIX_CAP
 from echo.p2p.rpc import RpcConnectionError
 from echo.protocol import ids
 from tests.conftest import make_coordinator, run_with_coordinator
@@ -56,6 +57,31 @@ def test_gate_prefix_is_shared_by_every_identity_in_it() -> None:
     admitted = sum(gate.admit(f"sybil-{i}", "192.0.2.9", "rpc") for i in range(50))
     assert admitted == 6  # 2 peers' worth of burst, however many identities
     assert gate.admit("elsewhere", "203.0.113.9", "rpc")
+
+
+def test_loopback_addresses_can_each_be_a_network() -> None:
+    """Off by default (a local swarm is one trusted machine); on, 127.0.0.2's identities share
+    one budget and leave 127.0.0.1's alone (benchmarks/attack.py's attackers and honest nodes)."""
+    assert network_prefix("127.0.0.2", loopback_is_network=True) == "127.0.0.2/32"
+    assert network_prefix("::1", loopback_is_network=True) == "::1/128"
+    clock = Clock()
+    gate = Gate({"rpc": LIMIT}, prefix_factor=2, clock=clock)
+    assert sum(gate.admit(f"s-{i}", "127.0.0.2", "rpc") for i in range(50)) == 50
+    gate = Gate({"rpc": LIMIT}, prefix_factor=2, clock=clock)
+    gate.loopback_is_network = True
+    assert sum(gate.admit(f"s-{i}", "127.0.0.2", "rpc") for i in range(50)) == 6
+    assert all(gate.admit("honest", "127.0.0.1", "rpc") for _ in range(3))
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_coordinator_counts_loopback_as_networks_when_configured(tmp_path, on) -> None:
+    async def body(coord, client) -> None:
+        assert coord.host.gate.loopback_is_network is on
+        assert coord.host.guard.policy.loopback_cap == (PRIVATE_PREFIX_CAP if on else None)
+        node = await client()
+        await node.register()  # 127.0.0.1 is served either way
+
+    run_with_coordinator(tmp_path, body, admission={"loopback_is_network": on})
 
 
 def test_gate_backoff_doubles_and_expires() -> None:
