@@ -89,8 +89,8 @@ class AdmissionSection(BaseModel):
     loopback_is_network: bool = Field(
         default=False,
         description=(
-            "count each loopback address as a network of its own: budgets per address, and "
-            "at most as many connections as a private network (a benchmark running attackers "
+            "count each loopback address as a public network of its own: budgets, a "
+            "connection cap and a handshake rate per address (a benchmark running attackers "
             "from 127.0.0.2 beside honest nodes on 127.0.0.1); off, loopback is uncapped"
         ),
     )

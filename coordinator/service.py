@@ -35,7 +35,7 @@ from echo.coordinator.sched_loop import Placement
 from echo.coordinator.scheduler import SchedulerParams
 from echo.coordinator.store import Store
 from echo.p2p.circuit_relay import RelayLimits, offer_relay
-from echo.p2p.conn_guard import PRIVATE_PREFIX_CAP, GuardPolicy
+from echo.p2p.conn_guard import PUBLIC_PREFIX_CAP, GuardPolicy
 from echo.p2p.host import INBOUND_CONNECTION_CAP, EchoHost, open_host
 from echo.p2p.identity import Identity
 from echo.protocol.jobspec import JobSpec
@@ -131,7 +131,7 @@ class Coordinator:
         """
         guard = None
         if self.config.admission.loopback_is_network:
-            guard = GuardPolicy(loopback_cap=PRIVATE_PREFIX_CAP)
+            guard = GuardPolicy(loopback_cap=PUBLIC_PREFIX_CAP)  # a stranger's address
         async with open_host(self.identity, self.config.listen, guard_policy=guard) as host:
             self.host = host
             self.node_rpc.install(host, self.config.admission)

@@ -87,6 +87,13 @@ class LruMap(Generic[K, V]):
                 self._d.popitem(last=False)
         return value
 
+    def put(self, key: K, value: V) -> None:
+        """Set ``key`` to ``value`` (now the most recently used), evicting the oldest key."""
+        self._d[key] = value
+        self._d.move_to_end(key)
+        while len(self._d) > self.max_keys:
+            self._d.popitem(last=False)
+
     def pop(self, key: K) -> V | None:
         return self._d.pop(key, None)
 

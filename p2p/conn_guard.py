@@ -10,7 +10,9 @@ hold them, and shut every honest peer out. :class:`ConnectionGuard` bounds that 
   /48 of an IPv6 one) and refused -- its socket closed -- when that prefix already holds its
   cap of open or handshaking inbound connections. Public, private and loopback prefixes have
   separate caps (:class:`GuardPolicy`); loopback is uncapped by default because tests and local
-  swarms run every node on 127.0.0.1.
+  swarms run every node on 127.0.0.1. A capped prefix also has a handshake rate: its cap at
+  once, then its cap's worth every ``handshake_refill_s`` (a stranger shut out comes back as a
+  fresh identity on a fresh connection; the rate bounds what that costs us in handshakes).
 * **Idle reaping under pressure.** A connection on which no stream was opened or closed, in
   either direction, for ``idle_timeout_s`` is idle. While the host holds more than
   ``pressure_fraction`` of its cap, or a connection's prefix is at its own cap, the reaper closes
@@ -52,6 +54,8 @@ from libp2p.peer.id import ID
 from libp2p.rcmgr import Direction
 from multiaddr import Multiaddr
 
+from echo.p2p.budget import LruMap
+
 logger = logging.getLogger(__name__)
 
 # Open (or handshaking) inbound connections one public /24 or /48 may hold. An honest Echo peer
@@ -68,6 +72,15 @@ PRIVATE_PREFIX_CAP = 64
 # a process on our own machine can hurt us in worse ways than holding sockets. A policy may set
 # one (each loopback address is then its own prefix, so tests can tell 127.0.0.1 from 127.0.0.2).
 LOOPBACK_CAP: int | None = None
+# A capped prefix may start its whole cap of handshakes at once and then its cap's worth again
+# every this many seconds (a public /24: 16 at once, then 2 a second). An honest peer dials a
+# host once and keeps the connection; a stranger who is refused or shut out comes back as a
+# fresh identity on a fresh connection, and each costs a Noise handshake before any budget can
+# see it (benchmarks/attack.py's junk submitter: 5-8 new identities a second from one address).
+HANDSHAKE_REFILL_S = 8.0
+# Prefixes whose handshake rate is tracked at once (least recently seen dropped; a dropped one
+# starts again with a full allowance, so the bound costs only a burst, never a wrongful refusal).
+MAX_TRACKED_PREFIXES = 20_000
 # No stream opened or closed, in either direction, for this long: the connection is idle. A
 # working node opens streams far more often (status every 10 s, a re-register every 6 s when
 # idle, chunk pulls per version); a reaped honest peer pays only a re-dial on its next request.
@@ -130,6 +143,7 @@ class GuardPolicy:
     public_cap: int | None = PUBLIC_PREFIX_CAP
     private_cap: int | None = PRIVATE_PREFIX_CAP
     loopback_cap: int | None = LOOPBACK_CAP
+    handshake_refill_s: float | None = HANDSHAKE_REFILL_S
     idle_timeout_s: float = IDLE_TIMEOUT_S
     pressure_fraction: float = PRESSURE_FRACTION
     reap_interval_s: float = REAP_INTERVAL_S
@@ -139,6 +153,10 @@ class GuardPolicy:
             cap = getattr(self, name)
             if cap is not None and cap < 1:
                 raise ValueError(f"{name} must be at least 1 or None, got {cap}")
+        if self.handshake_refill_s is not None and self.handshake_refill_s <= 0:
+            raise ValueError(
+                f"handshake_refill_s must be positive or None, got {self.handshake_refill_s}"
+            )
         if self.idle_timeout_s <= 0 or self.reap_interval_s <= 0:
             raise ValueError("idle_timeout_s and reap_interval_s must be positive")
         if not 0 < self.pressure_fraction <= 1:
@@ -198,7 +216,9 @@ class ConnectionGuard:
         self._last_active: dict[INetConn, float] = {}
         self._pending: dict[Endpoint, Prefix] = {}
         self._protected: set[ID] = set()
-        self.refused = 0  # inbound connections refused over their prefix's cap, ever
+        # Per capped prefix: (handshakes it may still start, when that was counted).
+        self._allowance: LruMap[Prefix, tuple[float, float]] = LruMap(MAX_TRACKED_PREFIXES)
+        self.refused = 0  # inbound connections refused over their prefix's cap or rate, ever
         self.reaped = 0  # idle connections closed by the reaper, ever
 
     # -- protection -----------------------------------------------------------------------------
@@ -258,7 +278,25 @@ class ConnectionGuard:
             # debug, not info: a refused stranger can retry as fast as it likes (see .refused)
             logger.debug("refused inbound from %s: %s is at its cap", endpoint[0], prefix.network)
             return False
+        if cap is not None and not self._take_handshake(prefix, cap):
+            logger.debug("refused inbound from %s: %s over its rate", endpoint[0], prefix.network)
+            return False
         self._pending[endpoint] = prefix
+        return True
+
+    def _take_handshake(self, prefix: Prefix, cap: int) -> bool:
+        """Spend one of ``prefix``'s handshakes (a token bucket of ``cap`` refilled over
+        ``handshake_refill_s``); False, spending nothing, when none is left."""
+        refill_s = self.policy.handshake_refill_s
+        if refill_s is None:
+            return True
+        now = self._clock()
+        left, at = self._allowance.get(prefix) or (float(cap), now)
+        left = min(float(cap), left + (now - at) * cap / refill_s)
+        if left < 1.0:
+            self._allowance.put(prefix, (left, now))
+            return False
+        self._allowance.put(prefix, (left - 1.0, now))
         return True
 
     def inbound_count(self, prefix: Prefix) -> int:

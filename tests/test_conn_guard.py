@@ -18,7 +18,7 @@ from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.peer.id import ID
 
 import echo.p2p.host as host_mod
-from echo.p2p.conn_guard import GuardPolicy, Prefix, prefix_of
+from echo.p2p.conn_guard import ConnectionGuard, GuardPolicy, Prefix, prefix_of
 from echo.p2p.host import EchoHost, open_host
 from echo.p2p.identity import Identity
 from echo.p2p.rpc import RpcConnectionError, RpcTimeout
@@ -86,12 +86,46 @@ def test_policy_caps_and_validation() -> None:
         {"reap_interval_s": -1},
         {"pressure_fraction": 0},
         {"pressure_fraction": 1.5},
+        {"handshake_refill_s": 0},
     ):
         with pytest.raises(ValueError):
             GuardPolicy(**bad)
 
 
 # -- admission ------------------------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_handshake_rate_refuses_a_prefix_that_keeps_coming_back() -> None:
+    """A prefix may start its cap of handshakes at once, then one per refill_s / cap, however
+    quickly each connection goes away again (a junk submitter's fresh identities); another
+    prefix keeps its own allowance, and an uncapped prefix has no rate."""
+    clock = Clock()
+    guard = ConnectionGuard(
+        GuardPolicy(public_cap=4, handshake_refill_s=2.0), connection_cap=100, clock=clock
+    )
+
+    def handshake(ip: str, port: int) -> bool:
+        ok = guard._reserve((ip, port))
+        guard._pending.pop((ip, port), None)  # the connection is done and gone at once
+        return ok
+
+    assert [handshake("5.6.7.9", p) for p in range(6)] == [True] * 4 + [False] * 2
+    assert handshake("9.9.9.1", 1)  # another /24
+    clock.t += 0.4  # 0.8 of a handshake back
+    assert not handshake("5.6.7.77", 7)  # same /24, another address
+    clock.t += 0.2
+    assert handshake("5.6.7.9", 8) and not handshake("5.6.7.9", 9)
+    clock.t += 60.0  # refilled, but never past the cap
+    assert [handshake("5.6.7.9", p) for p in range(10, 16)] == [True] * 4 + [False] * 2
+    assert all(handshake("127.0.0.1", p) for p in range(50))  # loopback: uncapped, no rate
 
 
 def test_prefix_cap_refuses_the_next_connection_from_a_full_prefix() -> None:
@@ -105,7 +139,8 @@ def test_prefix_cap_refuses_the_next_connection_from_a_full_prefix() -> None:
         return b"pong"
 
     async def body() -> None:
-        policy = GuardPolicy(loopback_cap=2)
+        # The cap alone: with the handshake rate too, s3's late reconnect would wait for it.
+        policy = GuardPolicy(loopback_cap=2, handshake_refill_s=None)
         async with (
             open_host(Identity.generate(), pubsub=False, guard_policy=policy) as server,
             open_host(Identity.generate(), pubsub=False) as s1,
@@ -247,7 +282,9 @@ def test_idle_connections_in_a_full_prefix_are_reaped() -> None:
     idle timeout."""
 
     async def body() -> None:
-        policy = GuardPolicy(loopback_cap=2, idle_timeout_s=2.0, reap_interval_s=0.2)
+        policy = GuardPolicy(
+            loopback_cap=2, handshake_refill_s=None, idle_timeout_s=2.0, reap_interval_s=0.2
+        )
         async with (
             open_host(Identity.generate(), pubsub=False, guard_policy=policy) as server,
             open_host(Identity.generate(), pubsub=False) as h1,

@@ -13,7 +13,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.exceptions import BaseLibp2pError
 
 from echo.p2p.budget import Gate, Limit, network_prefix
-from echo.p2p.conn_guard import PRIVATE_PREFIX_CAP
+from echo.p2p.conn_guard import PUBLIC_PREFIX_CAP
 from echo.p2p.rpc import RpcConnectionError
 from echo.protocol import ids
 from tests.conftest import make_coordinator, run_with_coordinator
@@ -77,7 +77,7 @@ def test_loopback_addresses_can_each_be_a_network() -> None:
 def test_coordinator_counts_loopback_as_networks_when_configured(tmp_path, on) -> None:
     async def body(coord, client) -> None:
         assert coord.host.gate.loopback_is_network is on
-        assert coord.host.guard.policy.loopback_cap == (PRIVATE_PREFIX_CAP if on else None)
+        assert coord.host.guard.policy.loopback_cap == (PUBLIC_PREFIX_CAP if on else None)
         node = await client()
         await node.register()  # 127.0.0.1 is served either way
 
