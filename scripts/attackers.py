@@ -111,11 +111,21 @@ async def hoard(args, stats: Stats) -> None:
     async def one(task_status=trio.TASK_STATUS_IGNORED) -> None:
         ident = Identity.generate()
         async with open_host(ident, pubsub=False) as host:
-            peer = await host.connect(args.coordinator)
             stats.add("identities")
             task_status.started()
+            peer, misses = None, 0
             while True:
-                await _call(host, peer, ids.PROTO_REGISTER, _register(ident, host), stats)
+                if peer is None:  # refused at the door (a prefix's handshake rate), or cut off
+                    try:
+                        peer = await host.connect(args.coordinator)
+                    except (RpcError, OSError):
+                        stats.add("errors")
+                        await trio.sleep(1.0)
+                        continue
+                    misses = 0
+                registered = await _call(
+                    host, peer, ids.PROTO_REGISTER, _register(ident, host), stats
+                )
                 req = m.LeaseRequest(
                     job_id=args.job, max_leases=8, have_version=0, timestamp=time.time()
                 )
@@ -127,6 +137,9 @@ async def hoard(args, stats: Stats) -> None:
                     reply = m.decode(m.LeaseReply, data)
                     stats.add("leases_held", len(reply.leases))
                     wait = max(0.5, min(reply.retry_after_s, 5.0))
+                misses = 0 if registered is not None or data is not None else misses + 1
+                if misses >= 5:
+                    peer = None
                 await trio.sleep(wait)
 
     async with trio.open_nursery() as nursery:
