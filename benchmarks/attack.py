@@ -275,6 +275,11 @@ def main() -> int:
         say(f"  {kind}: {json.dumps(st)}")
     if dead:
         say(f"attackers that exited early (see attack-*.log): {dead}")
+    if after["versions_per_min"] == 0 or hit["versions_per_min"] == 0:
+        # Not a ratio: the honest swarm stopped (one run: every honest node excluded for
+        # false verification failures). The logs in ``out`` say why.
+        say(f"the honest swarm stopped training (see {out}); no ratio")
+        return 1
     base = (calm["versions_per_min"] + after["versions_per_min"]) / 2
     ratio = hit["versions_per_min"] / base if base else 0.0
     recovery = (

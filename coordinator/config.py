@@ -45,6 +45,15 @@ class VerificationSection(BaseModel):
     exclude_after_failures: int = Field(
         default=5, ge=1, description="verification failures before a node is excluded"
     )
+    exclude_failure_share: float = Field(
+        default=0.05,
+        gt=0,
+        le=1,
+        description=(
+            "...and only while they are at least this share of its results: an honest node's "
+            "rare false rejection (a checker's tail) never adds up to exclusion over a long run"
+        ),
+    )
     submissions_per_minute: int = Field(
         default=6000, ge=1, description="per-node rate limit (a fast node sends ~10 groups/s)"
     )
