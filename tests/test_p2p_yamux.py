@@ -77,3 +77,42 @@ def test_reads_and_pongs_do_not_wait_for_a_stuck_writer() -> None:
             await body()
 
     trio.run(main)
+
+
+def test_queued_control_frames_ride_in_the_next_data_write() -> None:
+    """A stream's SYN or ACK queued before its first data goes out in the same secured write
+    (one Noise message, one send), control frames first."""
+    opened: list[object] = []
+
+    async def sink(stream) -> None:
+        opened.append(stream)
+        while await stream.read(1024):
+            pass
+
+    async def body() -> None:
+        async with open_host(Identity.generate(), pubsub=False) as a, open_host(
+            Identity.generate(), pubsub=False
+        ) as b:
+            a.libp2p.set_stream_handler(PROTO, sink)
+            await b.connect(a.listen_multiaddrs[0])
+            stream = await b.libp2p.new_stream(a.peer_id, [PROTO])
+            await stream.write(b"warm")
+            conn = stream.muxed_conn
+            assert isinstance(conn, NonBlockingReaderYamux)
+            writes: list[bytes] = []
+            real_write = conn.secured_conn.write
+
+            async def recording_write(data: bytes) -> None:
+                writes.append(data)
+                await real_write(data)
+
+            conn.secured_conn.write = recording_write  # type: ignore[method-assign]
+            ping = struct.pack(YAMUX_HEADER_FORMAT, 0, TYPE_PING, FLAG_SYN, 0, 7)
+            async with conn._write_lock:  # hold the control writer off while we queue
+                conn._control.append(ping)
+            await stream.write(b"payload")
+            assert len(writes) == 1, writes
+            assert writes[0].startswith(ping) and writes[0].endswith(b"payload")
+            assert not conn._control
+
+    trio.run(body)
