@@ -80,8 +80,13 @@ class JobTables(Database):
             )
 
     def next_prompt_ids(self, job_id: str, n: int) -> list[int]:
-        """Reserve the job's next ``n`` prompt ids; each id is handed out once."""
-        with self._tx() as db:
+        """Reserve the job's next ``n`` prompt ids; each id is handed out once.
+
+        Committed without an fsync of its own (``Database._hint_tx``): the leases that carry
+        these ids are stored next, and that commit's fsync of the WAL makes this one durable
+        too before any lease leaves the coordinator. A power cut between the two loses both,
+        and the ids are handed out again to leases nobody holds."""
+        with self._hint_tx() as db:
             row = db.execute("SELECT next_prompt_id FROM jobs WHERE job_id=?", (job_id,)).fetchone()
             start = int(row[0])
             db.execute("UPDATE jobs SET next_prompt_id=? WHERE job_id=?", (start + n, job_id))

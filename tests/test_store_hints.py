@@ -1,4 +1,5 @@
-"""Hint writes (a node's last-seen, its reported version) skip their own fsync; nothing else may.
+"""Hint writes (a node's last-seen and reported version, prompt-id reservations) skip their own
+fsync; nothing else may.
 
 ``Database._hint_tx`` lowers ``synchronous`` for one commit. If it ever failed to restore FULL,
 every accepted rollout after it would be acknowledged before it was on disk, so these tests
@@ -28,6 +29,12 @@ def test_hints_commit_and_leave_every_other_write_durable(tmp_path) -> None:
     assert _sync(store) == FULL
     store.record_node_version("job", "n1", 3)
     assert _sync(store) == FULL
+    store._db.execute(
+        "INSERT INTO jobs (job_id, name, spec_json, status, created_at, updated_at)"
+        " VALUES ('job', 'job', '{}', 'running', 0, 0)"
+    )
+    assert store.next_prompt_ids("job", 3) == [0, 1, 2]
+    assert _sync(store) == FULL
     assert not store._db.in_transaction
     store.close()
     # The process ending (not a power cut) keeps every hint.
@@ -37,6 +44,7 @@ def test_hints_commit_and_leave_every_other_write_durable(tmp_path) -> None:
     assert row.last_seen >= before
     seen = store._db.execute("SELECT version FROM node_versions WHERE node_id='n1'").fetchall()
     assert [r[0] for r in seen] == [3]
+    assert store.next_prompt_ids("job", 1) == [3]
     store.close()
 
 
