@@ -206,10 +206,18 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="small jobs: a minute or two")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / time.strftime("sched-%H%M%S"))
     ap.add_argument("--timeout", type=float, default=None)
+    ap.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="multiply every job's steps (a long run: steady phases of minutes, against the "
+        "scheduler's 60 s estimate window)",
+    )
     args = ap.parse_args()
     q = args.quick
-    steps_small, steps_large, steps_late = (12, 20, 10) if q else (40, 80, 40)
-    timeout = args.timeout or (240.0 if q else 900.0)
+    base = (12, 20, 10) if q else (40, 80, 40)
+    steps_small, steps_large, steps_late = (max(1, round(n * args.scale)) for n in base)
+    timeout = args.timeout or (240.0 if q else 900.0) * max(1.0, args.scale)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     run = Run(out, min_stay=10.0 if q else 30.0)
