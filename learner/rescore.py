@@ -59,13 +59,6 @@ SHAPE_SLACK = 2.0
 # random tokens are genuinely indistinguishable from its samples).
 SHAPE_CLIP = 4.0
 SHAPE_MIN_Z = -5.0
-# The z test decides by Bernstein's inequality, not the normal tail: the clipped terms are
-# bounded below (by -SHAPE_CLIP), so P(sum <= -s) <= exp(-s^2 / (2 (var + SHAPE_CLIP s / 3)))
-# for any number of tokens. The normal tail is wrong for few heavy-tailed terms: under a peaked
-# policy (median token p 0.998, 16 tokens a group) one honest rare token alone gave z -5.0 to
-# -5.5, and 15 groups of 3 honest nodes were rejected within ~200 versions of a long run
-# (benchmarks/attack.py), which excluded all three. The threshold is the normal one at z = -5.
-SHAPE_MIN_EXPONENT = SHAPE_MIN_Z**2 / 2
 # An EOS the policy gives less than this probability is not a place it would have stopped.
 MIN_EOS_PROB = 1e-3
 # More than this fraction of a group's "stop" completions ending improbably fails the group.
@@ -80,14 +73,6 @@ def token_stats(logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     q = (p * (p < IMPROBABLE_P)).sum(-1)
     x = (logp + ent.unsqueeze(-1)).clamp(min=-SHAPE_CLIP)
     return ent, q, (p * x * x).sum(-1)
-
-
-def shape_exponent(clipped_sum: float, second_moment: float) -> float:
-    """Bernstein's exponent for a deficit of ``-clipped_sum`` in a sum of terms bounded below by
-    -SHAPE_CLIP whose second moments add to ``second_moment``; a group fails the test when it
-    exceeds SHAPE_MIN_EXPONENT (honest samples: a tail probability under exp(-12.5))."""
-    deficit = max(0.0, -clipped_sum)
-    return deficit * deficit / (2.0 * (second_moment + SHAPE_CLIP * deficit / 3.0) + 1e-12)
 
 
 @dataclass
@@ -210,11 +195,10 @@ class Rescorer:
             "excess_nll": excess_entropy,
             "tokens": float(n),
             "improbable_stops": float(improbable),
-            "shape_exponent": shape_exponent(float(clipped.sum()), float(m2.sum())) if n else 0.0,
         }
         if mismatch > self.thresholds.get(engine, DEFAULT_MISMATCH):
             return Verdict(False, R.RESCORE_MISMATCH, stats)
-        if k > k_limit or stats["shape_exponent"] > SHAPE_MIN_EXPONENT:
+        if k > k_limit or z < SHAPE_MIN_Z:
             return Verdict(False, R.SAMPLING_SHAPE, stats)
         if stops and improbable / stops > MAX_IMPROBABLE_STOPS:
             return Verdict(False, R.TERMINATION_IMPROBABLE, stats)
