@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -65,6 +66,8 @@ class ChunkStore:
         root.mkdir(parents=True, exist_ok=True)
         self._index: dict[bytes, Path] = {}
         self._version_bytes: dict[int, int] = {}  # bytes held per version (sizes the budget)
+        # put() runs in worker threads too (weight sync, relay intake): one rename at a time.
+        self._lock = threading.Lock()
         # When a chunk was last handed out (time.monotonic()); a finished learner serves its
         # final version until nobody has asked for a while.
         self.last_read = 0.0
@@ -100,10 +103,17 @@ class ChunkStore:
         vdir.mkdir(exist_ok=True)
         path = vdir / digest.hex()
         if not path.exists():
-            tmp = path.with_suffix(".tmp")
+            # A temporary name of this writer's own: two threads storing the same chunk at once
+            # (a pull and a push of one version) shared "<hash>.tmp", and the second rename
+            # found it gone (FileNotFoundError; a node died of it in test_real_model_swarm).
+            tmp = vdir / f"{digest.hex()}.{os.getpid()}.{threading.get_ident()}.tmp"
             tmp.write_bytes(data)
-            os.replace(tmp, path)
-            self._version_bytes[version] = self._version_bytes.get(version, 0) + len(data)
+            with self._lock:
+                if path.exists():  # the other writer finished first: same bytes
+                    tmp.unlink(missing_ok=True)
+                else:
+                    os.replace(tmp, path)
+                    self._version_bytes[version] = self._version_bytes.get(version, 0) + len(data)
         self._index[digest] = path
         return digest
 
