@@ -191,7 +191,8 @@ class Database:
     @contextmanager
     def _hint_tx(self) -> Iterator[sqlite3.Connection]:
         """A transaction for a hint that a power cut may lose (a node's last-seen time, the
-        first time it held a version): committed without an fsync of its own. It survives a
+        first time it held a version, a prompt-id reservation that the leases' own commit makes
+        durable): committed without an fsync of its own. It survives a
         crash of the process (the OS has the write), it becomes durable with the next
         :meth:`_tx`'s fsync of the WAL, and the WAL's checksums keep a cut-short tail from
         corrupting anything. Measured under benchmarks/attack.py: every lease made such a

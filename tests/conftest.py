@@ -21,6 +21,16 @@ from echo.protocol.jobspec import parse_job
 TEST_DEADLINE = 60.0
 
 
+class Clock:
+    """A clock a test moves by hand (``clock.t += 1.0``), for code that takes ``clock=``."""
+
+    def __init__(self, t: float = 0.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
 def make_coordinator(tmp: Path, admission: dict | None = None, **verification) -> Coordinator:
     cfg = CoordinatorConfig(
         admission=admission or {},

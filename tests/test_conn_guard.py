@@ -22,6 +22,7 @@ from echo.p2p.conn_guard import ConnectionGuard, GuardPolicy, Prefix, prefix_of
 from echo.p2p.host import EchoHost, open_host
 from echo.p2p.identity import Identity
 from echo.p2p.rpc import RpcConnectionError, RpcTimeout
+from tests.conftest import Clock
 
 TEST_DEADLINE = 10.0
 PING = "/echo/test/ping/1"
@@ -93,14 +94,6 @@ def test_policy_caps_and_validation() -> None:
 
 
 # -- admission ------------------------------------------------------------------------------------
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def test_handshake_rate_refuses_a_prefix_that_keeps_coming_back() -> None:

@@ -16,18 +16,10 @@ from echo.p2p.budget import Gate, Limit, network_prefix
 from echo.p2p.conn_guard import PUBLIC_PREFIX_CAP
 from echo.p2p.rpc import RpcConnectionError
 from echo.protocol import ids
-from tests.conftest import make_coordinator, run_with_coordinator
+from tests.conftest import Clock, make_coordinator, run_with_coordinator
 from tests.test_coordinator import start_job
 
 LIMIT = Limit(requests_per_s=1.0, burst_requests=3.0, bytes_per_s=100.0, burst_bytes=300.0)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def test_prefixes() -> None:

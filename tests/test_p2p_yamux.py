@@ -8,17 +8,40 @@ ping, and ``stream.read`` waits to send its window update.
 from __future__ import annotations
 
 import struct
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import trio
+from libp2p.abc import INetStream
 from libp2p.custom_types import TProtocol
 from libp2p.stream_muxer.yamux.yamux import FLAG_SYN, TYPE_PING, YAMUX_HEADER_FORMAT
 
-from echo.p2p.host import open_host
+from echo.p2p.host import EchoHost, open_host
 from echo.p2p.identity import Identity
 from echo.p2p.yamux import NonBlockingReaderYamux
 
 PROTO = TProtocol("/echo/test/sink/1")
 DEADLINE_S = 30.0
+
+
+@asynccontextmanager
+async def _stream_to(sink) -> AsyncIterator[tuple[EchoHost, EchoHost, INetStream]]:
+    """Two hosts, ``a`` serving PROTO with ``sink``, and a stream from ``b`` to it."""
+    async with (
+        open_host(Identity.generate(), pubsub=False) as a,
+        open_host(Identity.generate(), pubsub=False) as b,
+    ):
+        a.libp2p.set_stream_handler(PROTO, sink)
+        await b.connect(a.listen_multiaddrs[0])
+        yield a, b, await b.libp2p.new_stream(a.peer_id, [PROTO])
+
+
+def _run(body) -> None:
+    async def main() -> None:
+        with trio.fail_after(DEADLINE_S):
+            await body()
+
+    trio.run(main)
 
 
 def test_reads_and_pongs_do_not_wait_for_a_stuck_writer() -> None:
@@ -34,12 +57,7 @@ def test_reads_and_pongs_do_not_wait_for_a_stuck_writer() -> None:
 
     async def body() -> None:
         nonlocal arrived
-        async with open_host(Identity.generate(), pubsub=False) as a, open_host(
-            Identity.generate(), pubsub=False
-        ) as b:
-            a.libp2p.set_stream_handler(PROTO, sink)
-            await b.connect(a.listen_multiaddrs[0])
-            stream = await b.libp2p.new_stream(a.peer_id, [PROTO])
+        async with _stream_to(sink) as (a, b, stream):
             await stream.write(b"first")
             await arrived.wait()
             a_conn, b_conn = opened[0].muxed_conn, stream.muxed_conn
@@ -60,7 +78,8 @@ def test_reads_and_pongs_do_not_wait_for_a_stuck_writer() -> None:
                 # (a's stream.read sends a window update for it).
                 b_conn._ping_event = trio.Event()
                 await b_conn._write_frame(
-                    struct.pack(YAMUX_HEADER_FORMAT, 0, TYPE_PING, FLAG_SYN, 0, 7777))
+                    struct.pack(YAMUX_HEADER_FORMAT, 0, TYPE_PING, FLAG_SYN, 0, 7777)
+                )
                 arrived = trio.Event()
                 await stream.write(b"second")
                 with trio.fail_after(5):  # stock yamux: stuck behind the writer
@@ -72,11 +91,7 @@ def test_reads_and_pongs_do_not_wait_for_a_stuck_writer() -> None:
                     await b_conn._ping_event.wait()  # ... and goes out once it is free
             await stream.close()
 
-    async def main() -> None:
-        with trio.fail_after(DEADLINE_S):
-            await body()
-
-    trio.run(main)
+    _run(body)
 
 
 def test_queued_control_frames_ride_in_the_next_data_write() -> None:
@@ -90,12 +105,7 @@ def test_queued_control_frames_ride_in_the_next_data_write() -> None:
             pass
 
     async def body() -> None:
-        async with open_host(Identity.generate(), pubsub=False) as a, open_host(
-            Identity.generate(), pubsub=False
-        ) as b:
-            a.libp2p.set_stream_handler(PROTO, sink)
-            await b.connect(a.listen_multiaddrs[0])
-            stream = await b.libp2p.new_stream(a.peer_id, [PROTO])
+        async with _stream_to(sink) as (_a, _b, stream):
             await stream.write(b"warm")
             conn = stream.muxed_conn
             assert isinstance(conn, NonBlockingReaderYamux)
@@ -115,4 +125,4 @@ def test_queued_control_frames_ride_in_the_next_data_write() -> None:
             assert writes[0].startswith(ping) and writes[0].endswith(b"payload")
             assert not conn._control
 
-    trio.run(body)
+    _run(body)
