@@ -59,8 +59,9 @@ SETTLE_S = 10.0
 # How the attacker processes share this machine's cores with the swarm. On the internet they run
 # on their own machines, so what they should cost here is the work they make the coordinator and
 # the nodes do, not CPU time taken from them. "idle" (SCHED_IDLE) runs an attacker only when no
-# swarm process wants a core; "nice" (nice 19) still lets them in on every wake-up, which on 2
-# cores took the swarm's round trips from 14 to 166 ms by itself (see the README).
+# swarm process wants a core. Measured with all five (--quick, 2 cores): nice 19, ratio 0.35 and
+# lease p50 14 -> 108 ms; SCHED_IDLE, 0.52 and 12 -> 59 ms. Neither removes the cost of sharing
+# the cores: spinning SCHED_IDLE processes alone slow this swarm by ~30% (see the README).
 ATTACKER_SCHED = {"idle": ["chrt", "--idle", "0"], "nice": ["nice", "-n", "19"], "none": []}
 
 
@@ -275,9 +276,10 @@ def main() -> int:
         say(f"  {kind}: {json.dumps(st)}")
     if dead:
         say(f"attackers that exited early (see attack-*.log): {dead}")
-    if after["versions_per_min"] == 0 or hit["versions_per_min"] == 0:
-        # Not a ratio: the honest swarm stopped (one run: every honest node excluded for
-        # false verification failures). The logs in ``out`` say why.
+    if after["versions_per_min"] == 0:
+        # Not a ratio: the honest swarm stopped and did not come back (one run: every honest
+        # node excluded for false verification failures). The logs in ``out`` say why. A swarm
+        # stopped only under attack is a ratio of 0, below.
         say(f"the honest swarm stopped training (see {out}); no ratio")
         return 1
     base = (calm["versions_per_min"] + after["versions_per_min"]) / 2
