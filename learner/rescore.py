@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from echo.learner.grpo import TrainGroup
+from echo.learner.prefill import completion_logits
 from echo.models.spec import ModelSpec, build_model
 from echo.models.weights import load_state
 from echo.protocol import reasons as R
@@ -100,6 +101,8 @@ class Rescorer:
         self.thresholds = engine_thresholds or MISMATCH_THRESHOLDS
         self._states: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
         self._loaded = -1
+        pad = getattr(self.model.config, "pad_token_id", None)
+        self.pad_id = 0 if pad is None else int(pad)  # any valid id: padding is masked out
         self.last_seconds = 0.0
 
     def remember(self, version: int, state: dict[str, torch.Tensor]) -> None:
@@ -107,26 +110,18 @@ class Rescorer:
         while len(self._states) > self.keep:
             self._states.popitem(last=False)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def _token_stats(self, groups: list[TrainGroup]) -> list[tuple[torch.Tensor, ...]]:
         """Per group, per completion token: log p(chosen) and :func:`token_stats`. One batched
-        prefill for all groups (they share a version), as the learner's own forward does."""
-        rows, spans = [], []
-        for g in groups:
-            for c in g.completions:
-                rows.append(list(g.prompt_ids) + list(c))
-                spans.append((len(g.prompt_ids), len(c)))
-        width = max(len(r) for r in rows)
-        ids = torch.zeros((len(rows), width), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        target = torch.zeros((len(rows), width - 1), dtype=torch.bool)
-        for i, (r, (plen, n)) in enumerate(zip(rows, spans, strict=True)):
-            ids[i, : len(r)] = torch.tensor(r)
-            mask[i, : len(r)] = 1
-            target[i, plen - 1 : plen - 1 + n] = True
-        logits = self.model(input_ids=ids, attention_mask=mask).logits[:, :-1][target].float()
-        logp = torch.log_softmax(logits / self.temperature, dim=-1)
-        chosen = logp.gather(1, ids[:, 1:][target].unsqueeze(1)).squeeze(1)
+        prefill for all groups (they share a version), each group's prompt computed once."""
+        logits, tokens = completion_logits(
+            self.model,
+            [list(g.prompt_ids) for g in groups],
+            [[list(c) for c in g.completions] for g in groups],
+            self.pad_id,
+        )
+        logp = torch.log_softmax(logits.float() / self.temperature, dim=-1)
+        chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
         sizes = [sum(len(c) for c in g.completions) for g in groups]
         parts = [chosen.split(sizes), *(t.split(sizes) for t in token_stats(logp))]
         return list(zip(*parts, strict=True))

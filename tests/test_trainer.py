@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from echo.learner.evaluate import EVAL_PROMPT_BASE, greedy_accuracy, greedy_completions
@@ -57,7 +58,16 @@ def test_prescored_groups_skip_the_step_prefill_with_the_same_verdicts() -> None
     assert ra.metrics["rescored_early"] == 3 and ra.metrics["rescored_in_step"] == 1
     assert rb.metrics["rescored_early"] == 0 and rb.metrics["rescored_in_step"] == 4
     assert ra.trained == rb.trained == [g.rollout_id for g in batch]
-    assert [v.stats for v in ra.verdicts] == [v.stats for v in rb.verdicts]
+    assert [(v.ok, v.reason) for v in ra.verdicts] == [(v.ok, v.reason) for v in rb.verdicts]
+    # The figures agree up to float rounding. The re-scoring prefill's matrix products take
+    # their shapes from the batch (echo.learner.prefill), so a group's log-probs can round
+    # differently with other batch-mates (measured: 2e-7 nats); the count test's limit, a sum
+    # over the tokens below IMPROBABLE_P, moved more (0.0014 in 14). Both are far inside the
+    # thresholds' margins.
+    for va, vb in zip(ra.verdicts, rb.verdicts, strict=True):
+        assert va.stats.keys() == vb.stats.keys()
+        for k in va.stats:
+            assert va.stats[k] == pytest.approx(vb.stats[k], rel=1e-3, abs=1e-6), k
     assert ra.metrics["prescore_s"] > 0 and rb.metrics["prescore_s"] == 0
     # Same groups, same verdicts: the two policies took the same step.
     for pa, pb in zip(a.learner.model.parameters(), b.learner.model.parameters(), strict=True):
