@@ -23,16 +23,16 @@ alone behind routers of their own, eim and sym in turn.
    the eim share there says nothing about punching; N = 16 has five eim-eim pairs across
    routers. ``--direct-only`` stops after this part.
 2. **Time-to-all.** :mod:`broadcast`'s agents and tree runs (``Bench``) at N nodes (16), with
-   the planner's view of reachability: a node behind NAT relays to nobody (its upload is planned
-   as 0, as ``Dissemination.set_reachable`` does), is announced without addresses, and dials its
-   parents itself so they push over that connection (hole punching is not used here: the
-   planner does not know of punched connections yet). The same swarm with every host public is
-   the baseline. Links are shaped by ``tc`` htb (one drop-tail FIFO per link, as netem_nat
-   shapes); relays pace at ``--pace`` (0.92) of their uplink, which keeps that FIFO from
-   overflowing. ``time_to_all_nat_vs_public`` = median NAT time / median public time.
+   the planner's view of reachability (``echo.p2p.tree_reach.Reach``, as ``Dissemination``
+   plans): a node behind NAT is announced without addresses, dials its parents itself so they
+   push over that connection, and relays only to public nodes, dialling them (no punched paths
+   here: the agents do not punch). The same swarm with every host public is the baseline.
+   Links are shaped by ``tc`` htb (one drop-tail FIFO per link, as netem_nat shapes); relays
+   pace at ``--pace`` (0.92) of their uplink, which keeps that FIFO from overflowing.
+   ``time_to_all_nat_vs_public`` = median NAT time / median public time.
 3. **Bytes relays carried.** Circuit relays carry nothing (none is integrated), so
    ``relay_circuit_bytes`` is 0; the bytes nodes forwarded down the tree are split into public
-   and NAT'd nodes (the latter are leaves: 0).
+   and NAT'd nodes.
 
 Run (root): ``python benchmarks/nat.py [--quick] [--direct-only] [--swarm]``; ``--swarm`` also
 runs ``scripts/nat_swarm.py`` (6 nodes, 30 versions, ~1.5 min) and reports ``swarm_trained``.
@@ -66,6 +66,7 @@ from broadcast import SOURCE, AgentProc, Bench, _setup  # noqa: E402
 
 from echo.p2p.tree import best_plan  # noqa: E402
 from echo.p2p.tree_plan import TreePlan  # noqa: E402
+from echo.p2p.tree_reach import Reach  # noqa: E402
 
 PROBE_PORT = 4002
 DIAL_TIMEOUT_S = 5.0
@@ -279,7 +280,8 @@ def _group(items: Any) -> dict[str, list[bool]]:
 
 class NatBench(Bench):
     """:class:`broadcast.Bench` in netem_nat's internet: nodes in ``router_of`` sit behind
-    those routers, are planned as leaves, have no address in the routes and dial their parents."""
+    those routers, have no address in the routes, dial their parents and relay only to public
+    nodes."""
 
     def __init__(
         self,
@@ -309,9 +311,8 @@ class NatBench(Bench):
         return {self.agents[x].peer_id for x in self.router_of if x in self.agents}
 
     def plan(self, kind: str, n: int, size: int) -> TreePlan:
-        behind = set(self.router_of)
         names = [f"n{i:02d}" for i in range(n)]
-        ups = {self.agents[x].peer_id: 0.0 if x in behind else self.ups[x] for x in names}
+        ups = {self.agents[x].peer_id: self.ups[x] for x in names}
         downs = {self.agents[x].peer_id: self.downs[x] for x in names}
         return best_plan(
             self.agents[SOURCE].peer_id,
@@ -320,6 +321,7 @@ class NatBench(Bench):
             total_bytes=size,
             chunk_bytes=self.chunk_bytes(size),
             downs=downs,
+            reach=Reach(frozenset(self._behind())),
         )
 
     def plan_addrs(self) -> dict[str, list[str]]:

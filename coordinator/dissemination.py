@@ -24,14 +24,13 @@ down but never change it. So that no single identity can steer a plan:
   receives, it no longer forwards). Lying reporters can demote honest peers, not exclude them.
 
 Reachability: a node the coordinator's dial-back could not reach (:meth:`set_reachable`, from
-:mod:`echo.coordinator.reachability`) is planned as a leaf -- it never holds up a subtree -- and
-announced without addresses; it dials its parents itself when it joins the plan and they push
-over that connection (:meth:`echo.p2p.relay.peers.Peers.reach_out`). Two such nodes may get a
-direct connection by a coordinated punch (:mod:`echo.coordinator.punching` asks for the pairs
-:meth:`punch_pairs` names and books the outcome with :meth:`set_punched`); once both ends reported
-it, the plan makes one of them a relay for the other
-(:func:`echo.coordinator.dissemination_nat.with_punched_relays`), announced still without
-addresses: the push goes over the punched connection.
+:mod:`echo.coordinator.reachability`) is announced without addresses; it dials its parents itself
+when it joins the plan and they push over that connection
+(:meth:`echo.p2p.relay.peers.Peers.reach_out`). It still relays, to the peers it can reach: it
+dials a dialable child itself, and two such nodes can hold a direct connection after a
+coordinated punch (:mod:`echo.coordinator.punching` asks for the pairs :meth:`punch_pairs` names
+and books the outcome with :meth:`set_punched`). The planners place every edge accordingly
+(:class:`~echo.p2p.tree_reach.Reach`): no node waits for a dial that cannot happen.
 
 Nothing here does I/O except :meth:`Dissemination.refresh_forever` (a trio task that only
 sleeps and runs the planner in a thread); it raises nothing for well-formed input.
@@ -46,17 +45,12 @@ from dataclasses import dataclass, field
 
 import trio
 
-from echo.coordinator.dissemination_nat import (
-    NatInfo,
-    PunchPair,
-    pair_key,
-    punch_pairs,
-    with_punched_relays,
-)
+from echo.coordinator.dissemination_nat import NatInfo, PunchPair, pair_key, punch_pairs
 from echo.p2p import tree
 from echo.p2p.tree_equal import plan_tree
 from echo.p2p.tree_patch import patch_plan
 from echo.p2p.tree_plan import TreePlan
+from echo.p2p.tree_reach import Reach
 from echo.protocol import broadcast as b
 from echo.protocol.limits import MAX_CHUNK_BYTES
 
@@ -96,6 +90,7 @@ class _Inputs:
     ups: dict[str, float]
     total_bytes: int
     chunk_bytes: int
+    reach: Reach
 
 
 class Dissemination:
@@ -118,6 +113,7 @@ class Dissemination:
         # plan() and refresh() run in worker threads: the lock guards these two maps.
         self._plans: dict[str, TreePlan] = {}
         self._due: dict[str, _Inputs] = {}
+        self._reaches: dict[str, Reach] = {}  # what each job's last plan was made under
         self._lock = threading.Lock()
         # Per pair of nodes behind NAT that were asked to connect: whether both ends reported
         # a direct connection. Dropped when either node's addresses or public ip change.
@@ -245,50 +241,53 @@ class Dissemination:
         ceiling = self._ceiling()
         leaf_only = set(leaves)
         ups = {n: 0.0 if n in leaf_only else self._upload(n, ceiling) for n in members}
-        inputs = _Inputs(source, ups, total_bytes, chunk_bytes)
+        reach = self._reach(members)
+        inputs = _Inputs(source, ups, total_bytes, chunk_bytes, reach)
         with self._lock:
             last = self._plans.get(job_id)
+            last_reach = self._reaches.get(job_id)
         if not any(ups.values()):  # everyone demoted: the learner sends to each (a star)
             chosen = tree.star_plan(source, self.learner_upload_bps, ups)
         elif last is None or last.source != source:
-            chosen = plan_tree(source, self.learner_upload_bps, ups, max_fanout=self.max_fanout)
+            chosen = plan_tree(
+                source, self.learner_upload_bps, ups, max_fanout=self.max_fanout, reach=reach
+            )
         else:
-            chosen = patch_plan(last, self.learner_upload_bps, ups)
+            chosen = patch_plan(last, self.learner_upload_bps, ups, reach=reach)
         with self._lock:
             self._plans[job_id] = chosen
-            if last is None or _changed(last, chosen):
+            self._reaches[job_id] = reach
+            if last is None or _changed(last, chosen) or reach != last_reach:
                 self._due[job_id] = inputs
-        # The stored plan keeps NAT'd nodes as leaves (the next patch and the full re-plan start
-        # from it); the announced one adds the relays over punched paths, as they stand now.
-        # Each NAT'd node with a direct path, and the peers it reaches over them.
-        paths = {n: ps for n in members if n not in leaf_only if (ps := self.paths_of(n))}
-        announced = with_punched_relays(
-            chosen,
-            paths,
-            lambda n: self._relay_upload(n, ceiling),
-            self.max_fanout,
-            total_bytes,
-            chunk_bytes,
-        )
-        if announced is not chosen:
-            edges = sum(len(st.children.get(n, ())) for st in announced.stripes for n in paths)
-            log.info("v%d plan: %d edge(s) from NAT'd relays over direct paths", version, edges)
+        relays = {n for n in reach.behind for st in chosen.stripes if st.children.get(n)}
+        if relays:
+            log.info(
+                "v%d plan: %d node(s) behind NAT relay to peers they reach", version, len(relays)
+            )
         peers = [b.PeerAddr(peer_id=source, addrs=list(source_addrs)[: b.MAX_ADDRS])]
         peers += [b.PeerAddr(peer_id=n, addrs=self._dialable(n)) for n in members]
         return b.PlanAnnouncement(
             job_id=job_id,
             version=version,
             manifest=manifest,
-            plan=tree.plan_record(announced, job_id, version),
+            plan=tree.plan_record(chosen, job_id, version),
             peers=peers,
         )
 
     def _upload(self, node_id: str, ceiling: float) -> float:
-        """:meth:`upload_of` with the swarm's ceiling (:meth:`_ceiling`) computed once."""
+        """:meth:`upload_of` with the swarm's ceiling (:meth:`_ceiling`) computed once. A node
+        that cannot be dialled keeps its uplink: it relays to the peers it can reach
+        (:meth:`_reach`)."""
         link = self.links[node_id]
-        if link.demoted or link.reachable is False:  # a leaf: it relays to nobody
+        if link.demoted:  # a leaf: it relays to nobody
             return 0.0
         return self._relay_upload(node_id, ceiling)
+
+    def _reach(self, members: Sequence[str]) -> Reach:
+        """Which of ``members`` no dial-back reached, and their direct paths to each other."""
+        behind = frozenset(n for n in members if self.links[n].reachable is False)
+        paths = {n: frozenset(ps & behind) for n in behind if (ps := self.paths_of(n))}
+        return Reach(behind, paths)
 
     def _relay_upload(self, node_id: str, ceiling: float) -> float:
         """The node's uplink as a relay, whether or not others can dial it."""
@@ -318,6 +317,7 @@ class Dissemination:
                 chunk_bytes=inputs.chunk_bytes,
                 max_stripes=self.max_stripes,
                 max_fanout=self.max_fanout,
+                reach=inputs.reach,
             )
         with self._lock:
             if job_id not in self._due:  # no newer patch arrived meanwhile
@@ -329,6 +329,7 @@ class Dissemination:
         with self._lock:
             self._plans.pop(job_id, None)
             self._due.pop(job_id, None)
+            self._reaches.pop(job_id, None)
 
     async def refresh_forever(self) -> None:
         """Re-plan, in a worker thread, each job whose last plan was patched or quick; owns no

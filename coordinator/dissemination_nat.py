@@ -1,26 +1,22 @@
-"""Direct paths between nodes behind NAT, for the planner: which pairs to punch, and relays
-over the paths that came up.
+"""Direct paths between nodes behind NAT: which pairs to ask for one.
 
-A node no dial-back reached is planned as a leaf (:class:`~echo.coordinator.dissemination
-.Dissemination`): nobody can dial it. Two such nodes can still get a direct connection when the
-coordinator tells both to open one at the same moment -- a TCP hole punch across two
-endpoint-independent routers, a plain dial on their LAN behind one router
-(:mod:`echo.node.punching`, :mod:`echo.coordinator.punching`). :func:`punch_pairs` says which
-pairs to try; :func:`with_punched_relays` takes a plan whose NAT'd nodes are leaves and makes
-some of them relays for the NAT'd peers they have a confirmed path to (both ends reported the
-connection), stripe by stripe, where that shortens the plan's estimated time-to-all.
+A node no dial-back reached cannot be dialled, so two such nodes can be parent and child in a
+plan only over a direct connection set up for them: the coordinator tells both to open one at
+the same moment -- a TCP hole punch across two endpoint-independent routers, a plain dial on
+their LAN behind one router (:mod:`echo.node.punching`, :mod:`echo.coordinator.punching`).
+:func:`punch_pairs` says which pairs to try; the paths that came up (both ends reported the
+connection) go into the plan's :class:`~echo.p2p.tree_reach.Reach`.
 
 A node behind a symmetric router fails every punch (its router gives each remote a new port);
-it keeps no path and stays a leaf fed by a dialable parent. Pure functions: no I/O, no clock.
+it keeps no path and relays to dialable nodes only. Pure functions: no I/O, no clock.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Set
+from collections.abc import Mapping, Set
 from dataclasses import dataclass
 
-from echo.p2p.tree_plan import Stripe, TreePlan
 from echo.protocol.reachability import MAX_PUNCH_ADDRS, PunchMethod
 
 _TCP_PORT = re.compile(r"^/ip4/[^/]+/tcp/(\d{1,5})(?:/|$)")
@@ -35,10 +31,6 @@ MAX_TRIES_PER_NODE = 8
 MAX_CONCURRENT_PER_NODE = 4
 # Paths a node needs at most: beyond a relay's fanout more children cannot be given to it.
 MAX_PATHS_PER_NODE = 8
-# Candidate plans with_punched_relays estimates at most. It runs for every announced version;
-# an estimate walks every stripe once (about 0.2 ms at 16 nodes, 0.8 ms at 128 here), so this
-# keeps it near 0.1 s at 128 nodes: it is on the path of the learner's report.
-MAX_PLAN_EVALS = 120
 
 
 @dataclass(frozen=True)
@@ -138,91 +130,12 @@ def punch_pairs(
     return out
 
 
-def with_punched_relays(
-    plan: TreePlan,
-    paths: Mapping[str, set[str]],
-    relay_upload: Callable[[str], float],
-    max_fanout: int,
-    total_bytes: int,
-    chunk_bytes: int,
-) -> TreePlan:
-    """``plan`` with NAT'd leaves fed, where that is faster, by NAT'd relays they have a path to.
-
-    ``paths[n]``: the plan's nodes ``n`` has a confirmed direct connection to (both are planned
-    as leaves because no dial-back reached them); ``relay_upload(n)`` is the uplink a relay
-    ``n`` is planned with. A move puts one such leaf, in one stripe, under a peer it has a path
-    to. Moves are taken best first and only while they shorten the plan's estimated
-    time-to-all for ``total_bytes`` in ``chunk_bytes`` chunks (its worst finish time, then the
-    sum of all finish times: one move cannot lower the worst of several equal stripes). An
-    earlier version moved a relay's path peers in every stripe at once: at N = 16 with half
-    behind NAT (benchmarks/nat.py's uplinks) that took the estimate from 5.0 s to 24.6 s, one
-    slow home uplink carrying whole copies. A moved node is a leaf in that stripe, so a relay
-    is never below its own child and no cycle can form; a relay has at most ``max_fanout``
-    children per stripe. At most :data:`MAX_PLAN_EVALS` candidate plans are estimated.
-    Returns ``plan`` itself when nothing helps.
-    """
-    nat = {n for n in paths if n in plan.ups and n != plan.source}
-    pairs = sorted((r, k) for r in nat for k in paths[r] if k in nat and k != r)
-    if not pairs or total_bytes <= 0:
-        return plan
-
-    def score(p: TreePlan) -> tuple[float, float]:
-        times = p.finish_times(total_bytes, chunk_bytes)
-        return (max(times, default=0.0), sum(times))
-
-    best, best_score, evals = plan, score(plan), 0
-    while evals < MAX_PLAN_EVALS:
-        found: tuple[tuple[float, float], TreePlan] | None = None
-        for s, stripe in enumerate(best.stripes):
-            parent_of = stripe.parents()
-            for relay, kid in pairs:
-                if evals >= MAX_PLAN_EVALS:
-                    break
-                if stripe.children.get(kid) or parent_of.get(kid) == relay:
-                    continue  # the kid relays in this stripe, or is already there
-                if len(stripe.children.get(relay, ())) >= max_fanout:
-                    continue
-                evals += 1
-                cand = _move(best, s, kid, relay, relay_upload(relay))
-                sc = score(cand)
-                if _better(sc, found[0] if found else best_score):
-                    found = (sc, cand)
-        if found is None:
-            break
-        best_score, best = found
-    if best is plan:
-        return plan
-    kind = plan.kind if plan.kind.endswith("+punched") else f"{plan.kind}+punched"
-    return TreePlan(best.source, best.stripes, best.ups, best.downs, kind, best.weights)
-
-
-def _better(a: tuple[float, float], b: tuple[float, float]) -> bool:
-    """``a`` beats ``b``: a lower worst finish time, or the same one and a lower sum (1e-9
-    relative: float noise is not an improvement)."""
-    if a[0] < b[0] * (1 - 1e-9):
-        return True
-    return a[0] <= b[0] * (1 + 1e-9) and a[1] < b[1] * (1 - 1e-9)
-
-
-def _move(plan: TreePlan, stripe: int, kid: str, relay: str, relay_up: float) -> TreePlan:
-    """``plan`` with ``kid`` fed by ``relay`` in ``stripe`` (its last child there)."""
-    stripes = list(plan.stripes)
-    old = stripes[stripe]
-    children = {p: tuple(c for c in cs if c != kid) for p, cs in old.children.items()}
-    children[relay] = children.get(relay, ()) + (kid,)
-    stripes[stripe] = Stripe({p: cs for p, cs in children.items() if cs}, old.rate_bps)
-    ups = {**plan.ups, relay: relay_up}
-    return TreePlan(plan.source, tuple(stripes), ups, plan.downs, plan.kind, plan.weights)
-
-
 __all__ = [
     "MAX_CONCURRENT_PER_NODE",
-    "MAX_PLAN_EVALS",
     "MAX_PATHS_PER_NODE",
     "MAX_TRIES_PER_NODE",
     "NatInfo",
     "PunchPair",
     "pair_key",
     "punch_pairs",
-    "with_punched_relays",
 ]

@@ -5,7 +5,7 @@ coordinator's host (nodes and ``echo-node doctor`` ask it "can you dial me?") an
 node whose addresses no dial-back has judged yet (:meth:`Dissemination.unprobed`: after each
 registration that brings new addresses), from a prober host of its own, on a fresh connection
 (:mod:`echo.p2p.reachability`). The verdict goes to :meth:`Dissemination.set_reachable`: a node
-that cannot be dialled is planned as a leaf; two behind NAT may then be connected by a punch
+that cannot be dialled relays only to peers it can reach; two behind NAT may be connected by a punch
 (:func:`echo.coordinator.punching.run_punching`, run here beside the dial-backs).
 
 Owns the prober host, its probe tasks and the punching loop; runs until cancelled and raises
@@ -43,7 +43,7 @@ async def _probe(
     log.info(
         "node %s %s (%s%s)",
         node[-8:],
-        "can be dialled" if reply.reachable else "cannot be dialled: planned as a leaf",
+        "can be dialled" if reply.reachable else "cannot be dialled: relays to dialable peers",
         reply.verdict,
         f", seen from {reply.observed_ip}" if reply.observed_ip else "",
     )

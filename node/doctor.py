@@ -114,7 +114,7 @@ def _relay_note(relay: str | None) -> str:
 def reachability_check(
     reply: DialBackReply | None, listen: list[str], error: str = "", relay: str | None = None
 ) -> Check:
-    """What a dial-back verdict means for this volunteer: relay or leaf, what the coordinator's
+    """What a dial-back verdict means for this volunteer: whom it relays to, what the coordinator's
     circuit relay gives a node that cannot be dialled (``relay``: "offered", "none", or None
     when not asked), and what to change. Never a failure: a node behind NAT still receives
     weights and generates rollouts."""
@@ -146,19 +146,20 @@ def reachability_check(
         return Check(
             "reachability",
             True,
-            f"a firewall blocks dials to your address{seen}: you are planned as a leaf (you "
-            f"receive weights over connections you open, you relay to nobody); "
-            f"{_relay_note(relay)}. To relay weights: allow inbound TCP port {port}",
+            f"a firewall blocks dials to your address{seen}: you receive weights over "
+            "connections you open and relay them only to peers you can dial (nodes behind NAT "
+            f"never get them from you); {_relay_note(relay)}. To relay weights to everyone: "
+            f"allow inbound TCP port {port}",
         )
     return Check(
         "reachability",
         True,
-        f"behind NAT{seen}: peers cannot dial you, so you are planned as a leaf -- you receive "
-        "weights over connections you open and relay to nobody, unless the coordinator punches "
-        "a direct path between you and another node behind NAT (possible behind an "
+        f"behind NAT{seen}: peers cannot dial you, so you receive weights over connections "
+        "you open, and relay them only to peers you can dial, and to other nodes behind NAT "
+        "where the coordinator punches a direct path between you (possible behind an "
         "endpoint-independent NAT, never behind a symmetric one); "
-        f"{_relay_note(relay)}. To relay weights: forward TCP port {shown} on your router to "
-        f"this machine and listen on it (--listen /ip4/0.0.0.0/tcp/{shown})",
+        f"{_relay_note(relay)}. To relay weights to everyone: forward TCP port {shown} on your "
+        f"router to this machine and listen on it (--listen /ip4/0.0.0.0/tcp/{shown})",
     )
 
 

@@ -12,8 +12,8 @@ coordinator pairs it with, over which the relay can then push. And while it runs
 :meth:`CoordinatorSession.keep_relay_slot` asks the coordinator's dial-back whether the node can
 be dialled; one that cannot keeps a circuit relay v2 reservation on the coordinator
 (:func:`~echo.p2p.circuit.keep_reservation`), so that peers can reach it for control messages
-(bulk chunks never cross a relay). A refused reservation is said once; the node works on as a
-leaf.
+(bulk chunks never cross a relay). A refused reservation is said once; the node works on
+without one (peers then cannot reach it for control messages).
 """
 
 from __future__ import annotations
@@ -189,7 +189,7 @@ class CoordinatorSession:
         """While the node runs: if the coordinator cannot dial it, hold a reservation on the
         coordinator's circuit relay so that peers can reach it for control messages. Waits for
         the first registration (the relay admits registered nodes only). Says once what it
-        got; a refused reservation ends it (the node works on as a leaf), an unanswered one is
+        got; a refused reservation ends it (the node works on without one), an unanswered one is
         asked again. Runs until cancelled (the reservation is refreshed meanwhile, see
         :func:`~echo.p2p.circuit.keep_reservation`); raises nothing else."""
         assert self.host is not None and self.registered is not None
@@ -219,7 +219,7 @@ class CoordinatorSession:
                 self.display.say(
                     f"[yellow]{where}: relay reservation refused by the coordinator: "
                     f"{exc.status.name}[/yellow] · peers cannot reach this node through its "
-                    "relay; it works on as a leaf (weights arrive over connections it opens)"
+                    "relay; weights still arrive over connections it opens"
                 )
                 return
             except ValueError as exc:  # the coordinator's address: it connected, so unlikely

@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 
 from echo.p2p.tree_equal import DEFAULT_MAX_FANOUT, by_uplink, check_inputs, plan_tree
 from echo.p2p.tree_plan import Stripe, TreePlan
+from echo.p2p.tree_reach import Reach
 from echo.p2p.tree_weighted import plan_weighted
 from echo.protocol import broadcast as b
 
@@ -48,6 +49,7 @@ def best_plan(
     downs: Mapping[str, float] | None = None,
     max_stripes: int = DEFAULT_MAX_STRIPES,
     max_fanout: int = DEFAULT_MAX_FANOUT,
+    reach: Reach | None = None,
 ) -> TreePlan:
     """:func:`plan_tree` for 1..``max_stripes`` stripes, each at its highest rate target and a
     few lower ones (wider, shallower trees fill the pipeline sooner, which wins for payloads of
@@ -55,6 +57,7 @@ def best_plan(
     lowest :meth:`TreePlan.estimate_s`.
 
     More stripes are also capped by the chunk count (a stripe without chunks is wasted).
+    ``reach`` (optional): which nodes cannot be dialled (:mod:`echo.p2p.tree_reach`).
     """
     n_chunks = max(1, math.ceil(max(total_bytes, 1) / max(chunk_bytes, 1)))
     top = max(1, min(max_stripes, len(nodes), n_chunks))
@@ -62,13 +65,25 @@ def best_plan(
     best_t = math.inf
     for k in range(1, top + 1):
         fastest = plan_tree(
-            source, source_up_bps, nodes, stripes=k, downs=downs, max_fanout=max_fanout
+            source,
+            source_up_bps,
+            nodes,
+            stripes=k,
+            downs=downs,
+            max_fanout=max_fanout,
+            reach=reach,
         )
         candidates = [fastest]
         if k > 1:
             candidates.append(
                 plan_weighted(
-                    source, source_up_bps, nodes, stripes=k, downs=downs, max_fanout=max_fanout
+                    source,
+                    source_up_bps,
+                    nodes,
+                    stripes=k,
+                    downs=downs,
+                    max_fanout=max_fanout,
+                    reach=reach,
                 )
             )
         for f in _RATE_FRACTIONS:
@@ -82,6 +97,7 @@ def best_plan(
                         rate_bps=fastest.stripes[0].rate_bps * f,
                         downs=downs,
                         max_fanout=max_fanout,
+                        reach=reach,
                     )
                 )
             except ValueError:  # a fan-out cap can make lower rates infeasible

@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from echo.p2p.tree_plan import Stripe, TreePlan
+from echo.p2p.tree_reach import Reach, place_reach, source_slots_reach
 
 # More children than this per parent costs connections and per-stream CPU for little gain.
 DEFAULT_MAX_FANOUT = 32
@@ -68,13 +69,18 @@ def place(
     order: Sequence[str],
     rate: float,
     max_fanout: int,
+    reach: Reach | None = None,
 ) -> dict[str, list[str]] | None:
     """Breadth-first placement of ``order``: the source offers ``source_slots`` slots, every
     placed node ``floor(cap / rate)`` (at most ``max_fanout``).
 
     Parents offer their slots in the order they were placed (source first), so the earliest
-    (fastest) nodes end up nearest the root. ``None`` when some node finds no free slot.
+    (fastest) nodes end up nearest the root. ``None`` when some node finds no free slot. With
+    ``reach``, only parents that can feed a node offer it a slot
+    (:func:`~echo.p2p.tree_reach.place_reach`).
     """
+    if reach is not None and reach.constrains(order):
+        return place_reach(source, source_slots, caps, order, rate, max_fanout, reach)
     children: dict[str, list[str]] = {source: []}
     open_parents = [source]
     slots = {source: source_slots}
@@ -136,16 +142,39 @@ def min_source_slots(
     return need, placed
 
 
+def slots_needed(
+    source: str,
+    order: Sequence[str],
+    caps: Mapping[str, float],
+    uplinks: list[float] | np.ndarray,
+    rate: float,
+    max_fanout: int,
+    reach: Reach | None,
+) -> int:
+    """The fewest source children one stripe needs at ``rate``: :func:`source_slots_needed`,
+    or with ``reach`` constraining the order, :func:`~echo.p2p.tree_reach.source_slots_reach`."""
+    if not len(order):
+        return 0
+    need = source_slots_needed(uplinks, rate, max_fanout)
+    if reach is not None and reach.constrains(order):
+        need, _ = source_slots_reach(source, caps, order, rate, max_fanout, reach, need)
+    return need
+
+
 def _source_slots(
     source_up: float,
     orders: Sequence[Sequence[str]],
     uplinks: Sequence[np.ndarray],
     rate: float,
     max_fanout: int,
+    source: str = "",
+    caps: Sequence[Mapping[str, float]] = (),
+    reach: Reach | None = None,
 ) -> list[int] | None:
     """Per stripe, the source's children at per-child ``rate``, summed over stripes within its
     uplink; ``None`` if the source cannot feed them all at that rate. ``uplinks``: per stripe,
-    :func:`uplinks_in_order` of its order.
+    :func:`uplinks_in_order` of its order; ``caps`` and ``reach`` (optional) as in
+    :func:`slots_needed`.
 
     Each stripe first takes the fewest source children it needs; source slots left over are
     then handed out round-robin (shallower trees, and the source's uplink is not left idle).
@@ -155,6 +184,11 @@ def _source_slots(
         source_slots_needed(ups, rate, max_fanout) if len(order) else 0
         for order, ups in zip(orders, uplinks, strict=True)
     ]
+    if reach is not None and sum(slots) <= budget:  # reach only ever adds source children
+        slots = [
+            slots_needed(source, order, caps[s], ups, rate, max_fanout, reach)
+            for s, (order, ups) in enumerate(zip(orders, uplinks, strict=True))
+        ]
     if sum(slots) > budget:
         return None
     spare = min(budget, max(max_fanout, sum(slots))) - sum(slots)
@@ -177,11 +211,12 @@ def _build(
     slots: Sequence[int],
     rate: float,
     max_fanout: int,
+    reach: Reach | None = None,
 ) -> list[dict[str, list[str]]]:
     """The stripes placed with the source slots :func:`_source_slots` chose."""
     built = []
     for order, stripe_caps, n in zip(orders, caps, slots, strict=True):
-        placed = place(source, n, stripe_caps, order, rate, max_fanout) if order else None
+        placed = place(source, n, stripe_caps, order, rate, max_fanout, reach) if order else None
         built.append(placed if placed is not None else {source: []})
     return built
 
@@ -223,11 +258,13 @@ def plan_tree(
     rate_bps: float | None = None,
     downs: Mapping[str, float] | None = None,
     max_fanout: int = DEFAULT_MAX_FANOUT,
+    reach: Reach | None = None,
 ) -> TreePlan:
     """Plan ``stripes`` trees from ``source`` to every node in ``nodes`` (id -> uplink B/s).
 
     ``rate_bps`` fixes the per-child rate target (default: the highest that reaches everyone);
-    ``downs`` (id -> downlink B/s, optional) only feeds :meth:`TreePlan.estimate_s`.
+    ``downs`` (id -> downlink B/s, optional) only feeds :meth:`TreePlan.estimate_s`; ``reach``
+    (optional) says which nodes cannot be dialled: no edge of the plan needs such a dial.
     """
     check_inputs(source, source_up_bps, nodes)
     if stripes < 1:
@@ -239,7 +276,9 @@ def plan_tree(
     orders, caps = stripe_orders(nodes, k)
     ups_in_order = [uplinks_in_order(c, o) for o, c in zip(orders, caps, strict=True)]
     if rate_bps is not None:
-        slots = _source_slots(source_up_bps, orders, ups_in_order, rate_bps, max_fanout)
+        slots = _source_slots(
+            source_up_bps, orders, ups_in_order, rate_bps, max_fanout, source, caps, reach
+        )
         if slots is None:
             raise ValueError(f"no plan reaches all {len(nodes)} nodes at {rate_bps:.0f} B/s")
         rate, fanout = rate_bps, max_fanout
@@ -247,17 +286,21 @@ def plan_tree(
         # At source_up / (k * N) the source alone can feed every node in every stripe. The search
         # only counts source slots; the trees are placed once, at the rate it settles on.
         rate, fanout = source_up_bps / (k * max(1, len(nodes))), len(nodes) + 1
-        slots = _source_slots(source_up_bps, orders, ups_in_order, rate, fanout)
+        slots = _source_slots(
+            source_up_bps, orders, ups_in_order, rate, fanout, source, caps, reach
+        )
         assert slots is not None
         lo, hi = rate, max(ups.values())
         for _ in range(_SEARCH_STEPS):
             mid = (lo + hi) / 2
-            got = _source_slots(source_up_bps, orders, ups_in_order, mid, max_fanout)
+            got = _source_slots(
+                source_up_bps, orders, ups_in_order, mid, max_fanout, source, caps, reach
+            )
             if got is None:
                 hi = mid
             else:
                 lo, rate, slots, fanout = mid, mid, got, max_fanout
-    built = _build(source, orders, caps, slots, rate, fanout)
+    built = _build(source, orders, caps, slots, rate, fanout, reach)
     stripes_ = tuple(
         Stripe({p: tuple(cs) for p, cs in placed.items() if cs}, rate) for placed in built
     )

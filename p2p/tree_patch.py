@@ -10,6 +10,9 @@ last plan and re-plans in the background (``echo.coordinator.dissemination``). T
 - a node that joined becomes a leaf in every stripe, under the parent with the most spare slots
   at that stripe's rate (``floor(uplink / rate)`` minus the children it has), the source when no
   one has any;
+- with ``reach`` (:mod:`echo.p2p.tree_reach`), a node whose parent can no longer feed it (it
+  was judged behind NAT since) moves, with its subtree, under its nearest ancestor that can (the
+  source at worst), and a joining node only goes under a parent that can feed it;
 - the uplinks (and downlinks) are the current ones, so :meth:`TreePlan.estimate_s` and the edge
   rates describe the patched plan as it is.
 
@@ -24,6 +27,7 @@ from dataclasses import replace
 
 from echo.p2p.tree_equal import check_inputs
 from echo.p2p.tree_plan import Stripe, TreePlan
+from echo.p2p.tree_reach import Reach
 
 
 def patch_plan(
@@ -32,8 +36,10 @@ def patch_plan(
     nodes: Mapping[str, float],
     *,
     downs: Mapping[str, float] | None = None,
+    reach: Reach | None = None,
 ) -> TreePlan:
-    """``plan`` reaching exactly ``nodes`` (id -> uplink B/s) from the same source."""
+    """``plan`` reaching exactly ``nodes`` (id -> uplink B/s) from the same source; no edge
+    that ``reach`` refuses (optional)."""
     check_inputs(plan.source, source_up_bps, nodes)
     old = set(plan.nodes)
     left = old - set(nodes)
@@ -61,9 +67,13 @@ def patch_plan(
             children.setdefault(up, []).extend(kids)
             for k in kids:
                 parent[k] = up
+        if reach is not None:
+            _repair(plan.source, children, parent, reach)
         for new in joined:
             best, best_spare = plan.source, None
             for p in (plan.source, *(n for n in nodes if n in parent)):
+                if reach is not None and not reach.feeds(p, new):
+                    continue
                 spare = int(ups[p] / stripe.rate_bps + 1e-9) - len(children.get(p, ()))
                 if best_spare is None or spare > best_spare:
                     best, best_spare = p, spare
@@ -73,3 +83,24 @@ def patch_plan(
     ups = {plan.source: float(source_up_bps), **{n: float(u) for n, u in nodes.items()}}
     kind = plan.kind if plan.kind.endswith("+patched") else f"{plan.kind}+patched"
     return replace(plan, stripes=tuple(stripes), ups=ups, downs=dict(downs or {}), kind=kind)
+
+
+def _repair(
+    source: str, children: dict[str, list[str]], parent: dict[str, str], reach: Reach
+) -> None:
+    """Move every node whose parent cannot feed it under its nearest ancestor that can, in
+    place; top down, so a moved subtree is checked from its new place on."""
+    frontier = [source]
+    while frontier:
+        nxt = []
+        for p in frontier:
+            for c in list(children.get(p, ())):
+                if not reach.feeds(p, c):
+                    up = parent.get(p, source)
+                    while up != source and not reach.feeds(up, c):
+                        up = parent.get(up, source)
+                    children[p].remove(c)
+                    children.setdefault(up, []).append(c)
+                    parent[c] = up
+                nxt.append(c)
+        frontier = nxt

@@ -18,11 +18,13 @@ from echo.p2p.tree_equal import (
     DEFAULT_MAX_FANOUT,
     place,
     plan_tree,
+    slots_needed,
     source_slots_needed,
     stripe_orders,
     uplinks_in_order,
 )
 from echo.p2p.tree_plan import Stripe, TreePlan
+from echo.p2p.tree_reach import Reach
 
 # plan_weighted: rounds of raising each stripe's rate in turn (a third rarely adds 1%), each a
 # binary search to 2**-14 of the range (far below what bandwidth measurements resolve).
@@ -40,6 +42,7 @@ def plan_weighted(
     stripes: int,
     downs: Mapping[str, float] | None = None,
     max_fanout: int = DEFAULT_MAX_FANOUT,
+    reach: Reach | None = None,
 ) -> TreePlan:
     """Like :func:`plan_tree`, but every stripe gets its own rate target and a share of the
     chunks in proportion to the rate it then sustains (``TreePlan.weights``).
@@ -53,7 +56,13 @@ def plan_weighted(
     deliver, the source's uplink shared equally among its children as fair queueing does.
     """
     base = plan_tree(
-        source, source_up_bps, nodes, stripes=stripes, downs=downs, max_fanout=max_fanout
+        source,
+        source_up_bps,
+        nodes,
+        stripes=stripes,
+        downs=downs,
+        max_fanout=max_fanout,
+        reach=reach,
     )
     k = len(base.stripes)
     if k == 1:
@@ -65,7 +74,14 @@ def plan_weighted(
     # and keep the plan that delivers more in all (sum of the stripes' sustained rates).
     for order in (range(k), range(k - 1, -1, -1)):
         built = _raise_stripes(
-            source, source_up_bps, orders, caps, base.stripes[0].rate_bps, list(order), max_fanout
+            source,
+            source_up_bps,
+            orders,
+            caps,
+            base.stripes[0].rate_bps,
+            list(order),
+            max_fanout,
+            reach,
         )
         shaped = replace(base, stripes=built, kind=f"tree/{k}w")
         thr = [shaped.stripe_rate(s) for s in range(k)]
@@ -85,6 +101,7 @@ def _raise_stripes(
     rate: float,
     order: Sequence[int],
     max_fanout: int,
+    reach: Reach | None = None,
 ) -> tuple[Stripe, ...]:
     """From a common ``rate``, raise each stripe's rate in turn (``order``) as far as its group
     and the source's remaining uplink allow; spare source slots then go round-robin."""
@@ -92,7 +109,14 @@ def _raise_stripes(
     ups = [uplinks_in_order(c, o) for o, c in zip(orders, caps, strict=True)]
 
     def slots(s: int, r: float) -> int:
-        return source_slots_needed(ups[s], r, max_fanout)
+        return slots_needed(source, orders[s], caps[s], ups[s], r, max_fanout, reach)
+
+    def fits(s: int, r: float, others: float) -> bool:
+        # The count without reach first: it is cheap, and reach only ever adds children.
+        budget = source_up_bps * (1 + 1e-9) - others
+        if source_slots_needed(ups[s], r, max_fanout) * r > budget:
+            return False
+        return reach is None or slots(s, r) * r <= budget
 
     rates = [rate] * k
     used = [slots(s, rate) for s in range(k)]
@@ -103,7 +127,7 @@ def _raise_stripes(
             lo, hi = rates[s], top
             for _ in range(_WEIGHTED_SEARCH_STEPS):
                 mid = (lo + hi) / 2
-                if others + slots(s, mid) * mid <= source_up_bps * (1 + 1e-9):
+                if fits(s, mid, others):
                     lo = mid
                 else:
                     hi = mid
@@ -119,7 +143,7 @@ def _raise_stripes(
                 grew = True
     built = []
     for s in range(k):
-        placed = place(source, used[s], caps[s], orders[s], rates[s], max_fanout)
+        placed = place(source, used[s], caps[s], orders[s], rates[s], max_fanout, reach)
         assert placed is not None  # more source slots than the minimum always place
         built.append(Stripe({p: tuple(cs) for p, cs in placed.items() if cs}, rates[s]))
     return tuple(built)

@@ -1,5 +1,5 @@
 """Reachability at the real coordinator: it dials registered nodes back for the planner, and
-``echo-node doctor`` tells a volunteer what it gets (relay or leaf) and what to change."""
+``echo-node doctor`` tells a volunteer what it gets (whom it relays to) and what to change."""
 
 from __future__ import annotations
 
@@ -52,10 +52,11 @@ def test_coordinator_relays_for_its_registered_nodes_only(tmp_path) -> None:
     run_with_coordinator(tmp_path, body)
 
 
-def test_doctor_tells_a_node_behind_nat_it_is_a_leaf_and_what_to_forward() -> None:
+def test_doctor_tells_a_node_behind_nat_whom_it_relays_to_and_what_to_forward() -> None:
     nat = DialBackReply(verdict="nat", reachable=False, observed_ip="203.0.113.7")
     check = reachability_check(nat, ["/ip4/192.168.1.5/tcp/4001/p2p/x"])
-    assert check.ok and "203.0.113.7" in check.detail and "leaf" in check.detail
+    assert check.ok and "203.0.113.7" in check.detail
+    assert "relay them only to peers you can dial" in check.detail
     assert "forward TCP port 4001" in check.detail
     with_relay = reachability_check(nat, [], relay="offered")
     assert "reservation on the coordinator's relay" in with_relay.detail
