@@ -30,7 +30,8 @@ when it joins the plan and they push over that connection
 dials a dialable child itself, and two such nodes can hold a direct connection after a
 coordinated punch (:mod:`echo.coordinator.punching` asks for the pairs :meth:`punch_pairs` names
 and books the outcome with :meth:`set_punched`). The planners place every edge accordingly
-(:class:`~echo.p2p.tree_reach.Reach`): no node waits for a dial that cannot happen.
+(:class:`~echo.p2p.tree_reach.Reach`): no edge needs a dial that a verdict says cannot happen
+(a node not yet probed counts as dialable until its verdict).
 
 Nothing here does I/O except :meth:`Dissemination.refresh_forever` (a trio task that only
 sleeps and runs the planner in a thread); it raises nothing for well-formed input.
@@ -133,9 +134,10 @@ class Dissemination:
         self, node_id: str, reachable: bool, *, verdict: str = "", observed_ip: str = ""
     ) -> None:
         """A dial-back's verdict on the node's addresses (unknown nodes are ignored). One that
-        cannot be dialled is planned as a leaf, announced without addresses (nobody wastes a
-        dial on them): its parents push over the connection it opens to them. ``verdict`` "nat"
-        with the ``observed_ip`` it was seen from makes it a candidate for punches."""
+        cannot be dialled is announced without addresses (nobody wastes a dial on them): its
+        parents push over the connection it opens to them, and it relays only to peers it can
+        reach (:meth:`_reach`). ``verdict`` "nat" with the ``observed_ip`` it was seen from
+        makes it a candidate for punches."""
         link = self.links.get(node_id)
         if link is not None:
             if observed_ip != link.observed_ip or reachable:
@@ -286,8 +288,14 @@ class Dissemination:
     def _reach(self, members: Sequence[str]) -> Reach:
         """Which of ``members`` no dial-back reached, and their direct paths to each other."""
         behind = frozenset(n for n in members if self.links[n].reachable is False)
-        paths = {n: frozenset(ps & behind) for n in behind if (ps := self.paths_of(n))}
-        return Reach(behind, paths)
+        punched = self.punched  # one snapshot: the trio thread replaces it, never mutates it
+        paths: dict[str, set[str]] = {}
+        for pair, ok in punched.items():
+            if ok and pair <= behind and len(pair) == 2:
+                a, b_ = sorted(pair)
+                paths.setdefault(a, set()).add(b_)
+                paths.setdefault(b_, set()).add(a)
+        return Reach(behind, {n: frozenset(ps) for n, ps in paths.items()})
 
     def _relay_upload(self, node_id: str, ceiling: float) -> float:
         """The node's uplink as a relay, whether or not others can dial it."""

@@ -101,8 +101,10 @@ class Rescorer:
         self.thresholds = engine_thresholds or MISMATCH_THRESHOLDS
         self._states: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
         self._loaded = -1
+        # Any valid id: padding is masked out. A config's pad id outside the embedding is not one.
         pad = getattr(self.model.config, "pad_token_id", None)
-        self.pad_id = 0 if pad is None else int(pad)  # any valid id: padding is masked out
+        vocab = self.model.get_input_embeddings().num_embeddings
+        self.pad_id = int(pad) if isinstance(pad, int) and 0 <= pad < vocab else 0
         self.last_seconds = 0.0
 
     def remember(self, version: int, state: dict[str, torch.Tensor]) -> None:

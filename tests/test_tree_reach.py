@@ -90,7 +90,7 @@ def test_nodes_behind_nat_relay_to_dialable_peers_and_their_path_peers() -> None
         assert violations(got, reach) == []
         relays = {n for s in got.stripes for n in behind if s.children.get(n)}
         assert relays, "nodes behind NAT carry stripes"
-        # Measured: 1.36x the all-public estimate as leaves; 1.11x (1.09x with the paths).
+        # Measured: 1.36x the all-public estimate as leaves; 1.11x (1.10x with the paths).
         assert got.estimate_s(size, chunk) <= 1.2 * public < leaves
 
 

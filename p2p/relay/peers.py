@@ -117,8 +117,8 @@ class Peers:
             return
         errors = []
         if not self._addrs.get(peer):
-            # No address: a peer that cannot be dialled (behind NAT) is planned as a leaf and
-            # dials its parents itself (reach_out); wait for that connection.
+            # No address: a peer that cannot be dialled (behind NAT) dials its parents itself
+            # (reach_out); wait for that connection.
             with trio.move_on_after(self.connect_timeout_s):
                 while not self.connected(peer, direct=direct):
                     await trio.sleep(_INBOUND_POLL_S)
