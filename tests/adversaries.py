@@ -92,6 +92,10 @@ class Adversary(Node):
             )
             with open(self.cfg.data_dir / "adversary.jsonl", "a") as log:
                 log.write(json.dumps({"lease_id": lease.lease_id, "cheat": cheat}) + "\n")
+            if not cheat:
+                # Only cheats count toward --max-groups: a loaded machine's slow first versions
+                # once let the stale adversary spend all 30 groups on honest work at v0-v4.
+                self.done_groups -= 1
             reply = await self._submit(payload)
             if reply is not None and reply.accepted and self.first_accepted is None:
                 self.first_accepted = payload
