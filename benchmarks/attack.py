@@ -23,14 +23,18 @@ Where the attackers stand: they dial from 127.0.0.2, which the coordinator count
 of its own (``[admission] loopback_is_network``: budgets, a connection cap and a handshake rate
 per address, as for a stranger's public /24), while the honest nodes and the learner stay on
 127.0.0.1 (``--attacker-ip ''``: the attackers share 127.0.0.1, as if every identity had a
-network of its own). They run under SCHED_IDLE (``--attacker-sched``): on the internet they
-use their own machines, and here they would otherwise take this one's cores from the swarm.
-``--quick``: 2 nodes and 30 s phases; the default is 3 nodes and 180 s phases.
+network of its own). On the internet they use their own machines; here they get cores of their
+own (``--attacker-cores``, default 1 of this machine's: the swarm -- coordinator, learner, honest
+nodes -- is pinned to the others in every phase), and run under SCHED_IDLE
+(``--attacker-sched``) besides. Sharing the cores instead (``--attacker-cores 0``), five
+processes that only spin slowed this 2-core swarm by ~30%: CPU taken, not damage done through the
+protocol. ``--quick``: 2 nodes and 30 s phases; the default is 3 nodes and 180 s phases.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -54,6 +58,7 @@ ATTACKERS = ("hoard", "junk", "leech", "liar", "gossip")
 # ``--attacker-ip ""``: from 127.0.0.1 with the honest nodes, whose loopback is uncapped -- the
 # case of an attacker with a network of its own for every identity.
 ATTACKER_IP = "127.0.0.2"
+LEECH_IP = "127.0.0.3"
 # Between phases: the attackers start up (identities, the liar's engine) or wind down.
 SETTLE_S = 10.0
 # How the attacker processes share this machine's cores with the swarm. On the internet they run
@@ -88,8 +93,13 @@ class Bench:
         verbose_nodes: bool = False,
         attacker_sched: str = "idle",
         attacker_ip: str | None = ATTACKER_IP,
+        attacker_cpus: set[int] | None = None,
     ) -> None:
         self.out, self.swarm = out, Swarm(out)
+        # The swarm's processes inherit this process's cores; the attackers get theirs at start.
+        self.attacker_cpus = attacker_cpus
+        if attacker_cpus:
+            os.sched_setaffinity(0, set(os.sched_getaffinity(0)) - attacker_cpus)
         self.times_dir = out / "lease_times"
         self.times_dir.mkdir(parents=True, exist_ok=True)
         self.swarm.env["ECHO_LEASE_TIMES_DIR"] = str(self.times_dir)
@@ -101,7 +111,19 @@ class Bench:
         )
         self.coord = psutil.Process(self.swarm.procs[0].pid)
         self.job_id = self.swarm.submit(
-            job_toml("attack", steps=100000, group_size=8, batch_groups=4, warmup=5, eval_every=0)
+            # lr 1e-6: the policy stays where the warm-up left it, so the work per version (the
+            # completions' lengths, what re-scoring and verification cost) does not drift
+            # between phases as the model learns (at lr 1e-3 one run went 153 -> 220 versions/min
+            # from its first unattacked phase to its last).
+            job_toml(
+                "attack",
+                steps=100000,
+                group_size=8,
+                batch_groups=4,
+                warmup=5,
+                eval_every=0,
+                lr=1e-6,
+            )
         )
         self.node_addrs = []
         for i in range(nodes):
@@ -173,8 +195,11 @@ class Bench:
         return res
 
     def start_attackers(self, kinds: list[str]) -> None:
+        cpus = self.attacker_cpus
+        pin = ["taskset", "-c", ",".join(map(str, sorted(cpus)))] if cpus else []
         for kind in kinds:
             cmd = [
+                *pin,
                 *self.attacker_prefix,
                 sys.executable,
                 str(ROOT / "scripts" / "attackers.py"),
@@ -187,7 +212,11 @@ class Bench:
                 str(self.out / f"attack-{kind}.json"),
             ]
             if self.attacker_ip:
-                cmd += ["--source-ip", self.attacker_ip]
+                # The leecher from a network of its own: behind the same address as the junk
+                # streams and hoarders it was refused by the coordinator's per-network handshake
+                # rate for whole phases (82 refusals in one), which measured no leeching at all.
+                ip = LEECH_IP if kind == "leech" and self.attacker_ip == ATTACKER_IP else None
+                cmd += ["--source-ip", ip or self.attacker_ip]
             if kind == "liar":
                 cmd += ["--data-dir", str(self.out / "liar")]
             if kind in ("leech", "gossip"):
@@ -196,7 +225,11 @@ class Bench:
             with open(self.out / f"attack-{kind}.log", "wb") as log:  # the child keeps it
                 self.attackers.append(
                     subprocess.Popen(
-                        cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True
+                        cmd,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        cwd=ROOT,
+                        start_new_session=True,
                     )
                 )
 
@@ -240,6 +273,13 @@ def main() -> int:
                 help="the address attackers dial from ('' for 127.0.0.1, beside the honest nodes)",
             ),
             p.add_argument(
+                "--attacker-cores",
+                type=int,
+                default=1 if len(os.sched_getaffinity(0)) >= 2 else 0,
+                help="cores of this machine for the attackers alone, the swarm pinned to the "
+                "rest (default 1 where there are 2 or more; 0: everyone shares every core)",
+            ),
+            p.add_argument(
                 "--verbose-nodes",
                 action="store_true",
                 help="the honest nodes log at INFO (their waits for pushes, fetches, refusals)",
@@ -250,7 +290,18 @@ def main() -> int:
     phase_s = args.phase_s or (30.0 if args.quick else 180.0)
     out = new_run_dir(args.out) if args.out else Path(tempfile.mkdtemp(prefix="echo-attack-"))
     say(f"attack benchmark: {nodes} honest nodes, {phase_s:.0f} s per phase, logs in {out}")
-    bench = Bench(out, nodes, args.verbose_nodes, args.attacker_sched, args.attacker_ip or None)
+    cores = sorted(os.sched_getaffinity(0))
+    if not 0 <= args.attacker_cores < len(cores):
+        raise SystemExit(f"--attacker-cores: 0 to {len(cores) - 1} on this machine")
+    attacker_cpus = set(cores[len(cores) - args.attacker_cores :]) if args.attacker_cores else None
+    say(
+        f"attackers on cores {sorted(attacker_cpus)}, the swarm on the others"
+        if attacker_cpus
+        else "attackers and swarm share every core"
+    )
+    bench = Bench(
+        out, nodes, args.verbose_nodes, args.attacker_sched, args.attacker_ip or None, attacker_cpus
+    )
     try:
         deadline = time.time() + 180
         while bench.version() < 3:  # start-up and the warm-up steps are not measured
@@ -297,6 +348,7 @@ def main() -> int:
             "attacker_kinds": kinds,
             "attacker_sched": args.attacker_sched,
             "attacker_ip": args.attacker_ip or "127.0.0.1",
+            "attacker_cores": args.attacker_cores,
             "quick": args.quick,
             "nodes": nodes,
             "phase_s": phase_s,

@@ -30,6 +30,7 @@ from pathlib import Path
 import trio
 
 from echo.node.config import NodeConfig
+from echo.node.errors import NodeError
 from echo.node.worker import Node
 from echo.p2p.host import EchoHost, open_host
 from echo.p2p.identity import Identity
@@ -46,6 +47,9 @@ GOSSIP_BYTES = 2 << 10
 LIAR_CLAIM_BPS = 1e11
 LIAR_REAL_MBPS = 0.02
 LIAR_TOKENS_PER_S = 200.0
+# A refused connection (the coordinator's handshake rate and connection cap for the attackers'
+# network) is tried again after this long: an attacker does not give up after one refusal.
+RETRY_S = 2.0
 
 
 class Stats:
@@ -178,7 +182,13 @@ async def leech(args, stats: Stats) -> None:
     """Pull the newest version's chunks from the learner and every ``--peer``, forever."""
     ident = Identity.generate()
     async with open_host(ident, pubsub=False) as host:
-        coord = await host.connect(args.coordinator)
+        while True:
+            try:
+                coord = await host.connect(args.coordinator)
+                break
+            except RpcError:
+                stats.add("errors")
+                await trio.sleep(RETRY_S)
         stats.add("identities")
         while True:
             reply = await _call(host, coord, ids.PROTO_REGISTER, _register(ident, host), stats)
@@ -233,7 +243,23 @@ async def liar(args, stats: Stats) -> None:
         max_tokens_per_s=LIAR_TOKENS_PER_S,
     )
     stats.add("identities")
-    await Liar(cfg).run()
+    while True:
+        try:
+            await Liar(cfg).run()
+            return
+        except BaseException as exc:  # refused at the door: try again, as an attacker would
+            if not _refused(exc):
+                raise
+            stats.add("errors")
+            await trio.sleep(RETRY_S)
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether ``exc`` (or every error a nursery gathered in it) says the coordinator could not
+    be reached."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_refused(e) for e in exc.exceptions)
+    return isinstance(exc, NodeError) and "cannot reach the coordinator" in str(exc)
 
 
 async def gossip(args, stats: Stats) -> None:
