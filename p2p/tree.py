@@ -64,42 +64,15 @@ def best_plan(
     best: TreePlan | None = None
     best_t = math.inf
     for k in range(1, top + 1):
-        fastest = plan_tree(
-            source,
-            source_up_bps,
-            nodes,
-            stripes=k,
-            downs=downs,
-            max_fanout=max_fanout,
-            reach=reach,
-        )
+        opts = {"stripes": k, "downs": downs, "max_fanout": max_fanout, "reach": reach}
+        fastest = plan_tree(source, source_up_bps, nodes, **opts)
         candidates = [fastest]
         if k > 1:
-            candidates.append(
-                plan_weighted(
-                    source,
-                    source_up_bps,
-                    nodes,
-                    stripes=k,
-                    downs=downs,
-                    max_fanout=max_fanout,
-                    reach=reach,
-                )
-            )
+            candidates.append(plan_weighted(source, source_up_bps, nodes, **opts))
         for f in _RATE_FRACTIONS:
             try:
-                candidates.append(
-                    plan_tree(
-                        source,
-                        source_up_bps,
-                        nodes,
-                        stripes=k,
-                        rate_bps=fastest.stripes[0].rate_bps * f,
-                        downs=downs,
-                        max_fanout=max_fanout,
-                        reach=reach,
-                    )
-                )
+                rate = fastest.stripes[0].rate_bps * f
+                candidates.append(plan_tree(source, source_up_bps, nodes, rate_bps=rate, **opts))
             except ValueError:  # a fan-out cap can make lower rates infeasible
                 continue
         for plan in candidates:

@@ -15,7 +15,7 @@ on. Pure: no I/O, no clock.
   plan approaches the bound ``N * M / (B_s + sum B_i)`` that a single tree (whose leaves never
   upload) cannot.
 
-The placement helpers (:func:`place`, :func:`min_source_slots`, :func:`stripe_orders`,
+The placement helpers (:func:`place`, :func:`slots_needed`, :func:`stripe_orders`,
 :func:`by_uplink`, :func:`check_inputs`) are shared with :mod:`echo.p2p.tree_weighted` and the
 baselines in :mod:`echo.p2p.tree`.
 
@@ -126,20 +126,6 @@ def source_slots_needed(uplinks: list[float] | np.ndarray, rate: float, max_fano
         need = max(need, j + 1 - offered)
         offered += min(max_fanout, int(up / rate + 1e-9))
     return need
-
-
-def min_source_slots(
-    source: str,
-    caps: Mapping[str, float],
-    order: Sequence[str],
-    rate: float,
-    max_fanout: int,
-) -> tuple[int, dict[str, list[str]]]:
-    """:func:`source_slots_needed` and the placement it gives."""
-    need = source_slots_needed(uplinks_in_order(caps, order), rate, max_fanout)
-    placed = place(source, need, caps, order, rate, max_fanout)
-    assert placed is not None  # see source_slots_needed
-    return need, placed
 
 
 def slots_needed(
