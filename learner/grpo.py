@@ -102,13 +102,45 @@ def group_advantages(rewards: list[float] | torch.Tensor, eps: float = 1e-6) -> 
 
 
 @dataclass
-class _Batch:
+class PaddedBatch:
     """Groups flattened to right-padded rows of prompt + completion."""
 
     ids: torch.Tensor  # (rows, width) token ids, padded
     mask: torch.Tensor  # (rows, width) 1 on real tokens
     target: torch.Tensor  # (rows, width - 1) bool: position p predicts a completion token p + 1
     lengths: list[int]  # completion length of each row
+
+
+def pad_id_of(model: torch.nn.Module) -> int:
+    """The id to pad a batch with: any valid one does (padding is masked out), so the config's
+    pad id when it is one, else 0."""
+    pad = getattr(model.config, "pad_token_id", None)
+    vocab = model.get_input_embeddings().num_embeddings
+    return int(pad) if isinstance(pad, int) and 0 <= pad < vocab else 0
+
+
+def pad_batch(
+    prompts: list[list[int]],
+    completions: list[list[list[int]]],
+    pad_id: int,
+    device: torch.device,
+) -> PaddedBatch:
+    """Group ``i``'s completions ``completions[i]`` after its prompt ``prompts[i]``, one
+    right-padded row each: causal attention keeps real tokens from seeing the pads after them,
+    and positions count from 0 in every row, as in the engines' left-padded batches."""
+    rows = [(p, c) for p, group in zip(prompts, completions, strict=True) for c in group]
+    width = max(len(p) + len(c) for p, c in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    target = torch.zeros((len(rows), width - 1), dtype=torch.bool)
+    for i, (p, c) in enumerate(rows):
+        ids[i, : len(p) + len(c)] = torch.tensor(p + c)
+        mask[i, : len(p) + len(c)] = 1
+        # Logits at position p predict token p + 1: completion tokens sit at
+        # prompt_len .. prompt_len + length - 1, predicted from one position earlier.
+        target[i, len(p) - 1 : len(p) - 1 + len(c)] = True
+    lengths = [len(c) for _, c in rows]
+    return PaddedBatch(ids.to(device), mask.to(device), target.to(device), lengths)
 
 
 class GRPOLearner:
@@ -128,8 +160,7 @@ class GRPOLearner:
         self.temperature = temperature
         self.device = next(model.parameters()).device
         self.vocab_size = model.config.vocab_size
-        pad = getattr(model.config, "pad_token_id", None)
-        self.pad_id = 0 if pad is None else int(pad)  # any valid id: padding is masked out
+        self.pad_id = pad_id_of(model)
         self.opt = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
             lr=self.cfg.lr,
@@ -140,28 +171,18 @@ class GRPOLearner:
 
     # -- batching and log-probs ---------------------------------------------------------------
 
-    def _batch(self, groups: list[TrainGroup]) -> _Batch:
-        seqs, lengths, prompt_lens = [], [], []
+    def _batch(self, groups: list[TrainGroup]) -> PaddedBatch:
         for g in groups:
             g.check(self.vocab_size)
-            for c in g.completions:
-                seqs.append(list(g.prompt_ids) + list(c))
-                lengths.append(len(c))
-                prompt_lens.append(len(g.prompt_ids))
-        width = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        target = torch.zeros((len(seqs), width - 1), dtype=torch.bool)
-        for i, s in enumerate(seqs):
-            ids[i, : len(s)] = torch.tensor(s)
-            mask[i, : len(s)] = 1
-            # Logits at position p predict token p + 1: completion tokens sit at
-            # prompt_len .. prompt_len + length - 1, predicted from one position earlier.
-            target[i, prompt_lens[i] - 1 : prompt_lens[i] - 1 + lengths[i]] = True
-        return _Batch(ids.to(self.device), mask.to(self.device), target.to(self.device), lengths)
+        return pad_batch(
+            [list(g.prompt_ids) for g in groups],
+            [[list(c) for c in g.completions] for g in groups],
+            self.pad_id,
+            self.device,
+        )
 
     def _logprobs(
-        self, batch: _Batch, stats: TokenStats | None = None
+        self, batch: PaddedBatch, stats: TokenStats | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """Log-probs of every completion token, flattened in row-major order (rows, then tokens).
 

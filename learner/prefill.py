@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from echo.learner.grpo import pad_batch
+
 # Cache layers that hold keys and values only: selecting rows of them is the whole-sequence
 # computation. Anything else (recurrent or convolution state) is not, so it is not shared.
 _SHAREABLE = (DynamicLayer, DynamicSlidingWindowLayer)
@@ -100,17 +102,8 @@ def _whole_sequences(
     completions: list[list[list[int]]],
     pad_id: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`completion_logits` by one right-padded forward over every prompt + completion."""
-    dev = next(model.parameters()).device
-    seqs = [(p, c) for p, group in zip(prompts, completions, strict=True) for c in group]
-    width = max(len(p) + len(c) for p, c in seqs)
-    ids = torch.tensor([p + c + [pad_id] * (width - len(p) - len(c)) for p, c in seqs], device=dev)
-    mask = torch.tensor(
-        [[1] * (len(p) + len(c)) + [0] * (width - len(p) - len(c)) for p, c in seqs], device=dev
-    )
-    target = torch.zeros((len(seqs), width - 1), dtype=torch.bool)
-    for i, (p, c) in enumerate(seqs):
-        target[i, len(p) - 1 : len(p) - 1 + len(c)] = True  # position j predicts token j + 1
-    target = target.to(dev)
-    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1][target]
-    return logits, ids[:, 1:][target]
+    """:func:`completion_logits` by the learner's own batching: one right-padded forward over
+    every prompt + completion."""
+    batch = pad_batch(prompts, completions, pad_id, next(model.parameters()).device)
+    logits = model(input_ids=batch.ids, attention_mask=batch.mask).logits[:, :-1][batch.target]
+    return logits, batch.ids[:, 1:][batch.target]

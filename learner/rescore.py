@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from echo.learner.grpo import TrainGroup
+from echo.learner.grpo import TrainGroup, pad_id_of
 from echo.learner.prefill import completion_logits
 from echo.models.spec import ModelSpec, build_model
 from echo.models.weights import load_state
@@ -101,10 +101,7 @@ class Rescorer:
         self.thresholds = engine_thresholds or MISMATCH_THRESHOLDS
         self._states: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
         self._loaded = -1
-        # Any valid id: padding is masked out. A config's pad id outside the embedding is not one.
-        pad = getattr(self.model.config, "pad_token_id", None)
-        vocab = self.model.get_input_embeddings().num_embeddings
-        self.pad_id = int(pad) if isinstance(pad, int) and 0 <= pad < vocab else 0
+        self.pad_id = pad_id_of(self.model)
         self.last_seconds = 0.0
 
     def remember(self, version: int, state: dict[str, torch.Tensor]) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from echo.learner.grpo import pad_id_of
 from echo.models.spec import ModelSpec, encode_prompt, eos_token_id, load_tokenizer
 from echo.models.tokenizer import encode as byte_encode
 from echo.models.weights import (
@@ -119,7 +120,7 @@ def _train(
     tokenizer = None if spec.kind == "tiny" else load_tokenizer(spec)
     eos = eos_token_id(spec)
     device = next(model.parameters()).device
-    pad = getattr(model.config, "pad_token_id", None) or 0
+    pad = pad_id_of(model)
 
     def completion_ids(text: str) -> list[int]:
         if tokenizer is None:
