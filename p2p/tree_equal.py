@@ -132,19 +132,18 @@ def slots_needed(
     source: str,
     order: Sequence[str],
     caps: Mapping[str, float],
-    uplinks: list[float] | np.ndarray,
+    need: int,
     rate: float,
     max_fanout: int,
     reach: Reach | None,
 ) -> int:
-    """The fewest source children one stripe needs at ``rate``: :func:`source_slots_needed`,
-    or with ``reach`` constraining the order, :func:`~echo.p2p.tree_reach.source_slots_reach`."""
-    if not len(order):
-        return 0
-    need = source_slots_needed(uplinks, rate, max_fanout)
-    if reach is not None and reach.constrains(order):
-        need, _ = source_slots_reach(source, caps, order, rate, max_fanout, reach, need)
-    return need
+    """The fewest source children one stripe needs at ``rate``, given ``need``, the count
+    without ``reach`` (:func:`source_slots_needed`, which callers check against the source's
+    budget first: it is cheap, and reach only ever adds children): ``need`` itself, or with
+    ``reach`` constraining the order, :func:`~echo.p2p.tree_reach.source_slots_reach`."""
+    if not len(order) or reach is None or not reach.constrains(order):
+        return need
+    return source_slots_reach(source, caps, order, rate, max_fanout, reach, need)[0]
 
 
 def _source_slots(
@@ -172,8 +171,8 @@ def _source_slots(
     ]
     if reach is not None and sum(slots) <= budget:  # reach only ever adds source children
         slots = [
-            slots_needed(source, order, caps[s], ups, rate, max_fanout, reach)
-            for s, (order, ups) in enumerate(zip(orders, uplinks, strict=True))
+            slots_needed(source, order, caps[s], need, rate, max_fanout, reach)
+            for s, (order, need) in enumerate(zip(orders, slots, strict=True))
         ]
     if sum(slots) > budget:
         return None

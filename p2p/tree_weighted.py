@@ -108,15 +108,16 @@ def _raise_stripes(
     k = len(orders)
     ups = [uplinks_in_order(c, o) for o, c in zip(orders, caps, strict=True)]
 
-    def slots(s: int, r: float) -> int:
-        return slots_needed(source, orders[s], caps[s], ups[s], r, max_fanout, reach)
+    def slots(s: int, r: float, need: int | None = None) -> int:
+        if need is None:
+            need = source_slots_needed(ups[s], r, max_fanout) if len(orders[s]) else 0
+        return slots_needed(source, orders[s], caps[s], need, r, max_fanout, reach)
 
     def fits(s: int, r: float, others: float) -> bool:
         # The count without reach first: it is cheap, and reach only ever adds children.
         budget = source_up_bps * (1 + 1e-9) - others
-        if source_slots_needed(ups[s], r, max_fanout) * r > budget:
-            return False
-        return reach is None or slots(s, r) * r <= budget
+        need = source_slots_needed(ups[s], r, max_fanout) if len(orders[s]) else 0
+        return need * r <= budget and slots(s, r, need) * r <= budget
 
     rates = [rate] * k
     used = [slots(s, rate) for s in range(k)]
