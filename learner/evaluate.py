@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from echo.models.kv_cache import forward_with_cache
 from echo.models.prompts import PromptRenderer
 from echo.models.spec import (
     ChatMode,
@@ -63,14 +64,9 @@ def greedy_completions(
         pos = (mask.cumsum(1) - 1).clamp(min=0)
         cache = None
         for _ in range(max_new_tokens):
-            out_ = model(
-                input_ids=ids,
-                attention_mask=mask,
-                position_ids=pos,
-                cache=cache,
-                use_cache=True,
+            out_, cache = forward_with_cache(
+                model, cache, input_ids=ids, attention_mask=mask, position_ids=pos
             )
-            cache = out_.cache
             tok = torch.where(done, eos_id, out_.logits[:, -1].argmax(-1))
             gen.append(tok)
             done |= tok == eos_id

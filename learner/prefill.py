@@ -20,6 +20,7 @@ import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from echo.learner.grpo import pad_batch
+from echo.models.kv_cache import forward_with_cache
 
 # Cache layers that hold keys and values only: selecting rows of them is the whole-sequence
 # computation. Anything else (recurrent or convolution state) is not, so it is not shared.
@@ -65,10 +66,9 @@ def completion_logits(
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=dev)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=dev)
     pos = (mask.cumsum(1) - 1).clamp(min=0)
-    out = model(
-        input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1
+    out, cache = forward_with_cache(
+        model, input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=1
     )
-    cache = out.cache
     if not all(type(layer) in _SHAREABLE for layer in getattr(cache, "layers", [None])):
         return _whole_sequences(model, prompts, completions, pad_id)
     first = out.logits[:, -1][row_group].unsqueeze(1)  # (rows, 1, vocab)
@@ -82,12 +82,14 @@ def completion_logits(
         cmask = torch.tensor([[1] * len(f) + [0] * (span - len(f)) for f in fed], device=dev)
         cache.batch_select_indices(row_group)  # in place: row r now holds its group's prompt
         cpos = pos[row_group, -1:] + 1 + torch.arange(span, device=dev)
-        rest = model(
+        rest, _ = forward_with_cache(
+            model,
+            cache,
             input_ids=cids,
             attention_mask=torch.cat([mask[row_group], cmask], 1),
             position_ids=cpos,
-            cache=cache,
-        ).logits
+        )
+        rest = rest.logits
         logits = torch.cat([first, rest], 1)  # (rows, max length, vocab)
     else:
         logits = first

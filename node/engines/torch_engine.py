@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from echo.models.kv_cache import forward_with_cache
 from echo.models.spec import ModelSpec, build_model, eos_token_id
 from echo.models.weights import DTYPES, export_state
 from echo.models.weights import load_state as load_model_state
@@ -110,10 +111,10 @@ class TorchEngine(Engine):
         budget = per_row([p.max_new_tokens for p in params], torch.long)
         gens = [self._generator(p) for p in params]
 
-        out = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1
+        out, cache = forward_with_cache(
+            self.model, input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=1
         )
-        cache, logits = out.cache, out.logits[:, -1, :]
+        logits = out.logits[:, -1, :]
         next_pos = pos[:, -1] + 1
 
         tokens, logps = [], []
@@ -134,14 +135,14 @@ class TorchEngine(Engine):
             # Finished rows keep stepping (their outputs are ignored): pruning the cache would
             # cost more than it saves at these batch sizes.
             mask = torch.cat([mask, torch.ones((rows, 1), dtype=mask.dtype, device=dev)], 1)
-            out = self.model(
+            out, cache = forward_with_cache(
+                self.model,
+                cache,
                 input_ids=tok.unsqueeze(1),
                 attention_mask=mask,
                 position_ids=next_pos.unsqueeze(1),
-                cache=cache,
-                use_cache=True,
             )
-            cache, logits = out.cache, out.logits[:, -1, :]
+            logits = out.logits[:, -1, :]
             next_pos = next_pos + 1
 
         tok_rows = torch.stack(tokens, 1).cpu().tolist()
