@@ -8,6 +8,7 @@ from pathlib import Path
 import platformdirs
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from echo.models.device import DEVICE_PATTERN
 from echo.protocol.jobspec import explain_validation, read_toml
 
 
@@ -134,11 +135,18 @@ class RetentionSection(BaseModel):
 
 
 class LearnerSection(BaseModel):
-    """``[learner]``: whether the coordinator runs each job's learner, and its torch threads."""
+    """``[learner]``: whether the coordinator runs each job's learner, its torch threads and
+    the device it computes on."""
 
     model_config = ConfigDict(extra="forbid")
     local: bool = Field(default=True, description="start a learner subprocess per job")
     torch_threads: int = Field(default=1, ge=1)
+    device: str = Field(
+        default="auto",
+        pattern=DEVICE_PATTERN,
+        description="where learners train and re-score: auto (a CUDA GPU if torch sees one, "
+        "else the CPU), cpu, cuda, cuda:N or mps",
+    )
 
 
 class BroadcastSection(BaseModel):

@@ -129,6 +129,8 @@ class JobControl:
             self._multiaddrs()[0],
             "--threads",
             str(self.config.learner.torch_threads),
+            "--device",
+            self.config.learner.device,
         ]
         bc = self.config.broadcast
         if bc.learner_pace > 0:

@@ -107,7 +107,8 @@ def latest(root: Path) -> Checkpoint | None:
                 version=int(meta["version"]),
                 anchor_version=int(meta["anchor_version"]),
                 model_state=load_file(str(d / "model.safetensors")),
-                optim_state=torch.load(d / "optim.pt", weights_only=True),
+                # On the CPU whatever device wrote it; the optimizer moves it to its params.
+                optim_state=torch.load(d / "optim.pt", weights_only=True, map_location="cpu"),
                 report=(d / "report.bin").read_bytes(),
             )
         except (OSError, ValueError, KeyError, RuntimeError):

@@ -280,10 +280,12 @@ class GRPOLearner:
                 metrics["mismatch"] = float((first - behaviour).abs().mean())
                 if gate is not None:
                     sizes = [sum(len(c) for c in g.completions) for g in groups]
-                    parts = [first.split(sizes), *(t.split(sizes) for t in extra)]
+                    # The gate judges on the CPU (a few numbers at a time): one copy each.
+                    parts = [first.cpu().split(sizes), *(t.cpu().split(sizes) for t in extra)]
                     verdicts = gate(list(zip(*parts, strict=True)))
                     keep = torch.repeat_interleave(
-                        torch.tensor(verdicts, dtype=torch.float32), torch.tensor(sizes)).to(dev)
+                        torch.tensor(verdicts, dtype=torch.float32), torch.tensor(sizes)
+                    ).to(dev)
                     metrics["gated_groups"] = float(len(verdicts) - sum(verdicts))
                     if not bool(keep.any()):  # every group failed re-scoring: no update at all
                         metrics.update(loss=0.0, is_w=0.0, clip_frac=0.0, grad_norm=0.0)
@@ -296,12 +298,14 @@ class GRPOLearner:
                 w = torch.exp(first - behaviour)[kept]
                 metrics["is_w"] = float(w.mean())
                 metrics["is_w_outside"] = float(
-                    ((w < 1 - cfg.clip_eps) | (w > 1 + cfg.clip_eps)).float().mean())
+                    ((w < 1 - cfg.clip_eps) | (w > 1 + cfg.clip_eps)).float().mean()
+                )
             ratio = torch.exp(logp - behaviour)
             clipped = ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps)
             surrogate = torch.minimum(ratio * adv, clipped * adv)
-            surrogate = torch.where(adv < 0, torch.maximum(surrogate, cfg.dual_clip * adv),
-                                    surrogate)
+            surrogate = torch.where(
+                adv < 0, torch.maximum(surrogate, cfg.dual_clip * adv), surrogate
+            )
             loss = -(keep * surrogate).sum() / keep.sum()  # token-mean over the trained tokens
 
             self.opt.zero_grad(set_to_none=True)
@@ -313,8 +317,11 @@ class GRPOLearner:
                 metrics["grad_norm"] = float(grad_norm)
             # Tokens whose gradient the trust region (or the dual clip) stopped.
             with torch.no_grad():
-                active = torch.where(adv >= 0, ratio * adv <= clipped * adv,
-                                     (ratio * adv >= clipped * adv) & (ratio <= cfg.dual_clip))
+                active = torch.where(
+                    adv >= 0,
+                    ratio * adv <= clipped * adv,
+                    (ratio * adv >= clipped * adv) & (ratio <= cfg.dual_clip),
+                )
                 active |= adv == 0
                 metrics["clip_frac"] = float((~active)[keep > 0].float().mean())
 

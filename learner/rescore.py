@@ -41,8 +41,13 @@ from echo.protocol import reasons as R
 # on a CPU measures ~2e-7 against our prefill (here, 40 groups); llama.cpp f32 ~2e-4; GPUs differ
 # more (TF32 / bf16 kernels). The margins are 50-500x; a swapped prompt or fabricated log-probs
 # miss by far more once the policy depends on its prompt at all.
-MISMATCH_THRESHOLDS = {"torch": 1e-4, "torch-cuda": 0.05, "torch-mps": 0.05, "llamacpp": 0.01,
-                       "vllm": 0.1}
+MISMATCH_THRESHOLDS = {
+    "torch": 1e-4,
+    "torch-cuda": 0.05,
+    "torch-mps": 0.05,
+    "llamacpp": 0.01,
+    "vllm": 0.1,
+}
 DEFAULT_MISMATCH = 0.1
 # A chosen token below this probability is "improbable" for the sampling-shape count.
 IMPROBABLE_P = 0.01
@@ -93,8 +98,9 @@ class Rescorer:
         keep: int,
         temperature: float,
         engine_thresholds: dict[str, float] | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
-        self.model = build_model(spec)
+        self.model = build_model(spec).to(device)
         self.model.eval()
         self.temperature = temperature
         self.keep = keep
@@ -122,7 +128,8 @@ class Rescorer:
         logp = torch.log_softmax(logits.float() / self.temperature, dim=-1)
         chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
         sizes = [sum(len(c) for c in g.completions) for g in groups]
-        parts = [chosen.split(sizes), *(t.split(sizes) for t in token_stats(logp))]
+        # To the CPU in one copy each: :meth:`judge` reads them a few numbers at a time.
+        parts = [chosen.cpu().split(sizes), *(t.cpu().split(sizes) for t in token_stats(logp))]
         return list(zip(*parts, strict=True))
 
     def check(

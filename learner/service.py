@@ -28,6 +28,7 @@ from echo.learner import checkpoint, fence
 from echo.learner.publish import Publisher
 from echo.learner.tracking import Tracker, TrackingError, open_tracker
 from echo.learner.trainer import Trainer
+from echo.models.device import resolve_device
 from echo.models.spec import ModelSpec
 from echo.p2p.chunkstore import ChunkStore, serve_chunks
 from echo.p2p.host import EchoHost, open_host
@@ -90,7 +91,12 @@ class Learner:
         coordinator: str,
         threads: int,
         upload_limit_bps: float | None = None,
+        device: str = "cpu",
     ) -> None:
+        """:raises ValueError: a ``device`` this machine cannot compute on (see
+        :func:`~echo.models.device.resolve_device`).
+        :raises TrackingError: the job's tracking backend cannot start."""
+        self.device = resolve_device(device)
         self.job_dir = job_dir
         self.upload_limit_bps = upload_limit_bps
         self.job_id = job_id
@@ -116,7 +122,7 @@ class Learner:
 
     def build(self) -> None:
         """Build (or restore) the model; runs in a worker thread."""
-        self.trainer, ckpt = Trainer.build(self.spec, self.model_spec, self.job_dir)
+        self.trainer, ckpt = Trainer.build(self.spec, self.model_spec, self.job_dir, self.device)
         if ckpt is not None:
             self.version = ckpt.version
             self.pending_report = ckpt.report
@@ -152,7 +158,7 @@ class Learner:
                 version=self.version,
                 anchor_version=pub.manifest.anchor_version,
                 model_state={
-                    k: v.detach().clone()
+                    k: v.detach().to("cpu", copy=True)
                     for k, v in self.trainer.learner.model.state_dict().items()
                 },
                 optim_state=self.trainer.learner.opt.state_dict(),
@@ -385,6 +391,12 @@ def main() -> None:
     ap.add_argument("--coordinator", required=True, help="coordinator multiaddr")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument(
+        "--device",
+        default="auto",
+        help="where the policy trains and re-scores: auto (a CUDA GPU if torch sees one), "
+        "cpu, cuda, cuda:N or mps",
+    )
+    ap.add_argument(
         "--upload-limit-bps",
         type=float,
         default=None,
@@ -400,9 +412,14 @@ def main() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         learner = Learner(
-            args.job_dir, args.job_id, args.coordinator, args.threads, args.upload_limit_bps
+            args.job_dir,
+            args.job_id,
+            args.coordinator,
+            args.threads,
+            args.upload_limit_bps,
+            args.device,
         )
-    except TrackingError as exc:  # one clear line in learner.log, not a traceback
+    except (TrackingError, ValueError) as exc:  # one clear line in learner.log, no traceback
         log.error("%s", exc)
         raise SystemExit(2) from None
     # The coordinator stops us with SIGTERM (job cancelled, or it is shutting down).

@@ -88,7 +88,10 @@ class Trainer:
         self.task = task
         self.tokenizer = tokenizer
         self.rescorer = Rescorer(
-            model_spec, keep=spec.staleness + 1, temperature=spec.sampling.temperature
+            model_spec,
+            keep=spec.staleness + 1,
+            temperature=spec.sampling.temperature,
+            device=learner.device,
         )
         # Verdicts reached ahead of the step, by rollout id, and the seconds spent reaching them.
         self._early: dict[str, Verdict] = {}
@@ -96,14 +99,21 @@ class Trainer:
 
     @classmethod
     def build(
-        cls, spec: JobSpec, model_spec: ModelSpec, job_dir: Path
+        cls,
+        spec: JobSpec,
+        model_spec: ModelSpec,
+        job_dir: Path,
+        device: torch.device | str = "cpu",
     ) -> tuple[Trainer, checkpoint.Checkpoint | None]:
         """The trainer at its newest checkpoint under ``job_dir`` (returned too), else a fresh
-        model after the job's format warm-up. Blocking: run it in a worker thread.
+        model after the job's format warm-up, computing on ``device`` (the policy, the
+        optimizer and the re-scorer; published states and checkpoints are on the CPU whatever
+        the device, so a learner may restart on another). Blocking: run it in a worker thread.
 
         :raises OSError: an unreadable model folder or checkpoint.
         """
-        model = build_model(model_spec, seed=spec.model.seed)
+        # Initialised on the CPU, so that a seed gives the same weights on every device.
+        model = build_model(model_spec, seed=spec.model.seed).to(device)
         task = make_task(spec.task.name, dict(spec.task.params))
         tokenizer = load_tokenizer(model_spec) if model_spec.kind == "hf" else None
         ckpt = checkpoint.latest(job_dir / "checkpoints")

@@ -1,44 +1,78 @@
 #!/usr/bin/env bash
-# One-shot check of the vLLM engine on an NVIDIA GPU with the CUDA vllm wheel: the engine tests
-# (parity with transformers, exact weights through a version chain, termination, seeding) and
-# timings (vLLM tokens/s through the node path vs direct calls, time to apply a version).
+# One-shot check of the learner on an NVIDIA GPU, for a machine with a CUDA torch and
+# transformers but no package index (what the project needs beyond them comes as wheels in .whl/,
+# fetched beforehand by scripts/gpu_wheels.sh; the project is put on the path as it is).
 #
-#   scripts/gpu_check.sh          # results in $OUT if set, else runs/gpu_check
+#   scripts/gpu_check.sh        # results in $OUT if set, else runs/gpu_check
 #
-# Python: $ECHO_VLLM_PYTHON if set (vllm for CUDA and this project importable), else
-# .venv-vllm-gpu made by scripts/vllm_env.sh with the CUDA wheel (needs the package registry).
-# Files: env.txt (GPU, versions), test_vllm_engine.txt, engines.txt and engines.json (the
-# benchmark's JSON line: tokens_per_s_vllm, node_tokens_per_s_vllm, direct_tokens_per_s_vllm,
-# overhead_vllm, apply[].vllm_load_version_s), summary.txt. Exit status: non-zero if a step failed.
+# ECHO_GPU_PYTHON: the interpreter (python3); ECHO_GPU_DEVICE: the device (cuda; cpu rehearses
+# the script anywhere); ECHO_GPU_WHEELS=0: skip the wheels (an interpreter that has them).
+#
+# Steps, each with a time limit, each logged to its own file:
+#   env.txt          the GPU and the versions
+#   tests.txt        tests/test_devices.py on cuda: a step, the prefill, a learner re-scoring CPU
+#                    nodes and restarting from its checkpoint on the CPU, the torch engine
+#   learn_cuda.txt   scripts/grpo_local.py --device cuda (the recipe that learns on the CPU)
+#   learn_cpu.txt    the same on this machine's CPU, the baseline of the same run
+#   rescore.txt      benchmarks/rescore.py --device cuda; rescore.json its JSON line
+#   vllm.txt         tests/test_vllm_engine.py, only where vllm imports
+#   summary.txt      the lines that matter
+# Exit status: non-zero if a step failed.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 RES="${OUT:-$ROOT/runs/gpu_check}"
 mkdir -p "$RES"
-PY="${ECHO_VLLM_PYTHON:-}"
-if [ -z "$PY" ]; then
-    # The CUDA wheel brings its own torch (2.14.0) and transformers; keep torchvision & co.
-    if ! ECHO_VLLM_VENV="$ROOT/.venv-vllm-gpu" ECHO_VLLM_REQ="vllm==0.33.0" ECHO_VLLM_TORCH="" \
-        ECHO_VLLM_TRANSFORMERS="" ECHO_VLLM_REMOVE="" bash scripts/vllm_env.sh >"$RES/setup.txt" 2>&1; then
-        echo "setup failed: see $RES/setup.txt" | tee "$RES/summary.txt"
-        exit 1
-    fi
-    PY="$ROOT/.venv-vllm-gpu/bin/python"
+PY="${ECHO_GPU_PYTHON:-python3}"
+SITE="${TMPDIR:-/tmp}/echo-gpu-site"
+DEV="${ECHO_GPU_DEVICE:-cuda}"
+export ECHO_TEST_DEVICE="$DEV"
+export PYTHONUNBUFFERED=1
+
+# The package layout of pyproject.toml's package-dir, as links: no build, no index.
+rm -rf "$SITE" && mkdir -p "$SITE/echo"
+cp echo_ns/__init__.py "$SITE/echo/"
+for pkg in protocol p2p learner coordinator node tasks models; do
+    ln -s "$ROOT/$pkg" "$SITE/echo/$pkg"
+done
+if [ "${ECHO_GPU_WHEELS:-1}" = 1 ] && compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
+        .whl/*.whl >"$RES/setup.txt" 2>&1 || { echo "wheel install failed: see setup.txt"; exit 1; }
 fi
+export PYTHONPATH="$SITE:$ROOT"
+
 {
-    nvidia-smi
-    "$PY" -c "import torch, transformers, vllm; print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
+    "$PY" -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
 } >"$RES/env.txt" 2>&1
 
-"$PY" -m pytest tests/test_vllm_engine.py -q -rA -s -p no:cacheprovider >"$RES/test_vllm_engine.txt" 2>&1
+# The project's conftest starts coordinators and hosts (libp2p): not needed here, not installed.
+timeout 300 "$PY" -m pytest tests/test_devices.py -q -rA -s -p no:cacheprovider --noconftest \
+    >"$RES/tests.txt" 2>&1
 tests_rc=$?
-"$PY" benchmarks/engines.py --quick --engines vllm >"$RES/engines.txt" 2>&1
-bench_rc=$?
-tail -n 1 "$RES/engines.txt" >"$RES/engines.json"
+timeout 240 "$PY" scripts/grpo_local.py --device "$DEV" --steps 200 --no-cache >"$RES/learn_cuda.txt" 2>&1
+cuda_rc=$?
+timeout 240 "$PY" scripts/grpo_local.py --device cpu --steps 200 --no-cache --threads 4 \
+    >"$RES/learn_cpu.txt" 2>&1
+cpu_rc=$?
+timeout 300 "$PY" benchmarks/rescore.py --device "$DEV" >"$RES/rescore.txt" 2>&1
+rescore_rc=$?
+tail -n 1 "$RES/rescore.txt" >"$RES/rescore.json"
+vllm_rc=0
+if "$PY" -c "import vllm" 2>/dev/null; then
+    timeout 600 "$PY" -m pytest tests/test_vllm_engine.py -q -rA -s -p no:cacheprovider \
+        --noconftest >"$RES/vllm.txt" 2>&1
+    vllm_rc=$?
+fi
 {
-    echo "tests rc=$tests_rc: $(grep -E "[0-9]+ (passed|failed|error)" "$RES/test_vllm_engine.txt" | tail -n 1)"
-    grep -E "worst \|logprob|vLLM start" "$RES/test_vllm_engine.txt"
-    echo "benchmark rc=$bench_rc"
-    grep -E "^  (vllm|h[0-9])" "$RES/engines.txt"
+    cat "$RES/env.txt"
+    echo "tests rc=$tests_rc: $(grep -E "[0-9]+ (passed|failed|error)" "$RES/tests.txt" | tail -n 1)"
+    grep -E "log-prob gap|^(FAILED|ERROR)" "$RES/tests.txt"
+    echo "learn cuda rc=$cuda_rc: $(grep -E "^(warm-up|done)" "$RES/learn_cuda.txt" | tr '\n' ' ')"
+    echo "learn cpu rc=$cpu_rc: $(grep -E "^(warm-up|done)" "$RES/learn_cpu.txt" | tr '\n' ' ')"
+    echo "rescore rc=$rescore_rc:"
+    grep -E "^  " "$RES/rescore.txt"
+    [ -f "$RES/vllm.txt" ] && echo "vllm rc=$vllm_rc: $(tail -n 1 "$RES/vllm.txt")"
 } | tee "$RES/summary.txt"
-[ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ]
+[ "$tests_rc" = 0 ] && [ "$cuda_rc" = 0 ] && [ "$cpu_rc" = 0 ] && [ "$rescore_rc" = 0 ] \
+    && [ "$vllm_rc" = 0 ]

@@ -20,6 +20,7 @@ import torch
 from echo.learner.evaluate import greedy_accuracy
 from echo.learner.grpo import GRPOConfig, GRPOLearner, TrainGroup
 from echo.learner.warmup import warmup
+from echo.models.device import resolve_device
 from echo.models.spec import ModelSpec, build_model, decode_completion, encode_prompt
 from echo.models.weights import export_state, load_state
 from echo.node.engines.base import GenRequest, SamplingParams
@@ -47,6 +48,7 @@ class LocalConfig:
     # gradient: every group would be on-policy where its gradient is taken, so the re-scoring
     # gate could always be fused into the step). An experiment: it learns worse (README).
     grad_at_sampler: bool = False
+    device: str = "cpu"  # the learner's and the engine's (auto, cpu, cuda, cuda:N, mps)
     eval_every: int = 50  # greedy accuracy on held-out prompts every this many steps (0: never)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
@@ -60,13 +62,14 @@ def run(cfg: LocalConfig, log: bool = True) -> tuple[list[dict[str, float]], flo
         raise ValueError("grpo_local runs the tiny model (no tokenizer plumbing for hf here)")
     task = make_task(cfg.task, cfg.task_params)
     t0 = time.perf_counter()
-    model = build_model(cfg.spec, seed=cfg.seed)
+    device = resolve_device(cfg.device)
+    model = build_model(cfg.spec, seed=cfg.seed).to(device)  # initialised on the CPU
     warmup(
         model, cfg.spec, task,
         steps=cfg.warmup_steps, lr=cfg.warmup_lr, seed=cfg.seed, cache_dir=cfg.cache_dir,
     )  # fmt: skip
     learner = GRPOLearner(model, cfg.grpo, cfg.temperature)
-    engine = TorchEngine(cfg.spec)
+    engine = TorchEngine(cfg.spec, device=str(device))
     engine.load_state(export_state(learner.model))
     if log:
         acc = greedy_accuracy(learner.model, cfg.spec, task)
@@ -168,6 +171,7 @@ def main() -> None:
                     help="experiment: take the gradient at the sampling weights (delayed gradient)")
     ap.add_argument("--warmup-steps", type=int, default=LocalConfig.warmup_steps)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default="cpu", help="auto, cpu, cuda, cuda:N or mps")
     ap.add_argument("--no-cache", action="store_true", help="do not read or write the warm-up")
     args = ap.parse_args()
     cfg = LocalConfig(
@@ -180,6 +184,7 @@ def main() -> None:
         grad_at_sampler=args.grad_at_sampler,
         warmup_steps=args.warmup_steps,
         threads=args.threads,
+        device=args.device,
         grpo=GRPOConfig(lr=args.lr),
     )
     if args.no_cache:
