@@ -18,6 +18,12 @@ reward first passed 0.1) and wall time. The baseline is measured in the same run
 
     python benchmarks/learning.py            # 5 seeds, S = 1, 2, 4, torch and mixed (hours)
     python benchmarks/learning.py --quick    # 2 seeds, S = 2, torch and mixed (~20 min on 2 cores)
+    python benchmarks/learning.py --out DIR  # keep each run in DIR; run again to go on from there
+
+Every finished run is kept under ``--out`` (a new dated folder by default): ``sync-seed<N>.json``
+for the baseline, ``<engines>-S<S>-seed<N>/summary.json`` for a swarm. Run again with the same
+``--out`` and the runs already there are read back instead of made again, so that a run of hours
+cut short loses one run at most; the folder's ``recipe.json`` must match the arguments.
 
 The JSON line: ``swarm_vs_sync`` (the worst swarm configuration's mean final accuracy over the
 synchronous one's), ``mixed_vs_torch`` (the worst staleness's mixed over torch), and
@@ -27,6 +33,7 @@ synchronous one's), ``mixed_vs_torch`` (the worst staleness's mixed over torch),
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -61,8 +68,10 @@ def collapses(rewards: list[float]) -> int:
     return count
 
 
-def run_sync(seed: int, steps: int, heads: int) -> dict:
-    """The synchronous baseline in this process."""
+def run_sync(seed: int, steps: int, heads: int, out: Path) -> dict:
+    """The synchronous baseline in this process, or the one kept in ``out`` (a JSON file)."""
+    if out.exists():
+        return json.loads(out.read_text())
     from grpo_local import LocalConfig, run
 
     from echo.models.spec import ModelSpec
@@ -72,27 +81,59 @@ def run_sync(seed: int, steps: int, heads: int) -> dict:
                       spec=ModelSpec(hidden=64, layers=2, heads=heads))
     history, final = run(cfg, log=False)
     rewards = [h["reward"] for h in history]
-    return {"eval_last": final, "rewards": rewards, "wall_s": time.perf_counter() - t0}
+    result = {"eval_last": final, "rewards": rewards, "wall_s": time.perf_counter() - t0}
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(out)  # whole or absent: a run cut short is made again
+    return result
 
 
 def run_swarm(seed: int, steps: int, staleness: int, engines: str, out: Path) -> dict:
-    """One local swarm (real processes) through scripts/local_swarm.py; its summary."""
+    """One local swarm (real processes) through scripts/local_swarm.py; its summary, read back
+    from ``out`` when a finished run is kept there (a run cut short is made again, afresh)."""
+    summary_path = out / "summary.json"
+    kept = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    if kept is not None and kept.get("status") == "done" and "bench_wall_s" in kept:
+        return _swarm_result(kept, kept["bench_wall_s"])
+    if out.exists():
+        shutil.rmtree(out)
     cmd = [sys.executable, str(ROOT / "scripts" / "local_swarm.py"), "--quiet",
            "--engines", engines, "--staleness", str(staleness), "--steps", str(steps),
            "--seed", str(seed), "--out", str(out), "--timeout", str(max(600, 6 * steps))]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
-    summary_path = out / "summary.json"
     if not summary_path.exists():
         raise RuntimeError(f"swarm run failed (exit {proc.returncode}): {proc.stdout[-2000:]}"
                            f"{proc.stderr[-2000:]}")
     s = json.loads(summary_path.read_text())
     if s["status"] != "done":
         raise RuntimeError(f"swarm run ended {s['status']}; logs in {out}")
+    s["bench_wall_s"] = wall  # marks the run as finished for this benchmark
+    tmp = summary_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(s))
+    tmp.replace(summary_path)
+    return _swarm_result(s, wall)
+
+
+def _swarm_result(s: dict, wall: float) -> dict:
     rewards = [v["reward"] for v in s["learner_by_version"] if v["version"] > 0]
     return {"eval_last": s["eval_last"], "eval_first": s["eval_first"], "rewards": rewards,
             "wall_s": wall}
+
+
+def check_recipe(out: Path, recipe: dict) -> None:
+    """Write ``recipe`` to ``out/recipe.json``, or exit if the folder holds another recipe's runs
+    (they would not compare)."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "recipe.json"
+    if path.exists():
+        kept = json.loads(path.read_text())
+        if kept != recipe:
+            sys.exit(f"{out} holds runs of another recipe ({kept}, here {recipe}): "
+                     "choose another --out")
+    else:
+        path.write_text(json.dumps(recipe))
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -115,7 +156,9 @@ def main() -> None:
         ap.add_argument("--configs", nargs="+", default=["torch", "mixed"],
                         choices=["torch", "mixed"], help="swarm engine sets")
         ap.add_argument("--vllm", action="store_true", help="a vLLM node in the mixed swarms")
-        ap.add_argument("--out", type=Path, default=ROOT / "runs" / "learning")
+        ap.add_argument("--out", type=Path, default=None,
+                        help="folder for the runs; an existing one is gone on from "
+                             "(default: runs/learning/<date-time>)")
 
     args = parse_args(__doc__, setup=setup)
     seeds = args.seeds or (2 if args.quick else 5)
@@ -126,11 +169,14 @@ def main() -> None:
         say("note: --vllm gives every configuration the 2-head model (vLLM on CPU needs it);"
             " the swarm's job template must match")
     results: dict[str, dict] = {}
+    out = args.out or ROOT / "runs" / "learning" / time.strftime("%Y%m%d-%H%M%S")
+    check_recipe(out, {"steps": args.steps, "heads": heads, "mixed": mixed})
+    say(f"runs kept in {out}")
 
     say(f"sync baseline: {seeds} seeds x {args.steps} steps")
     runs = []
     for seed in range(seeds):
-        runs.append(run_sync(seed, args.steps, heads))
+        runs.append(run_sync(seed, args.steps, heads, out / f"sync-seed{seed}.json"))
         say(f"  seed {seed}: final greedy accuracy {runs[-1]['eval_last']:.3f}, "
             f"{runs[-1]['wall_s']:.0f} s")
     results["sync"] = summarize(runs)
@@ -141,8 +187,8 @@ def main() -> None:
             say(f"{name}: {seeds} seeds x {args.steps} versions")
             runs = []
             for seed in range(seeds):
-                out = args.out / time.strftime("%Y%m%d-%H%M%S") / f"{engines}-S{s}-seed{seed}"
-                r = run_swarm(seed, args.steps, s, mixed if engines == "mixed" else "torch", out)
+                r = run_swarm(seed, args.steps, s, mixed if engines == "mixed" else "torch",
+                              out / f"{engines}-S{s}-seed{seed}")
                 runs.append(r)
                 say(f"  seed {seed}: final greedy accuracy {r['eval_last']:.3f} "
                     f"(from {r['eval_first']:.3f}), collapses {collapses(r['rewards'])}, "
