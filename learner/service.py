@@ -420,8 +420,9 @@ def main() -> None:
             args.device,
         )
     except (TrackingError, ValueError) as exc:  # one clear line in learner.log, no traceback
+        # A device this machine lacks, a tracker that cannot start: a restart would fail alike.
         log.error("%s", exc)
-        raise SystemExit(2) from None
+        raise SystemExit(EXIT_CANNOT_RESUME) from None
     # The coordinator stops us with SIGTERM (job cancelled, or it is shutting down).
     try:
         run_until_signalled(learner.run)

@@ -61,6 +61,8 @@ def warmup_key(
         "lr": lr,
         "seed": seed,
         "batch_size": batch_size,
+        # Another device rounds differently: its warm-up is another set of weights.
+        "device": next(model.parameters()).device.type,
     }
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()
 

@@ -8,8 +8,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PY="${ECHO_PY:-.venv/bin/python}"
 want=()
-for name in pydantic pydantic_core annotated-types typing-inspection zstandard platformdirs \
-    trio outcome sniffio; do
+for name in pydantic pydantic_core annotated-types typing-inspection typing_extensions zstandard \
+    platformdirs; do
     want+=("$name==$("$PY" -m pip show "$name" | awk '/^Version:/ {print $2}')")
 done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \

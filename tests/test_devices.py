@@ -21,7 +21,7 @@ from echo.learner.rescore import MISMATCH_THRESHOLDS
 from echo.learner.trainer import Trainer
 from echo.models.device import resolve_device
 from echo.models.spec import ModelSpec, build_model, decode_completion, encode_prompt
-from echo.models.tokenizer import PAD_ID
+from echo.models.tokenizer import EOS_ID, PAD_ID
 from echo.models.weights import export_state
 from echo.node.engines.base import GenRequest, SamplingParams
 from echo.node.engines.torch_engine import TorchEngine
@@ -30,7 +30,9 @@ from echo.protocol.jobspec import JobSpec
 from echo.tasks import make_task
 
 SPEC = ModelSpec()
-TASK = make_task("addition", {"max_operand": 5})
+# Operands up to 99: prompts of 4 to 6 tokens, so batches are padded (left in the engine and the
+# prefill's prompt pass, right in the step), the path where a GPU's kernels differ most.
+TASK = make_task("addition", {"max_operand": 100})
 # The accelerator the device tests run on; ECHO_TEST_DEVICE=cpu runs their logic anywhere (the
 # CPU against itself), =mps on a Mac.
 DEVICE = os.environ.get("ECHO_TEST_DEVICE", "cuda")
@@ -88,7 +90,15 @@ def groups_from(engine: TorchEngine, n: int, seed: int, version: int = 0) -> lis
 
 
 def flat(scores: list[list[list[float]]]) -> torch.Tensor:
-    return torch.tensor([x for g in scores for c in g for x in c])
+    out = torch.tensor([x for g in scores for c in g for x in c])
+    assert bool(out.isfinite().all())
+    return out
+
+
+def test_the_test_batches_are_padded() -> None:
+    engine = TorchEngine(SPEC, threads=1)
+    lengths = {len(g.prompt_ids) for g in groups_from(engine, 12, seed=0)}
+    assert len(lengths) > 1, lengths
 
 
 @cuda
@@ -131,7 +141,7 @@ def wire_batch(engine: TorchEngine, version: int, n: int, seed: int) -> list[m.T
             rewards=g.rewards,
             completions=[
                 m.CompletionRecord(token_ids=m.pack_tokens(c), logprobs=m.pack_logprobs(lp),
-                                   finish_reason="stop")
+                                   finish_reason="stop" if c[-1] == EOS_ID else "length")
                 for c, lp in zip(g.completions, g.behaviour_logprobs, strict=True)
             ],
         )
@@ -163,8 +173,50 @@ def test_a_cuda_learner_passes_honest_cpu_nodes_and_restarts_on_the_cpu(tmp_path
         stale = wire_batch(engine, v, 2, seed=100 * step + 50)  # sampled from v, trained at v+1
 
     # What the learner process checkpoints (learner/service.py), then a restart on the CPU.
+    save_like_the_learner(tmp_path / "job", trainer)
+    kept = checkpoint.latest(tmp_path / "job" / "checkpoints")
+    assert kept is not None
+    assert all(t.device.type == "cpu" for t in kept.model_state.values())
+    assert all(
+        t.device.type == "cpu"
+        for st in kept.optim_state["state"].values()
+        for t in st.values()
+        if isinstance(t, torch.Tensor)
+    )
+    again, ckpt = Trainer.build(job, SPEC, tmp_path / "job", "cpu")
+    assert ckpt is not None and again.version == trainer.version == 3
+    for a, b in zip(
+        again.learner.model.parameters(), trainer.learner.model.parameters(), strict=True
+    ):
+        assert torch.equal(a, b.cpu())
+    # It goes on from there: the optimizer's moments came along to the CPU.
+    again.remember(again.version, again.published_state())
+    engine.load_state(again.published_state())
+    res = again.train(wire_batch(engine, again.version, 3, seed=900))
+    assert res.metrics["rejected"] == 0 and again.version == 4
+
+
+@cuda
+def test_a_cpu_checkpoint_restarts_on_the_device(tmp_path: Path) -> None:
+    job = JobSpec(name="t", staleness=2)
+    cpu, _ = Trainer.build(job, SPEC, tmp_path / "job", "cpu")
+    engine = TorchEngine(SPEC, threads=1)
+    engine.load_state(cpu.published_state())
+    cpu.train(wire_batch(engine, 0, 3, seed=1))
+    save_like_the_learner(tmp_path / "job", cpu)
+    dev, ckpt = Trainer.build(job, SPEC, tmp_path / "job", DEVICE)
+    assert ckpt is not None and dev.version == 1
+    assert dev.learner.device.type == resolve_device(DEVICE).type
+    dev.remember(1, dev.published_state())
+    engine.load_state(dev.published_state())
+    res = dev.train(wire_batch(engine, 1, 3, seed=2))
+    assert res.metrics["rejected"] == 0 and dev.version == 2
+
+
+def save_like_the_learner(job_dir: Path, trainer: Trainer) -> None:
+    """The checkpoint learner/service.py writes after a step."""
     checkpoint.save(
-        tmp_path / "job" / "checkpoints",
+        job_dir / "checkpoints",
         checkpoint.Checkpoint(
             version=trainer.version,
             anchor_version=0,
@@ -175,18 +227,6 @@ def test_a_cuda_learner_passes_honest_cpu_nodes_and_restarts_on_the_cpu(tmp_path
             optim_state=trainer.learner.opt.state_dict(),
             report=b"",
         ),
-    )
-    again, ckpt = Trainer.build(job, SPEC, tmp_path / "job", "cpu")
-    assert ckpt is not None and again.version == trainer.version == 3
-    for a, b in zip(
-        again.learner.model.parameters(), trainer.learner.model.parameters(), strict=True
-    ):
-        assert torch.equal(a, b.cpu())
-    assert all(
-        t.device.type == "cpu"
-        for s in again.learner.opt.state.values()
-        for t in s.values()
-        if isinstance(t, torch.Tensor)
     )
 
 

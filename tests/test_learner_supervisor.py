@@ -8,6 +8,7 @@ in a row without a booked version count now.
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -82,3 +83,15 @@ def test_a_learner_crashing_without_progress_fails_the_job(tmp_path, monkeypatch
     row = host.store.job("j")
     assert row.status == "failed" and "in a row without progress" in row.error
     assert row.current_version == 0
+
+
+def test_a_learner_asked_for_a_device_it_lacks_is_not_restarted(tmp_path: Path) -> None:
+    """The real learner, asked for a device this machine cannot compute on, exits with the
+    status that fails the job at once (a restart would fail alike), saying why."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "echo.learner", "--job-dir", str(tmp_path), "--job-id", "j",
+         "--coordinator", "/ip4/127.0.0.1/tcp/1", "--device", "gpu"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == learners.LEARNER_CANNOT_RESUME, proc.stderr[-2000:]
+    assert "device must be auto, cpu, mps, cuda or cuda:N, not 'gpu'" in proc.stderr

@@ -42,6 +42,14 @@ def test_learner_pace_reaches_the_learner_command(tmp_path: Path) -> None:
     assert float(cmd[cmd.index("--upload-limit-bps") + 1]) == 9e6
 
 
+def test_the_learner_device_reaches_the_learner_command(tmp_path: Path) -> None:
+    cfg = CoordinatorConfig(data_dir=tmp_path, http_port=0, learner={"device": "cuda:1"})
+    coord = Coordinator(cfg, Store.open(tmp_path / "db.sqlite"), Identity.generate())
+    coord.host = SimpleNamespace(listen_multiaddrs=["/ip4/127.0.0.1/tcp/4001"])
+    cmd = coord.learner_command("job-1")
+    assert cmd[cmd.index("--device") + 1] == "cuda:1"
+
+
 def test_token_bucket_keeps_to_its_rate() -> None:
     async def main() -> float:
         bucket = UploadLimiter(1e6, burst=64 * 1024)
