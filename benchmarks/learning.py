@@ -103,12 +103,14 @@ def run_swarm(seed: int, steps: int, staleness: int, engines: str, out: Path) ->
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
+    said = proc.stdout[-4000:] + proc.stderr[-4000:]
+    if out.exists():
+        (out / "local_swarm.log").write_text(proc.stdout + proc.stderr)
     if not summary_path.exists():
-        raise RuntimeError(f"swarm run failed (exit {proc.returncode}): {proc.stdout[-2000:]}"
-                           f"{proc.stderr[-2000:]}")
+        raise RuntimeError(f"swarm run failed (exit {proc.returncode}): {said}")
     s = json.loads(summary_path.read_text())
     if s["status"] != "done":
-        raise RuntimeError(f"swarm run ended {s['status']}; logs in {out}")
+        raise RuntimeError(f"swarm run ended {s['status']}; logs in {out}: {said}")
     s["bench_wall_s"] = wall  # marks the run as finished for this benchmark
     tmp = summary_path.with_suffix(".tmp")
     tmp.write_text(json.dumps(s))

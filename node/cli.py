@@ -155,6 +155,8 @@ def join(
         node = Node(cfg, console, max_groups=max_groups)
         if run_until_signalled(node.run):
             console.print("node stopped; leases it held will expire")
+        else:
+            console.print(f"node done: {node.done_groups} groups")
     except NodeError as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(1) from None

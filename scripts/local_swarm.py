@@ -480,9 +480,10 @@ def main() -> int:
                     break
                 dead = [p for p in swarm.procs if p.poll() is not None]
                 if dead:
+                    # Which one, and how: a negative status is the signal that ended it.
                     console.print(
-                        f"[red]a process exited early (exit {dead[0].returncode}); "
-                        f"see the logs in {out}[/red]"
+                        f"[red]a process exited early ({' '.join(map(str, dead[0].args[:4]))} "
+                        f"..., exit {dead[0].returncode}); see the logs in {out}[/red]"
                     )
                     break
                 time.sleep(1.0)
