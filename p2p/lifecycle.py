@@ -9,6 +9,7 @@ is re-raised on its own, outside the nurseries' exception groups.
 
 from __future__ import annotations
 
+import faulthandler
 import signal
 from collections.abc import Awaitable, Callable
 
@@ -24,7 +25,12 @@ async def _watch(scope: trio.CancelScope, fired: list[int]) -> None:
 
 
 def run_until_signalled(main: Callable[[], Awaitable[None]]) -> bool:
-    """``trio.run`` ``main`` until it returns or a stop signal arrives; True if signalled."""
+    """``trio.run`` ``main`` until it returns or a stop signal arrives; True if signalled.
+
+    A crash below Python (a segfault in an extension) prints the threads' Python stacks to
+    stderr first (:mod:`faulthandler`), where the daemon's log is: without it the process
+    vanishes without a word."""
+    faulthandler.enable()
     fired: list[int] = []
 
     async def runner() -> None:
