@@ -179,12 +179,14 @@ def run(quick: bool, device: str) -> dict[str, float]:
     return {**r, **p}
 
 
-def main() -> None:
-    def setup(ap) -> None:
-        ap.add_argument("--device", default="cpu",
-                        help="the learner's device (auto, cpu, cuda, cuda:N, mps); nodes: the CPU")
+def add_device_option(ap) -> None:
+    """``--device``: the learner's, for these figures (``benchmarks/verify.py`` takes it too)."""
+    ap.add_argument("--device", default="cpu",
+                    help="the learner's device (auto, cpu, cuda, cuda:N, mps); nodes: the CPU")
 
-    args = parse_args(__doc__, setup=setup)
+
+def main() -> None:
+    args = parse_args(__doc__, setup=add_device_option)
     device = str(resolve_device(args.device))
     emit({**run(args.quick, device), "quick": args.quick, "device": device})
 

@@ -115,11 +115,7 @@ def bench_steps_1_4(n: int) -> dict[str, float]:
 
 
 def main() -> None:
-    def setup(ap) -> None:
-        ap.add_argument("--device", default="cpu",
-                        help="the learner's device for the re-scoring figures (nodes: the CPU)")
-
-    args = parse_args(__doc__, setup=setup)
+    args = parse_args(__doc__, setup=rescore.add_device_option)
     device = str(resolve_device(args.device))
     n = 300 if args.quick else 2000
     say(f"steps 1-4 over {n} signed groups of {GROUP} on one core ...")

@@ -82,14 +82,13 @@ def completion_logits(
         cmask = torch.tensor([[1] * len(f) + [0] * (span - len(f)) for f in fed], device=dev)
         cache.batch_select_indices(row_group)  # in place: row r now holds its group's prompt
         cpos = pos[row_group, -1:] + 1 + torch.arange(span, device=dev)
-        rest, _ = forward_with_cache(
+        rest = forward_with_cache(
             model,
             cache,
             input_ids=cids,
             attention_mask=torch.cat([mask[row_group], cmask], 1),
             position_ids=cpos,
-        )
-        rest = rest.logits
+        )[0].logits
         logits = torch.cat([first, rest], 1)  # (rows, max length, vocab)
     else:
         logits = first

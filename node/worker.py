@@ -31,6 +31,7 @@ import time
 import trio
 from rich.console import Console
 
+from echo.models.device import resolve_device
 from echo.models.spec import ModelSpec, load_tokenizer
 from echo.node.config import NodeConfig
 from echo.node.display import Display
@@ -207,7 +208,7 @@ class Node:
         self.engine_name = self.chosen_engine
         self.policy = self._follower()
         spec = ModelSpec.from_dict(job.model)
-        device = cfg.device if cfg.device != "auto" else ("cuda" if self.probe.cuda else "cpu")
+        device = str(resolve_device(cfg.device))  # the learner's rule: auto is CUDA if seen
         try:
             choice = await trio.to_thread.run_sync(
                 lambda: make_engine_or_torch(
