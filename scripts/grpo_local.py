@@ -26,6 +26,12 @@ from echo.models.weights import export_state, load_state
 from echo.node.engines.base import GenRequest, SamplingParams
 from echo.node.engines.torch_engine import TorchEngine
 from echo.tasks import make_task
+from echo.tasks.base import Task
+
+# With skip_uniform, a step draws at most this many rounds of prompts for groups whose rewards
+# differ, then trains on what it has filled up with uniform groups: a model that solves (or
+# fails) every prompt would otherwise never step again.
+MAX_DRAWS = 8
 
 
 @dataclass
@@ -48,6 +54,10 @@ class LocalConfig:
     # gradient: every group would be on-policy where its gradient is taken, so the re-scoring
     # gate could always be fused into the step). An experiment: it learns worse (README).
     grad_at_sampler: bool = False
+    # Dynamic sampling (DAPO): groups whose samples all got the same reward carry no advantage;
+    # draw more prompts until the batch holds prompts_per_step groups that do (MAX_DRAWS rounds at
+    # most). An experiment of the synchronous loop only; the README has the runs.
+    skip_uniform: bool = False
     device: str = "cpu"  # the learner's and the engine's (auto, cpu, cuda, cuda:N, mps)
     eval_every: int = 50  # greedy accuracy on held-out prompts every this many steps (0: never)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
@@ -79,39 +89,33 @@ def run(cfg: LocalConfig, log: bool = True) -> tuple[list[dict[str, float]], flo
     history: list[dict[str, float]] = []
     published = [export_state(learner.model)]  # the last lag + 1 versions, oldest first
     t_start = time.perf_counter()
+    params = SamplingParams(
+        max_new_tokens=task.max_new_tokens, temperature=cfg.temperature, top_p=1.0
+    )
     for step in range(cfg.steps):
-        prompt_ids = [rng.randrange(10**9) for _ in range(cfg.prompts_per_step)]
-        params = SamplingParams(
-            max_new_tokens=task.max_new_tokens, temperature=cfg.temperature, top_p=1.0
-        )
-        reqs = [
-            GenRequest(
-                encode_prompt(cfg.spec, task.prompt(pid)),
-                cfg.samples_per_prompt,
-                SamplingParams(**{**asdict(params), "seed": rng.randrange(1 << 62)}),
-            )
-            for pid in prompt_ids
-        ]
-        t_gen = time.perf_counter()
-        out = engine.generate(reqs)
-        gen_s = time.perf_counter() - t_gen
-        groups = [
-            TrainGroup(
-                prompt_ids=r.prompt_ids,
-                completions=[c.token_ids for c in cs],
-                behaviour_logprobs=[c.logprobs for c in cs],
-                rewards=[task.reward(pid, decode_completion(cfg.spec, c.token_ids)) for c in cs],
-                version=learner.version - min(cfg.lag, len(published) - 1),
-            )
-            for pid, r, cs in zip(prompt_ids, reqs, out, strict=True)
-        ]
+        version = learner.version - min(cfg.lag, len(published) - 1)
+        groups: list[TrainGroup] = []
+        uniform: list[TrainGroup] = []
+        sampled, gen_s = 0, 0.0
+        for _ in range(MAX_DRAWS if cfg.skip_uniform else 1):
+            drawn, took = _sample_groups(engine, task, cfg, params, rng, version)
+            sampled, gen_s = sampled + len(drawn), gen_s + took
+            if not cfg.skip_uniform:
+                groups = drawn
+                break
+            for g in drawn:
+                (uniform if min(g.rewards) == max(g.rewards) else groups).append(g)
+            if len(groups) >= cfg.prompts_per_step:
+                break
+        if cfg.skip_uniform:
+            groups = (groups + uniform)[: cfg.prompts_per_step]
         m = _delayed_step(learner, groups, published[0]) if cfg.grad_at_sampler else (
             learner.step(groups))
         # What a node gets: the published state, copied exactly into its own model (with a lag,
         # the state published that many versions ago, as a node that has not caught up holds).
         published = (published + [export_state(learner.model)])[-(cfg.lag + 1):]
         engine.load_state(published[0])
-        m.update(step=step, gen_s=gen_s, tok_s=engine.tokens_per_s,
+        m.update(step=step, gen_s=gen_s, tok_s=engine.tokens_per_s, groups_sampled=sampled,
                  elapsed=time.perf_counter() - t_start)  # fmt: skip
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
             m["greedy"] = greedy_accuracy(learner.model, cfg.spec, task)
@@ -132,6 +136,41 @@ def run(cfg: LocalConfig, log: bool = True) -> tuple[list[dict[str, float]], flo
             f"first 10 steps {first:.3f} -> last 10 steps {last:.3f}; greedy accuracy {acc:.3f}"
         )
     return history, acc
+
+
+def _sample_groups(
+    engine: TorchEngine,
+    task: Task,
+    cfg: LocalConfig,
+    params: SamplingParams,
+    rng: random.Random,
+    version: int,
+) -> tuple[list[TrainGroup], float]:
+    """One round of ``cfg.prompts_per_step`` fresh prompts, sampled and scored; the groups and
+    the seconds the engine took."""
+    prompt_ids = [rng.randrange(10**9) for _ in range(cfg.prompts_per_step)]
+    reqs = [
+        GenRequest(
+            encode_prompt(cfg.spec, task.prompt(pid)),
+            cfg.samples_per_prompt,
+            SamplingParams(**{**asdict(params), "seed": rng.randrange(1 << 62)}),
+        )
+        for pid in prompt_ids
+    ]
+    t_gen = time.perf_counter()
+    out = engine.generate(reqs)
+    gen_s = time.perf_counter() - t_gen
+    groups = [
+        TrainGroup(
+            prompt_ids=r.prompt_ids,
+            completions=[c.token_ids for c in cs],
+            behaviour_logprobs=[c.logprobs for c in cs],
+            rewards=[task.reward(pid, decode_completion(cfg.spec, c.token_ids)) for c in cs],
+            version=version,
+        )
+        for pid, r, cs in zip(prompt_ids, reqs, out, strict=True)
+    ]
+    return groups, gen_s
 
 
 def _delayed_step(
@@ -169,6 +208,9 @@ def main() -> None:
                     help="sample from the weights of this many versions ago (swarm staleness)")
     ap.add_argument("--grad-at-sampler", action="store_true",
                     help="experiment: take the gradient at the sampling weights (delayed gradient)")
+    ap.add_argument("--skip-uniform", action="store_true",
+                    help="experiment: draw more prompts instead of training on groups whose "
+                         "rewards are all equal (dynamic sampling)")
     ap.add_argument("--warmup-steps", type=int, default=LocalConfig.warmup_steps)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device", default="cpu", help="auto, cpu, cuda, cuda:N or mps")
@@ -182,6 +224,7 @@ def main() -> None:
         seed=args.seed,
         lag=args.lag,
         grad_at_sampler=args.grad_at_sampler,
+        skip_uniform=args.skip_uniform,
         warmup_steps=args.warmup_steps,
         threads=args.threads,
         device=args.device,

@@ -166,3 +166,44 @@ def test_short_run_learns(tmp_path: Path, lag: int) -> None:
     else:
         assert all(h["staleness_max"] == 1 for h in history[1:])
     assert last > first + 0.15, (first, last)
+
+
+def test_skip_uniform_trains_on_groups_with_signal(tmp_path: Path, monkeypatch) -> None:
+    """Dynamic sampling in the local loop: a batch holds only groups whose rewards differ,
+    drawn over as many rounds of prompts as that takes (MAX_DRAWS at most), and the run says how
+    many groups it sampled."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from grpo_local import MAX_DRAWS, LocalConfig, run
+
+    from echo.learner.grpo import GRPOLearner
+
+    batches: list[list[list[float]]] = []
+    step = GRPOLearner.step
+
+    def recording_step(self, groups, *args, **kwargs):
+        batches.append([list(g.rewards) for g in groups])
+        return step(self, groups, *args, **kwargs)
+
+    monkeypatch.setattr(GRPOLearner, "step", recording_step)
+    cfg = LocalConfig(
+        task_params={"max_operand": 4},
+        steps=4,
+        seed=0,
+        cache_dir=str(tmp_path),
+        eval_every=0,
+        threads=1,
+        skip_uniform=True,
+    )
+    threads = torch.get_num_threads()
+    try:
+        history, _ = run(cfg, log=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(batches) == 4
+    for rewards, h in zip(batches, history, strict=True):
+        assert len(rewards) == cfg.prompts_per_step
+        assert h["groups_sampled"] % cfg.prompts_per_step == 0
+        if h["groups_sampled"] < MAX_DRAWS * cfg.prompts_per_step:
+            assert all(min(r) < max(r) for r in rewards), rewards
+    # At the start most groups are all wrong: filling a batch takes more than one round.
+    assert max(h["groups_sampled"] for h in history) > cfg.prompts_per_step
