@@ -299,7 +299,7 @@ class PolicyFollower:
         )
         try:
             await self.session.call(ids.PROTO_STATUS, self.session.seal(st), timeout=10.0)
-        except RpcError as exc:
+        except (RpcError, ProtocolError) as exc:
             log.debug("status not delivered: %s", exc)
 
     async def _heartbeat(self) -> None:

@@ -36,7 +36,7 @@ from libp2p.exceptions import BaseLibp2pError
 from libp2p.peer.id import ID
 
 from echo.p2p.budget import Gate
-from echo.p2p.streams import end_stream, read_exactly, read_frame, write_frame
+from echo.p2p.streams import end_stream, read_exactly, write_frame
 from echo.protocol.errors import FrameError, ProtocolError
 from echo.protocol.framing import HEADER_LEN, decode_length
 from echo.protocol.limits import MAX_FRAME_BYTES
@@ -306,7 +306,7 @@ async def call(
     :raises RemoteError: the server answered with status 1.
     :raises RpcTimeout: ``timeout`` passed first.
     :raises RpcConnectionError: no connection / protocol not supported / stream reset or closed
-        before a response frame started.
+        before a response frame started (a server that refuses a request unread does that).
     :raises FrameError: the request exceeds ``max_request`` (nothing sent), or the response is
         empty, oversized or truncated (recorded in ``violations`` when given).
     """
@@ -319,7 +319,18 @@ async def call(
             try:
                 stream = await host.new_stream(peer_id, [TProtocol(protocol_id)])
                 await write_frame(stream, payload, max_request)
-                response = await read_frame(stream, max_response + 1)
+                try:
+                    first = await read_exactly(stream, 1)
+                except FrameError:
+                    # Ended before a response began: the server refused the request unread
+                    # (over the peer's budget, in backoff) or went away. A failed call, not a
+                    # malformed frame: the caller retries as after any dropped connection.
+                    raise RpcConnectionError(
+                        f"{protocol_id} to {peer_id}: the stream ended before a response "
+                        "(refused, or the server went away)"
+                    ) from None
+                header = first + await read_exactly(stream, HEADER_LEN - 1)
+                response = await read_exactly(stream, decode_length(header, max_response + 1))
             except FrameError as exc:
                 if violations is not None:
                     violations.record(peer_id, exc)

@@ -112,6 +112,27 @@ def test_client_side_limits() -> None:
     run_pair(body)
 
 
+def test_a_request_refused_unread_is_a_failed_call_not_a_violation() -> None:
+    """A server that ends the stream without a response (as ``serve_stream`` does to a peer over
+    its request budget) makes the call fail with RpcConnectionError, which every caller retries:
+    it was a FrameError, which no node loop caught, and a fast node exited on it."""
+
+    async def body(a: EchoHost, b: EchoHost, peer: ID) -> None:
+        silent = "/echo/test/silent/1"
+
+        async def refuse(stream) -> None:
+            await stream.close()
+
+        b.libp2p.set_stream_handler(TProtocol(silent), refuse)
+        for _ in range(2):
+            with pytest.raises(RpcConnectionError, match="ended before a response"):
+                await a.request(peer, silent, b"x", timeout=5, max_response=10)
+        assert not a.violations  # nothing malformed was received
+        assert await a.request(peer, PROTO, b"ok", timeout=5, max_response=10) == b"ko"
+
+    run_pair(body)
+
+
 async def _raw_stream_exchange(a: EchoHost, peer: ID, data: bytes, close: bool) -> bytes:
     """Write raw bytes on a fresh PROTO stream; return what the server sends before it ends."""
     stream = await a.libp2p.new_stream(peer, [TProtocol(PROTO)])
