@@ -19,6 +19,11 @@ reward first passed 0.1) and wall time. The baseline is measured in the same run
     python benchmarks/learning.py            # 5 seeds, S = 1, 2, 4, torch and mixed (hours)
     python benchmarks/learning.py --quick    # 2 seeds, S = 2, torch and mixed (~20 min on 2 cores)
     python benchmarks/learning.py --out DIR  # keep each run in DIR; run again to go on from there
+    python benchmarks/learning.py --skip-uniform  # dynamic sampling in every configuration
+
+With ``--skip-uniform`` groups whose samples all scored the same are not trained on (the job's
+``skip_uniform_groups``; ``grpo_local``'s flag for the baseline), and the reward column reads the
+trained batches, which leave those out: it is higher than the sampled reward.
 
 Every finished run is kept under ``--out`` (a new dated folder by default): ``sync-seed<N>.json``
 for the baseline, ``<engines>-S<S>-seed<N>/summary.json`` for a swarm. Run again with the same
@@ -76,7 +81,7 @@ def collapses(rewards: list[float]) -> int:
     return count
 
 
-def run_sync(seed: int, steps: int, heads: int, out: Path) -> dict:
+def run_sync(seed: int, steps: int, heads: int, out: Path, skip_uniform: bool = False) -> dict:
     """The synchronous baseline in this process, or the one kept in ``out`` (a JSON file)."""
     if out.exists():
         return json.loads(out.read_text())
@@ -86,7 +91,7 @@ def run_sync(seed: int, steps: int, heads: int, out: Path) -> dict:
 
     t0 = time.perf_counter()
     cfg = LocalConfig(seed=seed, steps=steps, threads=1, eval_every=0,
-                      spec=ModelSpec(hidden=64, layers=2, heads=heads))
+                      spec=ModelSpec(hidden=64, layers=2, heads=heads), skip_uniform=skip_uniform)
     history, final = run(cfg, log=False)
     rewards = [h["reward"] for h in history]
     result = {"eval_last": final, "rewards": rewards, "wall_s": time.perf_counter() - t0}
@@ -96,7 +101,9 @@ def run_sync(seed: int, steps: int, heads: int, out: Path) -> dict:
     return result
 
 
-def run_swarm(seed: int, steps: int, staleness: int, engines: str, out: Path) -> dict:
+def run_swarm(
+    seed: int, steps: int, staleness: int, engines: str, out: Path, skip_uniform: bool = False
+) -> dict:
     """One local swarm (real processes) through scripts/local_swarm.py; its summary, read back
     from ``out`` when a finished run is kept there (a run cut short is made again, afresh)."""
     summary_path = out / "summary.json"
@@ -108,6 +115,7 @@ def run_swarm(seed: int, steps: int, staleness: int, engines: str, out: Path) ->
     cmd = [sys.executable, str(ROOT / "scripts" / "local_swarm.py"), "--quiet",
            "--engines", engines, "--staleness", str(staleness), "--steps", str(steps),
            "--seed", str(seed), "--out", str(out), "--timeout", str(max(600, 6 * steps))]
+    cmd += ["--skip-uniform"] if skip_uniform else []
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -180,6 +188,9 @@ def main() -> None:
         ap.add_argument("--configs", nargs="+", default=["torch", "mixed"],
                         choices=["torch", "mixed"], help="swarm engine sets")
         ap.add_argument("--vllm", action="store_true", help="a vLLM node in the mixed swarms")
+        ap.add_argument("--skip-uniform", action="store_true",
+                        help="dynamic sampling everywhere: no training on groups whose rewards "
+                             "are all equal (the job's skip_uniform_groups, grpo_local's flag)")
         ap.add_argument("--out", type=Path, default=None,
                         help="folder for the runs; an existing one is gone on from "
                              "(default: runs/learning/<date-time>)")
@@ -194,13 +205,17 @@ def main() -> None:
             " the swarm's job template must match")
     results: dict[str, dict] = {}
     out = args.out or ROOT / "runs" / "learning" / time.strftime("%Y%m%d-%H%M%S")
-    check_recipe(out, {"steps": args.steps, "heads": heads, "mixed": mixed})
+    recipe = {"steps": args.steps, "heads": heads, "mixed": mixed}
+    if args.skip_uniform:  # only when set: folders of the plain recipe stay readable
+        recipe["skip_uniform"] = True
+    check_recipe(out, recipe)
     say(f"runs kept in {out}")
 
     say(f"sync baseline: {seeds} seeds x {args.steps} steps")
     runs = []
     for seed in range(seeds):
-        runs.append(run_sync(seed, args.steps, heads, out / f"sync-seed{seed}.json"))
+        runs.append(run_sync(seed, args.steps, heads, out / f"sync-seed{seed}.json",
+                             args.skip_uniform))
         say(f"  seed {seed}: final greedy accuracy {runs[-1]['eval_last']:.3f}, "
             f"{runs[-1]['wall_s']:.0f} s")
     results["sync"] = summarize(runs)
@@ -212,7 +227,7 @@ def main() -> None:
             runs = []
             for seed in range(seeds):
                 r = run_swarm(seed, args.steps, s, mixed if engines == "mixed" else "torch",
-                              out / f"{engines}-S{s}-seed{seed}")
+                              out / f"{engines}-S{s}-seed{seed}", args.skip_uniform)
                 runs.append(r)
                 say(f"  seed {seed}: final greedy accuracy {r['eval_last']:.3f} "
                     f"(from {r['eval_first']:.3f}), collapses {collapses(r['rewards'])}, "

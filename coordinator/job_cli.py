@@ -131,6 +131,7 @@ def _print_status(st: dict[str, Any]) -> None:
         f"[bold]{st['job_id']}[/bold] {st['status']}  v{st['current_version']}"
         f"/{st['steps']}  trained {c.get('trained', 0)}  buffered "
         f"{c.get('accepted', 0)}  rejected {c.get('rejected_total', 0)}"
+        + (f"  set aside (no advantage) {c['uniform']}" if c.get("uniform") else "")
     )
     if st["error"]:
         console.print(f"[red]{st['error']}[/red]")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from libp2p.peer.id import ID
 
@@ -35,6 +36,7 @@ from echo.protocol import codec, ids, limits, signing
 from echo.protocol import messages as m
 from echo.protocol import reasons as R
 from echo.protocol.errors import ProtocolError, SchemaError, VersionError
+from echo.protocol.jobspec import JobSpec
 from echo.protocol.signing import RecordT
 
 log = logging.getLogger("echo.coordinator")
@@ -44,6 +46,10 @@ NODE_ACTIVE_S = 60.0
 # Requests other than submissions and step reports are a few hundred bytes.
 SMALL_REQUEST_BYTES = 64 * 1024
 SOFTWARE = "echo-swarm/0.1.0"
+# Under skip_uniform_groups, at most this many batches of no-advantage groups per sampled version
+# are set aside; the rest train (as zero-advantage groups), so a version always fills its batch,
+# even from a policy that solves, or fails, every prompt.
+UNIFORM_BATCHES = 4
 
 
 def active_nodes(store: Store) -> list[NodeRow]:
@@ -59,6 +65,15 @@ def open_signed(data: bytes, cls: type[RecordT], peer_id: ID) -> tuple[signing.E
     for another kind or a bad record).
     """
     return signing.open_record(data, cls, expected_signer=public_key_from_peer_id(peer_id))
+
+
+def buffers(spec: JobSpec, rewards: list[float], uniform_so_far: Callable[[], int]) -> bool:
+    """Whether an accepted group goes to the batch buffer: always, unless the job skips uniform
+    groups, its rewards are all equal (no advantage) and fewer than UNIFORM_BATCHES batches of
+    such groups were set aside for its version (``uniform_so_far``, asked only then)."""
+    if not spec.skip_uniform_groups or min(rewards) != max(rewards):
+        return True
+    return uniform_so_far() >= UNIFORM_BATCHES * spec.batch_groups
 
 
 def submit_reply(store: Store, node_id: str, ok: bool, reason: str, detail: str) -> bytes:
@@ -292,7 +307,15 @@ class NodeRPC:
         log.info("rejected %s from %s: %s", lease_id or "?", node_id[-8:], rej)
 
     def _store_accepted(self, node_id: str, data: bytes, result: Accepted) -> None:
-        """Store the verified group decoded (a batch reads it back), its envelope for audit."""
+        """Store the verified group decoded (a batch reads it back), its envelope for audit;
+        under the job's ``skip_uniform_groups``, one whose rewards are all equal is stored
+        without being buffered (see :func:`buffers`)."""
+        job = self.jobs.get(result.lease.job_id)
+        buffered = job is None or buffers(
+            job.spec,
+            result.rewards,
+            lambda: self.store.uniform_count(result.lease.job_id, result.submission.version),
+        )
         try:
             self.store.accept_rollout(
                 lease_id=result.lease.lease_id,
@@ -306,6 +329,7 @@ class NodeRPC:
                 tokens=result.tokens,
                 content_hash=result.content_hash,
                 envelope=data,
+                buffered=buffered,
             )
         except StoreError as exc:
             raise Rejected(R.DUPLICATE, str(exc)) from None

@@ -15,6 +15,7 @@ from typing import Any
 
 from echo.coordinator.db import Database
 from echo.coordinator.rows import JobRow, VersionRow, job_row, version_row
+from echo.protocol import reasons as R
 
 
 class JobTables(Database):
@@ -120,21 +121,27 @@ class JobTables(Database):
     # ------------------------------------------------------------------ reports
 
     def reward_by_version(self, job_id: str) -> list[tuple[int, float, int]]:
-        """(version, mean reward, groups) of the job's untainted rollouts, by version."""
+        """(version, mean reward, groups) of the job's untainted rollouts, by version: every
+        group sampled, including those not trained on for having no advantage (without them
+        the curve would read the filter, not the policy)."""
         rows = self._db.execute(
             "SELECT version, AVG(mean_reward), COUNT(*) FROM rollouts"
-            " WHERE job_id=? AND status IN ('accepted','in_batch','trained')"
+            " WHERE job_id=? AND (status IN ('accepted','in_batch','trained')"
+            " OR (status='dropped' AND reason=?))"
             " GROUP BY version ORDER BY version",
-            (job_id,),
+            (job_id, R.UNIFORM),
         ).fetchall()
         return [(int(r[0]), float(r[1]), int(r[2])) for r in rows]
 
     def rollout_counts(self, job_id: str) -> dict[str, int]:
-        """The job's rollouts by status, plus ``rejected_total`` (every logged rejection)."""
+        """The job's rollouts by status, plus ``rejected_total`` (every logged rejection) and
+        ``uniform`` (those of the dropped that were set aside for having no advantage)."""
         rows = self._db.execute(
-            "SELECT status, COUNT(*) FROM rollouts WHERE job_id=? GROUP BY status", (job_id,)
+            "SELECT status, COUNT(*), SUM(reason=?) FROM rollouts WHERE job_id=? GROUP BY status",
+            (R.UNIFORM, job_id),
         ).fetchall()
         counts = {r[0]: int(r[1]) for r in rows}
+        counts["uniform"] = sum(int(r[2] or 0) for r in rows if r[0] == "dropped")
         counts["rejected_total"] = int(
             self._db.execute(
                 "SELECT COUNT(*) FROM rejections WHERE job_id=?", (job_id,)

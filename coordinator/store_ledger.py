@@ -43,13 +43,17 @@ class Ledger(Database):
         tokens: int,
         content_hash: bytes,
         envelope: bytes,
+        buffered: bool = True,
     ) -> None:
         """Store an accepted group and close its lease, atomically.
 
+        ``buffered=False`` stores it ``dropped`` with reason ``uniform`` instead of buffering it
+        for a batch: valid work its node is credited for, with no advantage to train on.
         Raises StoreError(R.DUPLICATE) if the lease was already used or the same content was
         already accepted for this job; the caller turns that into a rejection.
         """
         now = time.time()
+        status, reason = ("accepted", "") if buffered else ("dropped", R.UNIFORM)
         with self._tx() as db:
             cur = db.execute(
                 "UPDATE leases SET status='submitted' WHERE lease_id=? AND status='open'",
@@ -60,8 +64,8 @@ class Ledger(Database):
             try:
                 db.execute(
                     "INSERT INTO rollouts (rollout_id, job_id, node_id, version, prompt_id,"
-                    " engine, status, rewards_json, mean_reward, tokens, content_hash, envelope,"
-                    " created_at) VALUES (?,?,?,?,?,?,'accepted',?,?,?,?,?,?)",
+                    " engine, status, reason, rewards_json, mean_reward, tokens, content_hash,"
+                    " envelope, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     (
                         lease_id,
                         job_id,
@@ -69,6 +73,8 @@ class Ledger(Database):
                         version,
                         prompt_id,
                         engine,
+                        status,
+                        reason,
                         json.dumps(rewards),
                         sum(rewards) / len(rewards),
                         tokens,
@@ -91,6 +97,16 @@ class Ledger(Database):
             "SELECT node_id FROM rollouts WHERE rollout_id=?", (rollout_id,)
         ).fetchone()
         return row[0] if row else None
+
+    def uniform_count(self, job_id: str, version: int) -> int:
+        """Groups sampled at ``version`` that were not buffered for having no advantage."""
+        return int(
+            self._db.execute(
+                "SELECT COUNT(*) FROM rollouts WHERE job_id=? AND version=?"
+                " AND status='dropped' AND reason=?",
+                (job_id, version, R.UNIFORM),
+            ).fetchone()[0]
+        )
 
     def buffered_count(self, job_id: str) -> int:
         """Groups accepted for the job and not yet trained (buffered or in a batch)."""

@@ -257,6 +257,13 @@ class JobSpec(BaseModel):
         description="max versions a rollout may lag; 0 = synchronous (train only on groups "
         "sampled from the current version)",
     )
+    skip_uniform_groups: bool = Field(
+        default=False,
+        description="dynamic sampling (DAPO): a group whose samples all scored the same carries "
+        "no advantage; it is credited to its node but not trained on, and another prompt is "
+        "leased in its place (at most 4 batches of such groups per sampled version: beyond "
+        "that they train as usual, so a policy that solves every prompt still steps)",
+    )
     anchor_every: int = Field(default=10, ge=1, description="full anchor every K versions")
     publish_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     learner_public_key: str | None = Field(

@@ -43,6 +43,11 @@ TERMINATION_IMPROBABLE = "termination_improbable"  # stopped where the policy wo
 # the rollout is dropped without holding it against its node.
 UNSCORABLE = "unscorable"
 
+# ---------------------------------------------------------------- not a failure
+# The group was valid and its node is credited, but its samples all scored the same: no
+# advantage to train on (the job's ``skip_uniform_groups``). Never sent to a node.
+UNIFORM = "uniform"
+
 COUNTS_AGAINST = frozenset(
     {
         MALFORMED,

@@ -42,6 +42,7 @@ steps = {steps}
 group_size = {group_size}
 batch_groups = {batch_groups}
 staleness = {staleness}
+skip_uniform_groups = {skip_uniform}
 anchor_every = {anchor_every}
 publish_dtype = "{dtype}"
 
@@ -77,6 +78,7 @@ JOB_DEFAULTS: dict[str, object] = {
     "group_size": 16,
     "batch_groups": 16,
     "staleness": 2,
+    "skip_uniform": "false",
     "anchor_every": 10,
     "dtype": "float32",
     "task": "addition",
@@ -169,6 +171,8 @@ def render(st: dict, nodes: list[dict], elapsed: float) -> Table:
     t.add_row("trained", str(r.get("trained", 0)), "")
     t.add_row("buffered", str(r.get("accepted", 0) + r.get("in_batch", 0)), "")
     t.add_row("rejected", str(r.get("rejected_total", 0)), "")
+    if r.get("uniform"):
+        t.add_row("set aside (no advantage)", str(r["uniform"]), "")
     ln = st.get("learning") or {}
     if ln.get("eval_last") is not None:
         last = ln["eval_by_version"][-1]["version"]
@@ -223,6 +227,7 @@ def summarize(st: dict, nodes: list[dict], wall: float) -> dict:
         "rollouts_accepted": sum(n["accepted"] for n in nodes),
         "rollouts_rejected": st["rollouts"].get("rejected_total", 0),
         "rollouts_trained": st["rollouts"].get("trained", 0),
+        "rollouts_uniform": st["rollouts"].get("uniform", 0),
         "nodes": len(nodes),
         "node_ids": [n["node_id"] for n in nodes],
         "engines": sorted(n["engine"] for n in nodes),
@@ -402,6 +407,9 @@ def main() -> int:
     ap.add_argument("--leases-at-once", type=int, default=4,
                     help="groups each node generates in one batch")
     ap.add_argument("--staleness", type=int, default=2)
+    ap.add_argument("--skip-uniform", action="store_true",
+                    help="dynamic sampling: do not train on groups whose rewards are all equal "
+                    "(the job's skip_uniform_groups)")
     ap.add_argument("--anchor-every", type=int, default=10)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -443,6 +451,7 @@ def main() -> int:
                 group_size=args.group_size,
                 batch_groups=args.batch_groups,
                 staleness=args.staleness,
+                skip_uniform="true" if args.skip_uniform else "false",
                 anchor_every=args.anchor_every,
                 dtype=args.dtype,
                 task=args.task,

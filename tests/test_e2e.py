@@ -166,3 +166,36 @@ def test_synchronous_mode_trains_only_on_the_current_version(tmp_path: Path) -> 
     assert len(trained) == 12
     assert all(v["staleness_max"] == 0 for v in trained), trained
     assert s["eval_first"] is not None and s["eval_last"] is not None
+
+
+def test_skip_uniform_groups_trains_only_on_groups_with_an_advantage(tmp_path: Path) -> None:
+    """Dynamic sampling through the real programs: groups whose samples all scored the same
+    are accepted and credited but set aside, the lease budget replaces them, and every trained
+    group has an advantage (unless its version set aside its cap of them)."""
+    from echo.coordinator.node_rpc import UNIFORM_BATCHES
+
+    out = tmp_path / "ds"
+    batch = 4
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "local_swarm.py"), "--out", str(out), "--quiet",
+         "--nodes", "2", "--engines", "torch", "--steps", "12", "--skip-uniform",
+         "--batch-groups", str(batch), "--timeout", "150"],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["status"] == "done" and s["versions"] == 12
+    assert s["rollouts_uniform"] > 0  # the untrained tiny model fails whole groups often
+    db = sqlite3.connect(out / "coordinator" / "coordinator.sqlite")
+    set_aside = dict(
+        db.execute(
+            "SELECT version, COUNT(*) FROM rollouts WHERE status='dropped' AND reason='uniform'"
+            " GROUP BY version"
+        ).fetchall()
+    )
+    assert sum(set_aside.values()) == s["rollouts_uniform"]
+    trained = db.execute("SELECT version, rewards_json FROM rollouts WHERE status='trained'")
+    for version, rewards_json in trained.fetchall():
+        rewards = json.loads(rewards_json)
+        if min(rewards) == max(rewards):
+            assert set_aside.get(version, 0) >= UNIFORM_BATCHES * batch, (version, rewards)
