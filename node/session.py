@@ -24,6 +24,7 @@ import trio
 
 from echo.node.display import Display
 from echo.node.errors import NodeError
+from echo.node.pacing import Pacer
 from echo.node.punching import Punches
 from echo.p2p.circuit import RelayRefused, keep_reservation
 from echo.p2p.host import EchoHost
@@ -74,6 +75,7 @@ class CoordinatorSession:
         self.registered: trio.Event | None = None  # set by the first successful registration
         self.reachability: DialBackReply | None = None  # the dial-back's verdict, once asked
         self.relay_slot = None  # the Reservation kept on the coordinator's relay, if any
+        self.pacer = Pacer()  # keeps each RPC under the coordinator's default request budget
 
     async def connect(self, host: EchoHost, addr: str) -> None:
         """Dial the coordinator at ``addr`` over ``host`` and answer its punch requests there.
@@ -94,11 +96,14 @@ class CoordinatorSession:
         self.punches.serve()
 
     async def call(self, proto: str, payload: bytes, *, timeout: float = RPC_TIMEOUT_S) -> bytes:
-        """One request to the coordinator; its reply (at most 16 MiB).
+        """One request to the coordinator, at the pace its default budget admits (see
+        :mod:`echo.node.pacing`; the wait for a token comes before ``timeout``); its reply (at
+        most 16 MiB).
 
         :raises RpcError: the call failed or the coordinator answered with an error.
         """
         assert self.host is not None
+        await self.pacer.wait(proto)
         # A coordinator that crashed is back within seconds: callers pace their retries, so
         # libp2p's minute-long "recently failed" block must not hold the node off it.
         self.host.forget_dial_failures(self.peer)
