@@ -40,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import netem_nat  # noqa: E402
-from local_swarm import HEADS, JOB_TOML, Swarm, summarize  # noqa: E402
+from local_swarm import HEADS, Swarm, job_toml, summarize  # noqa: E402
 
 PORT = 4001
 COORD = "coord"
@@ -150,8 +150,9 @@ def coordinator_relay(log_text: str) -> dict:
 
 
 def _job_toml(steps: int) -> str:
-    return JOB_TOML.format(
-        name="nat",
+    # job_toml fills in what this leaves out, so a key the template gains does not break it.
+    return job_toml(
+        "nat",
         steps=steps,
         group_size=8,
         batch_groups=8,
