@@ -94,21 +94,18 @@ def run(cfg: LocalConfig, log: bool = True) -> tuple[list[dict[str, float]], flo
     )
     for step in range(cfg.steps):
         version = learner.version - min(cfg.lag, len(published) - 1)
-        groups: list[TrainGroup] = []
+        signal: list[TrainGroup] = []  # every group, unless skip_uniform sets some aside
         uniform: list[TrainGroup] = []
         sampled, gen_s = 0, 0.0
         for _ in range(MAX_DRAWS if cfg.skip_uniform else 1):
             drawn, took = _sample_groups(engine, task, cfg, params, rng, version)
             sampled, gen_s = sampled + len(drawn), gen_s + took
-            if not cfg.skip_uniform:
-                groups = drawn
-                break
             for g in drawn:
-                (uniform if min(g.rewards) == max(g.rewards) else groups).append(g)
-            if len(groups) >= cfg.prompts_per_step:
+                aside = cfg.skip_uniform and min(g.rewards) == max(g.rewards)
+                (uniform if aside else signal).append(g)
+            if len(signal) >= cfg.prompts_per_step:
                 break
-        if cfg.skip_uniform:
-            groups = (groups + uniform)[: cfg.prompts_per_step]
+        groups = (signal + uniform)[: cfg.prompts_per_step]
         m = _delayed_step(learner, groups, published[0]) if cfg.grad_at_sampler else (
             learner.step(groups))
         # What a node gets: the published state, copied exactly into its own model (with a lag,
