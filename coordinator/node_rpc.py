@@ -38,6 +38,7 @@ from echo.protocol import reasons as R
 from echo.protocol.errors import ProtocolError, SchemaError, VersionError
 from echo.protocol.jobspec import JobSpec
 from echo.protocol.signing import RecordT
+from echo.tasks.scoring import has_advantage
 
 log = logging.getLogger("echo.coordinator")
 
@@ -71,7 +72,7 @@ def buffers(spec: JobSpec, rewards: list[float], uniform_so_far: Callable[[], in
     """Whether an accepted group goes to the batch buffer: always, unless the job skips uniform
     groups, its rewards are all equal (no advantage) and fewer than UNIFORM_BATCHES batches of
     such groups were set aside for its version (``uniform_so_far``, asked only then)."""
-    if not spec.skip_uniform_groups or min(rewards) != max(rewards):
+    if not spec.skip_uniform_groups or has_advantage(rewards):
         return True
     return uniform_so_far() >= UNIFORM_BATCHES * spec.batch_groups
 

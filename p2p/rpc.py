@@ -36,9 +36,9 @@ from libp2p.exceptions import BaseLibp2pError
 from libp2p.peer.id import ID
 
 from echo.p2p.budget import Gate
-from echo.p2p.streams import end_stream, read_exactly, write_frame
+from echo.p2p.streams import end_stream, read_exactly, read_header, write_frame
 from echo.protocol.errors import FrameError, ProtocolError
-from echo.protocol.framing import HEADER_LEN, decode_length
+from echo.protocol.framing import decode_length
 from echo.protocol.limits import MAX_FRAME_BYTES
 
 logger = logging.getLogger(__name__)
@@ -180,11 +180,9 @@ async def _read_request(
     """Read the request frame under the slow-loris deadlines; FrameError on any failure,
     OverBudget when ``admit_body(n)`` refuses the announced length (before the body is read)."""
     with trio.move_on_after(REQUEST_HEADER_TIMEOUT) as scope:
-        try:
-            first = await read_exactly(stream, 1)
-        except FrameError:
-            raise Abandoned("the stream ended before a request began") from None
-        header = first + await read_exactly(stream, HEADER_LEN - 1)
+        header = await read_header(stream)
+        if header is None:
+            raise Abandoned("the stream ended before a request began")
     if scope.cancelled_caught:
         raise FrameError("no request header in time", code="frame_timeout")
     n = decode_length(header, max_request)
@@ -319,17 +317,15 @@ async def call(
             try:
                 stream = await host.new_stream(peer_id, [TProtocol(protocol_id)])
                 await write_frame(stream, payload, max_request)
-                try:
-                    first = await read_exactly(stream, 1)
-                except FrameError:
+                header = await read_header(stream)
+                if header is None:
                     # Ended before a response began: the server refused the request unread
                     # (over the peer's budget, in backoff) or went away. A failed call, not a
                     # malformed frame: the caller retries as after any dropped connection.
                     raise RpcConnectionError(
                         f"{protocol_id} to {peer_id}: the stream ended before a response "
                         "(refused, or the server went away)"
-                    ) from None
-                header = first + await read_exactly(stream, HEADER_LEN - 1)
+                    )
                 response = await read_exactly(stream, decode_length(header, max_response + 1))
             except FrameError as exc:
                 if violations is not None:

@@ -63,6 +63,22 @@ async def read_exactly(
     return bytes(buf)
 
 
+async def read_header(stream: INetStream) -> bytes | None:
+    """Read a frame's header; None when the stream ended before its first byte.
+
+    That case is a peer that gave up or refused (it closed or reset the stream without a
+    word), which callers count apart from a frame cut short: a client's abandoned request, a
+    server's unread refusal.
+
+    :raises FrameError: (code ``frame_truncated``) if the stream ends inside the header.
+    """
+    try:
+        first = await read_exactly(stream, 1)
+    except FrameError:
+        return None
+    return first + await read_exactly(stream, HEADER_LEN - 1)
+
+
 async def read_frame(stream: INetStream, max_len: int) -> bytes:
     """Read one frame and return its payload.
 

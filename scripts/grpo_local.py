@@ -27,6 +27,7 @@ from echo.node.engines.base import GenRequest, SamplingParams
 from echo.node.engines.torch_engine import TorchEngine
 from echo.tasks import make_task
 from echo.tasks.base import Task
+from echo.tasks.scoring import has_advantage
 
 # With skip_uniform, a step draws at most this many rounds of prompts for groups whose rewards
 # differ, then trains on what it has filled up with uniform groups: a model that solves (or
@@ -101,7 +102,7 @@ def run(cfg: LocalConfig, log: bool = True) -> tuple[list[dict[str, float]], flo
             drawn, took = _sample_groups(engine, task, cfg, params, rng, version)
             sampled, gen_s = sampled + len(drawn), gen_s + took
             for g in drawn:
-                aside = cfg.skip_uniform and min(g.rewards) == max(g.rewards)
+                aside = cfg.skip_uniform and not has_advantage(g.rewards)
                 (uniform if aside else signal).append(g)
             if len(signal) >= cfg.prompts_per_step:
                 break

@@ -34,6 +34,13 @@ log = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 5
 
 
+def has_advantage(rewards: Sequence[float]) -> bool:
+    """Whether a group's rewards differ. One whose samples all scored the same carries no
+    advantage under GRPO's normalisation within the group (the learner's ``group_advantages``
+    gives it zeros), which is what dynamic sampling (``skip_uniform_groups``) sets aside."""
+    return min(rewards) != max(rewards)
+
+
 class RewardConfig(Protocol):
     """One component's settings, as ``[[job.reward]]`` gives them (``RewardSection`` in
     ``echo.protocol.jobspec``, which validates which keys apply to which kind)."""
