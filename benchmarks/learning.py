@@ -10,6 +10,14 @@ default GRPO settings, the same number of versions and so the same rollouts trai
   ``--vllm``, when ``.venv-vllm`` exists; every configuration then uses the 2-head model vLLM's
   CPU attention needs, so that all compare the same model).
 
+S bounds how old a trained group may be; how old they are depends on how far ahead of the
+learner the coordinator keeps groups. With its default buffer of 2 batches, groups on loopback
+are at most about 1 version old at every S (the runs before 2026-12-05 measured S = 2 and 4 that
+way: the same experiment as S = 1). So each swarm at S keeps S + 1 batches ahead of the learner
+(``local_swarm.py --buffer-batches``, the coordinator's ``buffer_groups``), and the table prints
+the staleness each configuration reached (the mean and the most of the learner's per-version
+figures); ``--default-buffer`` keeps the default.
+
 Per configuration, over seeds (model initialisation and warm-up; the swarm's sampling seeds are
 random by design): the held-out greedy accuracy at the end (``echo.learner.evaluate``, the same
 function in both), reward per rollout consumed (the mean of each version's trained-batch reward,
@@ -102,7 +110,13 @@ def run_sync(seed: int, steps: int, heads: int, out: Path, skip_uniform: bool = 
 
 
 def run_swarm(
-    seed: int, steps: int, staleness: int, engines: str, out: Path, skip_uniform: bool = False
+    seed: int,
+    steps: int,
+    staleness: int,
+    engines: str,
+    out: Path,
+    skip_uniform: bool = False,
+    buffer_batches: int = 0,
 ) -> dict:
     """One local swarm (real processes) through scripts/local_swarm.py; its summary, read back
     from ``out`` when a finished run is kept there (a run cut short is made again, afresh)."""
@@ -116,6 +130,7 @@ def run_swarm(
            "--engines", engines, "--staleness", str(staleness), "--steps", str(steps),
            "--seed", str(seed), "--out", str(out), "--timeout", str(max(600, 6 * steps))]
     cmd += ["--skip-uniform"] if skip_uniform else []
+    cmd += ["--buffer-batches", str(buffer_batches)] if buffer_batches else []
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -135,9 +150,13 @@ def run_swarm(
 
 
 def _swarm_result(s: dict, wall: float) -> dict:
-    rewards = [v["reward"] for v in s["learner_by_version"] if v["version"] > 0]
-    return {"eval_last": s["eval_last"], "eval_first": s["eval_first"], "rewards": rewards,
-            "wall_s": wall}
+    steps = [v for v in s["learner_by_version"] if v["version"] > 0]
+    return {"eval_last": s["eval_last"], "eval_first": s["eval_first"],
+            "rewards": [v["reward"] for v in steps], "wall_s": wall,
+            # How stale the trained groups were (the learner's figures per version): what the
+            # run exercised, which S only bounds.
+            "staleness_mean": statistics.fmean(v["staleness_mean"] for v in steps),
+            "staleness_max": max(v["staleness_max"] for v in steps)}
 
 
 def check_recipe(out: Path, recipe: dict) -> None:
@@ -163,6 +182,9 @@ def summarize(runs: list[dict]) -> dict:
         "reward_per_rollout": statistics.fmean(statistics.fmean(r["rewards"]) for r in runs),
         "collapses": sum(collapses(r["rewards"]) for r in runs),
         "wall_s_mean": statistics.fmean(r["wall_s"] for r in runs),
+        # Absent for the synchronous baseline, whose groups are all fresh.
+        "staleness_mean": statistics.fmean(r.get("staleness_mean", 0.0) for r in runs),
+        "staleness_max": max(r.get("staleness_max", 0) for r in runs),
     }
 
 
@@ -191,6 +213,11 @@ def main() -> None:
         ap.add_argument("--skip-uniform", action="store_true",
                         help="dynamic sampling everywhere: no training on groups whose rewards "
                              "are all equal (the job's skip_uniform_groups, grpo_local's flag)")
+        ap.add_argument("--default-buffer", action="store_true",
+                        help="leave the coordinator's buffer at its default of 2 batches, where "
+                             "trained groups stay about 1 version old at every S (the runs "
+                             "before 2026-12-05); by default a swarm at S keeps S + 1 batches "
+                             "ahead of the learner, so its groups reach the staleness S allows")
         ap.add_argument("--out", type=Path, default=None,
                         help="folder for the runs; an existing one is gone on from "
                              "(default: runs/learning/<date-time>)")
@@ -208,6 +235,8 @@ def main() -> None:
     recipe = {"steps": args.steps, "heads": heads, "mixed": mixed}
     if args.skip_uniform:  # only when set: folders of the plain recipe stay readable
         recipe["skip_uniform"] = True
+    if not args.default_buffer:  # likewise: folders made before the option stay readable
+        recipe["buffer_batches"] = "S+1"
     check_recipe(out, recipe)
     say(f"runs kept in {out}")
 
@@ -227,11 +256,13 @@ def main() -> None:
             runs = []
             for seed in range(seeds):
                 r = run_swarm(seed, args.steps, s, mixed if engines == "mixed" else "torch",
-                              out / f"{engines}-S{s}-seed{seed}", args.skip_uniform)
+                              out / f"{engines}-S{s}-seed{seed}", args.skip_uniform,
+                              0 if args.default_buffer else s + 1)
                 runs.append(r)
                 say(f"  seed {seed}: final greedy accuracy {r['eval_last']:.3f} "
                     f"(from {r['eval_first']:.3f}), collapses {collapses(r['rewards'])}, "
-                    f"{r['wall_s']:.0f} s")
+                    f"groups {r['staleness_mean']:.2f} versions old (max "
+                    f"{r['staleness_max']:.0f}), {r['wall_s']:.0f} s")
             results[name] = summarize(runs)
 
     base = results["sync"]["eval_last_mean"]
@@ -242,12 +273,14 @@ def main() -> None:
     }
     pct = f"{INTERVAL:.0%}"
     say(f"{'configuration':<14} {'final acc':>9} {'min':>6} {'vs sync':>8} {pct + ' interval':>14} "
-        f"{'reward/rollout':>14} {'collapses':>9} {'wall s':>7}")
+        f"{'reward/rollout':>14} {'collapses':>9} {'staleness':>9} {'wall s':>7}")
     for name, r in results.items():
         span = "-" if name == "sync" else "{:.2f}-{:.2f}".format(*interval[name])
         say(f"{name:<14} {r['eval_last_mean']:9.3f} {r['eval_last_min']:6.3f} "
             f"{r['eval_last_mean'] / base:8.2f} {span:>14} "
-            f"{r['reward_per_rollout']:14.3f} {r['collapses']:9d} {r['wall_s_mean']:7.0f}")
+            f"{r['reward_per_rollout']:14.3f} {r['collapses']:9d} "
+            f"{'{:.2f}/{:.0f}'.format(r['staleness_mean'], r['staleness_max']):>9} "
+            f"{r['wall_s_mean']:7.0f}")
     swarm = {k: v for k, v in results.items() if k != "sync"}
     ratio = {k: v["eval_last_mean"] / base for k, v in swarm.items()}
     worst = min(ratio, key=ratio.__getitem__) if ratio else None

@@ -253,6 +253,14 @@ default_node_upload_bps = 4.0e6
 """
 
 
+def buffer_toml(batches: int, batch_groups: int) -> str:
+    """The coordinator.toml lines that keep ``batches`` batches of groups ahead of the learner
+    ("" for the coordinator's default)."""
+    if batches <= 0:
+        return ""
+    return f"\n[verification]\nbuffer_groups = {batches * batch_groups}\n"
+
+
 class Swarm:
     """The processes of a local swarm under ``out``; :meth:`stop` ends them all."""
 
@@ -407,6 +415,11 @@ def main() -> int:
     ap.add_argument("--leases-at-once", type=int, default=4,
                     help="groups each node generates in one batch")
     ap.add_argument("--staleness", type=int, default=2)
+    ap.add_argument("--buffer-batches", type=int, default=0, metavar="N",
+                    help="accepted groups kept ahead of the learner, in batches (the "
+                    "coordinator's [verification] buffer_groups; 0: its default of 2). Groups "
+                    "wait in a deeper buffer longer, so S + 1 lets trained groups reach the "
+                    "staleness S allows; with the default they are at most about 1 version old")
     ap.add_argument("--skip-uniform", action="store_true",
                     help="dynamic sampling: do not train on groups whose rewards are all equal "
                     "(the job's skip_uniform_groups)")
@@ -440,7 +453,8 @@ def main() -> int:
     t0 = time.time()
     swarm = Swarm(out)
     try:
-        info = swarm.start_coordinator()
+        info = swarm.start_coordinator(config_extra=buffer_toml(args.buffer_batches,
+                                                                args.batch_groups))
         console.print(f"coordinator at {swarm.maddr}\nHTTP API {info['http'][0]}")
         job_id = swarm.submit(
             args.job.read_text()
