@@ -443,6 +443,10 @@ def main() -> int:
                     help="crash drill: SIGKILL the learner once version V is out")
     args = ap.parse_args()
 
+    # The swarm's processes run in sessions of their own (a Ctrl-C in the terminal reaches
+    # only this script, which stops them in order): SIGTERM (kill, timeout, a benchmark cut
+    # short) must unwind through the same ``finally`` instead of leaving them running.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     out = new_run_dir(args.out)
     console = Console()
     engines = node_engines(args.engines)
