@@ -11,12 +11,15 @@ default GRPO settings, the same number of versions and so the same rollouts trai
   CPU attention needs, so that all compare the same model).
 
 S bounds how old a trained group may be; how old they are depends on how far ahead of the
-learner the coordinator keeps groups. With its default buffer of 2 batches, groups on loopback
-are at most about 1 version old at every S (the runs before 2026-12-05 measured S = 2 and 4 that
-way: the same experiment as S = 1). So each swarm at S keeps S + 1 batches ahead of the learner
+learner the coordinator keeps groups (2 batches by default, whatever S is) and on whether the
+nodes outpace the learner enough to fill that buffer. With the default, groups on loopback were
+at most about 1 version old at every S (the runs before 2026-12-05 measured S = 2 and 4 that
+way: the same experiment as S = 1). So each swarm at S may keep S + 1 batches ahead
 (``local_swarm.py --buffer-batches``, the coordinator's ``buffer_groups``), and the table prints
 the staleness each configuration reached (the mean and the most of the learner's per-version
-figures); ``--default-buffer`` keeps the default.
+figures); ``--default-buffer`` keeps the default. On 2 cores, where the learner and the nodes
+share the CPU, the buffer rarely fills: groups at S = 4 were 0.7-0.9 versions old on average.
+``scripts/grpo_local.py --lag N`` trains at a fixed staleness N.
 
 Per configuration, over seeds (model initialisation and warm-up; the swarm's sampling seeds are
 random by design): the held-out greedy accuracy at the end (``echo.learner.evaluate``, the same
@@ -216,8 +219,9 @@ def main() -> None:
         ap.add_argument("--default-buffer", action="store_true",
                         help="leave the coordinator's buffer at its default of 2 batches, where "
                              "trained groups stay about 1 version old at every S (the runs "
-                             "before 2026-12-05); by default a swarm at S keeps S + 1 batches "
-                             "ahead of the learner, so its groups reach the staleness S allows")
+                             "before 2026-12-05); by default a swarm at S may keep S + 1 "
+                             "batches ahead of the learner, so its groups can reach the "
+                             "staleness S allows")
         ap.add_argument("--out", type=Path, default=None,
                         help="folder for the runs; an existing one is gone on from "
                              "(default: runs/learning/<date-time>)")

@@ -418,8 +418,9 @@ def main() -> int:
     ap.add_argument("--buffer-batches", type=int, default=0, metavar="N",
                     help="accepted groups kept ahead of the learner, in batches (the "
                     "coordinator's [verification] buffer_groups; 0: its default of 2). Groups "
-                    "wait in a deeper buffer longer, so S + 1 lets trained groups reach the "
-                    "staleness S allows; with the default they are at most about 1 version old")
+                    "wait in a deeper buffer longer, so with S + 1 trained groups can reach the "
+                    "staleness S allows when the nodes outpace the learner; with the default "
+                    "they are at most about 1 version old")
     ap.add_argument("--skip-uniform", action="store_true",
                     help="dynamic sampling: do not train on groups whose rewards are all equal "
                     "(the job's skip_uniform_groups)")
