@@ -124,6 +124,14 @@ def stop(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
             p.wait()
 
 
+def exit_on_sigterm() -> None:
+    """Make SIGTERM (kill, timeout, a benchmark cut short) unwind this script like Ctrl-C, through
+    the ``finally`` that stops its swarm. The swarm's processes run in sessions of their own, so
+    a signal to this script alone reaches none of them, and Python's default for SIGTERM exits
+    without running ``finally``: they were left running."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
 def new_run_dir(out: Path) -> Path:
     """``out``, created, for a new run; SystemExit with a message when it holds an earlier run's
     coordinator data (started there, the coordinator would resume that run's jobs beside the
@@ -444,10 +452,7 @@ def main() -> int:
                     help="crash drill: SIGKILL the learner once version V is out")
     args = ap.parse_args()
 
-    # The swarm's processes run in sessions of their own (a Ctrl-C in the terminal reaches
-    # only this script, which stops them in order): SIGTERM (kill, timeout, a benchmark cut
-    # short) must unwind through the same ``finally`` instead of leaving them running.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    exit_on_sigterm()
     out = new_run_dir(args.out)
     console = Console()
     engines = node_engines(args.engines)

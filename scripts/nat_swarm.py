@@ -40,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import netem_nat  # noqa: E402
-from local_swarm import HEADS, Swarm, job_toml, summarize  # noqa: E402
+from local_swarm import HEADS, Swarm, exit_on_sigterm, job_toml, summarize  # noqa: E402
 
 PORT = 4001
 COORD = "coord"
@@ -348,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.out = args.out.resolve()
+    exit_on_sigterm()
     return inside(args) if args.inside else outside(args)
 
 
