@@ -92,17 +92,21 @@ def collapses(rewards: list[float]) -> int:
     return count
 
 
-def run_sync(seed: int, steps: int, heads: int, out: Path, skip_uniform: bool = False) -> dict:
+def run_sync(
+    seed: int, steps: int, heads: int, out: Path, skip_uniform: bool = False, kl_coef: float = 0.0
+) -> dict:
     """The synchronous baseline in this process, or the one kept in ``out`` (a JSON file)."""
     if out.exists():
         return json.loads(out.read_text())
     from grpo_local import LocalConfig, run
 
+    from echo.learner.grpo import GRPOConfig
     from echo.models.spec import ModelSpec
 
     t0 = time.perf_counter()
     cfg = LocalConfig(seed=seed, steps=steps, threads=1, eval_every=0,
-                      spec=ModelSpec(hidden=64, layers=2, heads=heads), skip_uniform=skip_uniform)
+                      spec=ModelSpec(hidden=64, layers=2, heads=heads), skip_uniform=skip_uniform,
+                      grpo=GRPOConfig(kl_coef=kl_coef))
     history, final = run(cfg, log=False)
     rewards = [h["reward"] for h in history]
     result = {"eval_last": final, "rewards": rewards, "wall_s": time.perf_counter() - t0}
@@ -120,6 +124,7 @@ def run_swarm(
     out: Path,
     skip_uniform: bool = False,
     buffer_batches: int = 0,
+    kl_coef: float = 0.0,
 ) -> dict:
     """One local swarm (real processes) through scripts/local_swarm.py; its summary, read back
     from ``out`` when a finished run is kept there (a run cut short is made again, afresh)."""
@@ -134,6 +139,7 @@ def run_swarm(
            "--seed", str(seed), "--out", str(out), "--timeout", str(max(600, 6 * steps))]
     cmd += ["--skip-uniform"] if skip_uniform else []
     cmd += ["--buffer-batches", str(buffer_batches)] if buffer_batches else []
+    cmd += ["--kl-coef", str(kl_coef)] if kl_coef else []
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -216,6 +222,9 @@ def main() -> None:
         ap.add_argument("--skip-uniform", action="store_true",
                         help="dynamic sampling everywhere: no training on groups whose rewards "
                              "are all equal (the job's skip_uniform_groups, grpo_local's flag)")
+        ap.add_argument("--kl-coef", type=float, default=0.0,
+                        help="the KL term to the starting policy everywhere (the job's "
+                             "kl_coef, grpo_local's --kl-coef)")
         ap.add_argument("--default-buffer", action="store_true",
                         help="leave the coordinator's buffer at its default of 2 batches, where "
                              "trained groups stay about 1 version old at every S (the runs "
@@ -239,6 +248,8 @@ def main() -> None:
     recipe = {"steps": args.steps, "heads": heads, "mixed": mixed}
     if args.skip_uniform:  # only when set: folders of the plain recipe stay readable
         recipe["skip_uniform"] = True
+    if args.kl_coef:  # likewise
+        recipe["kl_coef"] = args.kl_coef
     if not args.default_buffer:  # likewise: folders made before the option stay readable
         recipe["buffer_batches"] = "S+1"
     check_recipe(out, recipe)
@@ -248,7 +259,7 @@ def main() -> None:
     runs = []
     for seed in range(seeds):
         runs.append(run_sync(seed, args.steps, heads, out / f"sync-seed{seed}.json",
-                             args.skip_uniform))
+                             args.skip_uniform, args.kl_coef))
         say(f"  seed {seed}: final greedy accuracy {runs[-1]['eval_last']:.3f}, "
             f"{runs[-1]['wall_s']:.0f} s")
     results["sync"] = summarize(runs)
@@ -261,7 +272,7 @@ def main() -> None:
             for seed in range(seeds):
                 r = run_swarm(seed, args.steps, s, mixed if engines == "mixed" else "torch",
                               out / f"{engines}-S{s}-seed{seed}", args.skip_uniform,
-                              0 if args.default_buffer else s + 1)
+                              0 if args.default_buffer else s + 1, args.kl_coef)
                 runs.append(r)
                 say(f"  seed {seed}: final greedy accuracy {r['eval_last']:.3f} "
                     f"(from {r['eval_first']:.3f}), collapses {collapses(r['rewards'])}, "

@@ -33,6 +33,7 @@ recomputes a node's numbers; the learner's re-scoring (``echo.learner.rescore``)
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable
@@ -147,10 +148,16 @@ class GRPOLearner:
     """Owns the policy and its optimizer: :meth:`step` trains on groups, :meth:`score` re-scores."""
 
     def __init__(
-        self, model: torch.nn.Module, cfg: GRPOConfig | None = None, temperature: float = 1.0
+        self,
+        model: torch.nn.Module,
+        cfg: GRPOConfig | None = None,
+        temperature: float = 1.0,
+        reference: torch.nn.Module | None = None,
     ) -> None:
-        """:raises ValueError: if ``temperature`` is not positive (greedy samples carry no
-        policy gradient)."""
+        """``reference``: the policy the KL term (``kl_coef``) holds the model near; a frozen
+        copy of ``model`` as given when None (a learner restored from a checkpoint passes the
+        policy it started from instead). :raises ValueError: if ``temperature`` is not positive
+        (greedy samples carry no policy gradient)."""
         if not temperature > 0:
             raise ValueError("temperature must be > 0 (greedy samples carry no policy gradient)")
         # Eval mode throughout (gradients still flow): dropout would make our log-probs a
@@ -167,6 +174,10 @@ class GRPOLearner:
             betas=self.cfg.betas,
             weight_decay=self.cfg.weight_decay,
         )
+        self.reference: torch.nn.Module | None = None
+        if self.cfg.kl_coef > 0:
+            ref = reference if reference is not None else copy.deepcopy(model)
+            self.reference = ref.to(self.device).eval().requires_grad_(False)
         self.version = 0  # number of steps taken; groups sampled at version v are version - v old
 
     # -- batching and log-probs ---------------------------------------------------------------
@@ -182,12 +193,13 @@ class GRPOLearner:
         )
 
     def _logprobs(
-        self, batch: PaddedBatch, stats: TokenStats | None = None
+        self, batch: PaddedBatch, stats: TokenStats | None = None, kl: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """Log-probs of every completion token, flattened in row-major order (rows, then tokens).
 
         With ``stats``, also ``stats(log_softmax rows)`` computed without grad: per-token figures
-        of the whole distribution that re-scoring needs, from this same forward.
+        of the whole distribution that re-scoring needs, from this same forward. With ``kl``
+        (and a reference), each token's KL(policy || reference), with grad, comes last in them.
         """
         # Right padding: causal attention keeps real tokens from seeing the pads after them, and
         # positions count from 0 in every row, as in the engine's left-padded batches.
@@ -196,10 +208,18 @@ class GRPOLearner:
         tokens = batch.ids[:, 1:][batch.target]
         logp = torch.log_softmax(logits / self.temperature, dim=-1)
         chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        if stats is None:
+        if stats is None and not kl:
             return chosen
         with torch.no_grad():
-            return chosen, stats(logp.detach())
+            figures = stats(logp.detach()) if stats is not None else ()
+        if kl and self.reference is not None:
+            with torch.no_grad():
+                ref = self.reference(input_ids=batch.ids, attention_mask=batch.mask).logits
+                ref = torch.log_softmax(ref[:, :-1][batch.target].float() / self.temperature, -1)
+            # The exact KL over the vocabulary, not a sampled estimate: what it must hold is
+            # the mass of the answers no sample drew.
+            figures = (*figures, (logp.exp() * (logp - ref)).sum(-1))
+        return chosen, figures
 
     @torch.no_grad()
     def score(self, groups: list[TrainGroup]) -> list[list[list[float]]]:
@@ -270,9 +290,15 @@ class GRPOLearner:
             return metrics
 
         keep = torch.ones(n_tokens, device=dev)  # tokens of groups the gate lets through
+        with_kl = self.reference is not None
         for epoch in range(cfg.ppo_epochs):
-            if epoch == 0 and gate is not None:
-                logp, extra = self._logprobs(batch, stats=gate_stats or (lambda lp: ()))
+            gated = epoch == 0 and gate is not None
+            token_kl = None
+            if gated or with_kl:
+                stats = (gate_stats or (lambda lp: ())) if gated else None
+                logp, extra = self._logprobs(batch, stats, with_kl)
+                if with_kl:
+                    *extra, token_kl = extra
             else:
                 logp = self._logprobs(batch)
             if epoch == 0:
@@ -307,12 +333,16 @@ class GRPOLearner:
                 adv < 0, torch.maximum(surrogate, cfg.dual_clip * adv), surrogate
             )
             loss = -(keep * surrogate).sum() / keep.sum()  # token-mean over the trained tokens
-
+            if token_kl is not None:
+                mean_kl = (keep * token_kl).sum() / keep.sum()
+                loss = loss + cfg.kl_coef * mean_kl
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
             self.opt.step()
             if epoch == 0:
+                if token_kl is not None:
+                    metrics["kl"] = float(mean_kl.detach())
                 metrics["loss"] = float(loss.detach())
                 metrics["grad_norm"] = float(grad_norm)
             # Tokens whose gradient the trust region (or the dual clip) stopped.

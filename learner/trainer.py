@@ -117,23 +117,33 @@ class Trainer:
         task = make_task(spec.task.name, dict(spec.task.params))
         tokenizer = load_tokenizer(model_spec) if model_spec.kind == "hf" else None
         ckpt = checkpoint.latest(job_dir / "checkpoints")
+
         # A validated spec holds the steps its model kind defaults to (0 for a pretrained
         # model), or those the job asked for.
-        if ckpt is None and spec.warmup.steps:
-            t0 = time.perf_counter()
-            warmup(
-                model,
-                model_spec,
-                task,
-                steps=spec.warmup.steps,
-                lr=spec.warmup.lr,
-                seed=spec.model.seed,
-                cache_dir=job_dir.parent.parent / "cache",
-            )
-            log.info("format warm-up done in %.1f s", time.perf_counter() - t0)
-        if ckpt is not None:
+        def initial(m: torch.nn.Module) -> torch.nn.Module:
+            """``m`` after the job's format warm-up: the policy GRPO starts from."""
+            if spec.warmup.steps:
+                t0 = time.perf_counter()
+                warmup(
+                    m,
+                    model_spec,
+                    task,
+                    steps=spec.warmup.steps,
+                    lr=spec.warmup.lr,
+                    seed=spec.model.seed,
+                    cache_dir=job_dir.parent.parent / "cache",
+                )
+                log.info("format warm-up done in %.1f s", time.perf_counter() - t0)
+            return m
+
+        reference = None
+        if ckpt is None:
+            initial(model)
+        else:
             model.load_state_dict(ckpt.model_state)
-        learner = GRPOLearner(model, spec.grpo, spec.sampling.temperature)
+            if spec.grpo.kl_coef > 0:  # the KL term's anchor is the starting policy, again
+                reference = initial(build_model(model_spec, seed=spec.model.seed).to(device))
+        learner = GRPOLearner(model, spec.grpo, spec.sampling.temperature, reference)
         if ckpt is not None:
             learner.opt.load_state_dict(ckpt.optim_state)
             learner.version = ckpt.version

@@ -125,6 +125,9 @@ class GRPOParams(BaseModel):
     )
     ppo_epochs: int = Field(default=1, ge=1, le=64, description="optimizer steps per batch")
     adv_eps: float = Field(default=1e-6, gt=0, description="added to the group's reward std")
+    kl_coef: float = Field(
+        default=0.0, ge=0, le=10, description="weight of KL(policy || initial policy) (0: none)"
+    )
 
     @model_validator(mode="after")
     def _betas_in_range(self) -> GRPOParams:

@@ -199,6 +199,8 @@ def main() -> None:
     ap.add_argument("--task", default="addition")
     ap.add_argument("--max-operand", type=int, default=5, help="addition only")
     ap.add_argument("--lr", type=float, default=GRPOConfig.model_fields["lr"].default)
+    ap.add_argument("--kl-coef", type=float, default=0.0,
+                    help="KL term to the starting policy (the job's [job.grpo] kl_coef)")
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
@@ -226,7 +228,7 @@ def main() -> None:
         warmup_steps=args.warmup_steps,
         threads=args.threads,
         device=args.device,
-        grpo=GRPOConfig(lr=args.lr),
+        grpo=GRPOConfig(lr=args.lr, kl_coef=args.kl_coef),
     )
     if args.no_cache:
         cfg.cache_dir = None

@@ -59,6 +59,7 @@ params = {{ max_operand = {max_operand} }}
 
 [job.grpo]
 lr = {lr}
+kl_coef = {kl_coef}
 
 [job.sampling]
 temperature = 1.0
@@ -84,6 +85,7 @@ JOB_DEFAULTS: dict[str, object] = {
     "task": "addition",
     "max_operand": 5,
     "lr": 1e-3,
+    "kl_coef": 0.0,
     "warmup": 30,
     "heads": HEADS,
     "seed": 0,
@@ -435,6 +437,9 @@ def main() -> int:
     ap.add_argument("--anchor-every", type=int, default=10)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--kl-coef", type=float, default=0.0,
+                    help="weight of the KL term that holds the policy near the one GRPO "
+                    "started from (the job's [job.grpo] kl_coef; 0: none)")
     ap.add_argument("--warmup", type=int, default=30,
                     help="supervised format warm-up steps (a short one leaves room to learn)")
     ap.add_argument("--seed", type=int, default=0, help="model initialisation and warm-up seed")
@@ -481,6 +486,7 @@ def main() -> int:
                 task=args.task,
                 max_operand=args.max_operand,
                 lr=args.lr,
+                kl_coef=args.kl_coef,
                 warmup=args.warmup,
                 heads=VLLM_HEADS if with_vllm else HEADS,
                 seed=args.seed,
