@@ -31,10 +31,14 @@ reward first passed 0.1) and wall time. The baseline is measured in the same run
     python benchmarks/learning.py --quick    # 2 seeds, S = 2, torch and mixed (~20 min on 2 cores)
     python benchmarks/learning.py --out DIR  # keep each run in DIR; run again to go on from there
     python benchmarks/learning.py --skip-uniform  # dynamic sampling in every configuration
+    python benchmarks/learning.py --skip-uniform --kl-coef 0.2 --steps 300  # the README's run
 
 With ``--skip-uniform`` groups whose samples all scored the same are not trained on (the job's
 ``skip_uniform_groups``; ``grpo_local``'s flag for the baseline), and the reward column reads the
-trained batches, which leave those out: it is higher than the sampled reward.
+trained batches, which leave those out: it is higher than the sampled reward. ``--kl-coef K``
+adds the job's KL term to the starting policy (``kl_coef``) in every configuration: without it
+a run stops where the prompts whose answer no other prompt shares (``0+0``, ``4+4``) have lost
+all mass on it, which is where most of the spread between seeds came from (README).
 
 Every finished run is kept under ``--out`` (a new dated folder by default): ``sync-seed<N>.json``
 for the baseline, ``<engines>-S<S>-seed<N>/summary.json`` for a swarm. Run again with the same
