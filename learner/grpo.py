@@ -193,13 +193,17 @@ class GRPOLearner:
         )
 
     def _logprobs(
-        self, batch: PaddedBatch, stats: TokenStats | None = None, kl: bool = False
+        self,
+        batch: PaddedBatch,
+        stats: TokenStats | None = None,
+        reference: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """Log-probs of every completion token, flattened in row-major order (rows, then tokens).
 
         With ``stats``, also ``stats(log_softmax rows)`` computed without grad: per-token figures
-        of the whole distribution that re-scoring needs, from this same forward. With ``kl``
-        (and a reference), each token's KL(policy || reference), with grad, comes last in them.
+        of the whole distribution that re-scoring needs, from this same forward. With
+        ``reference`` (:meth:`_reference_logp` of the same batch), each token's
+        KL(policy || reference), with grad, comes last in them.
         """
         # Right padding: causal attention keeps real tokens from seeing the pads after them, and
         # positions count from 0 in every row, as in the engine's left-padded batches.
@@ -208,18 +212,24 @@ class GRPOLearner:
         tokens = batch.ids[:, 1:][batch.target]
         logp = torch.log_softmax(logits / self.temperature, dim=-1)
         chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        if stats is None and not kl:
+        if stats is None and reference is None:
             return chosen
         with torch.no_grad():
             figures = stats(logp.detach()) if stats is not None else ()
-        if kl and self.reference is not None:
-            with torch.no_grad():
-                ref = self.reference(input_ids=batch.ids, attention_mask=batch.mask).logits
-                ref = torch.log_softmax(ref[:, :-1][batch.target].float() / self.temperature, -1)
+        if reference is not None:
             # The exact KL over the vocabulary, not a sampled estimate: what it must hold is
             # the mass of the answers no sample drew.
-            figures = (*figures, (logp.exp() * (logp - ref)).sum(-1))
+            figures = (*figures, (logp.exp() * (logp - reference)).sum(-1))
         return chosen, figures
+
+    @torch.no_grad()
+    def _reference_logp(self, batch: PaddedBatch) -> torch.Tensor | None:
+        """The reference policy's log_softmax rows at the completion tokens of ``batch``
+        (None without a KL term): once per step, as every epoch compares with the same."""
+        if self.reference is None:
+            return None
+        logits = self.reference(input_ids=batch.ids, attention_mask=batch.mask).logits
+        return torch.log_softmax(logits[:, :-1][batch.target].float() / self.temperature, -1)
 
     @torch.no_grad()
     def score(self, groups: list[TrainGroup]) -> list[list[list[float]]]:
@@ -290,14 +300,14 @@ class GRPOLearner:
             return metrics
 
         keep = torch.ones(n_tokens, device=dev)  # tokens of groups the gate lets through
-        with_kl = self.reference is not None
+        reference = self._reference_logp(batch)
         for epoch in range(cfg.ppo_epochs):
             gated = epoch == 0 and gate is not None
             token_kl = None
-            if gated or with_kl:
+            if gated or reference is not None:
                 stats = (gate_stats or (lambda lp: ())) if gated else None
-                logp, extra = self._logprobs(batch, stats, with_kl)
-                if with_kl:
+                logp, extra = self._logprobs(batch, stats, reference)
+                if reference is not None:
                     *extra, token_kl = extra
             else:
                 logp = self._logprobs(batch)
