@@ -51,7 +51,10 @@ synchronous one's), ``mixed_vs_torch`` (the worst staleness's mixed over torch),
 interval (``*_interval``: runs resampled within each configuration): on this recipe one run either
 leaves the plateau of always giving the commonest sum (greedy accuracy 0.19) within its budget or
 does not, so a mean over a few seeds moves by a tenth with one run, and the interval says whether
-a ratio under 1 is a difference or that coin.
+a ratio under 1 is a difference or that coin. ``late_dip_rate_sync`` and ``late_dip_rate_swarm``:
+the share of held-out evaluations in the last third of the runs (every 10 versions, the baseline's
+too) that read more than 0.05 under the best the run had reached, the recipe's late oscillation
+that decides where a run's last evaluation lands; a swarm that learned worse late would show it.
 """
 
 from __future__ import annotations
@@ -79,6 +82,28 @@ COLLAPSE_AFTER = 0.1
 # Bootstrap resamples for the intervals of the ratios (a second at most) and their coverage.
 BOOTSTRAP_DRAWS = 4000
 INTERVAL = 0.90
+# Held-out greedy accuracy every this many versions, in the baseline as in the swarms (the
+# demo job's [job.eval] every).
+EVAL_EVERY = 10
+# Late dips: an evaluation from LATE_FROM of the run on that reads more than DIP_DEPTH under the
+# best accuracy reached before it. How often a run is caught in one is what decides, by chance,
+# where its final evaluation lands; the swarm and the baseline are compared on it.
+LATE_FROM = 2 / 3
+DIP_DEPTH = 0.05
+
+
+def late_dips(curve: list[list[float]], steps: int) -> tuple[int, int]:
+    """Of a run's held-out evaluations (``[version, accuracy]`` pairs) from LATE_FROM of its
+    ``steps`` on: how many there were, and how many read more than DIP_DEPTH under the best
+    accuracy the run had reached before them (an answer it had and lost)."""
+    evals = dips = 0
+    best = 0.0
+    for version, acc in curve:
+        if version >= round(LATE_FROM * steps):
+            evals += 1
+            dips += acc < best - DIP_DEPTH
+        best = max(best, acc)
+    return evals, dips
 
 
 def collapses(rewards: list[float]) -> int:
@@ -100,20 +125,24 @@ def run_sync(
     seed: int, steps: int, heads: int, out: Path, skip_uniform: bool = False, kl_coef: float = 0.0
 ) -> dict:
     """The synchronous baseline in this process, or the one kept in ``out`` (a JSON file)."""
-    if out.exists():
-        return json.loads(out.read_text())
+    kept = json.loads(out.read_text()) if out.exists() else None
+    if kept is not None and "eval_curve" in kept:  # runs made before the curve was kept: again
+        return kept
     from grpo_local import LocalConfig, run
 
     from echo.learner.grpo import GRPOConfig
     from echo.models.spec import ModelSpec
 
     t0 = time.perf_counter()
-    cfg = LocalConfig(seed=seed, steps=steps, threads=1, eval_every=0,
+    # Greedy evaluation draws no random numbers: the curve leaves the run as it was.
+    cfg = LocalConfig(seed=seed, steps=steps, threads=1, eval_every=EVAL_EVERY,
                       spec=ModelSpec(hidden=64, layers=2, heads=heads), skip_uniform=skip_uniform,
                       grpo=GRPOConfig(kl_coef=kl_coef))
     history, final = run(cfg, log=False)
     rewards = [h["reward"] for h in history]
-    result = {"eval_last": final, "rewards": rewards, "wall_s": time.perf_counter() - t0}
+    curve = [[h["step"] + 1, h["greedy"]] for h in history if "greedy" in h]
+    result = {"eval_last": final, "rewards": rewards, "wall_s": time.perf_counter() - t0,
+              "eval_curve": curve}
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(result))
     tmp.replace(out)  # whole or absent: a run cut short is made again
@@ -166,6 +195,7 @@ def _swarm_result(s: dict, wall: float) -> dict:
     steps = [v for v in s["learner_by_version"] if v["version"] > 0]
     return {"eval_last": s["eval_last"], "eval_first": s["eval_first"],
             "rewards": [v["reward"] for v in steps], "wall_s": wall,
+            "eval_curve": [[e["version"], e["accuracy"]] for e in s["eval_by_version"]],
             # How stale the trained groups were (the learner's figures per version): what the
             # run exercised, which S only bounds.
             "staleness_mean": statistics.fmean(v["staleness_mean"] for v in steps),
@@ -186,9 +216,13 @@ def check_recipe(out: Path, recipe: dict) -> None:
         path.write_text(json.dumps(recipe))
 
 
-def summarize(runs: list[dict]) -> dict:
+def summarize(runs: list[dict], steps: int) -> dict:
     accs = [r["eval_last"] for r in runs]
+    late = [late_dips(r["eval_curve"], steps) for r in runs]
     return {
+        "late_evals": sum(n for n, _ in late),
+        "late_dips": sum(d for _, d in late),
+        "late_dip_rate": sum(d for _, d in late) / max(1, sum(n for n, _ in late)),
         "eval_last_mean": statistics.fmean(accs),
         "eval_last_min": min(accs),
         "eval_last": accs,
@@ -266,7 +300,7 @@ def main() -> None:
                              args.skip_uniform, args.kl_coef))
         say(f"  seed {seed}: final greedy accuracy {runs[-1]['eval_last']:.3f}, "
             f"{runs[-1]['wall_s']:.0f} s")
-    results["sync"] = summarize(runs)
+    results["sync"] = summarize(runs, args.steps)
 
     for engines in args.configs:
         for s in stalenesses:
@@ -282,7 +316,7 @@ def main() -> None:
                     f"(from {r['eval_first']:.3f}), collapses {collapses(r['rewards'])}, "
                     f"groups {r['staleness_mean']:.2f} versions old (max "
                     f"{r['staleness_max']:.0f}), {r['wall_s']:.0f} s")
-            results[name] = summarize(runs)
+            results[name] = summarize(runs, args.steps)
 
     base = results["sync"]["eval_last_mean"]
     say("")
@@ -292,12 +326,12 @@ def main() -> None:
     }
     pct = f"{INTERVAL:.0%}"
     say(f"{'configuration':<14} {'final acc':>9} {'min':>6} {'vs sync':>8} {pct + ' interval':>14} "
-        f"{'reward/rollout':>14} {'collapses':>9} {'staleness':>9} {'wall s':>7}")
+        f"{'reward/rollout':>14} {'collapses':>9} {'late dips':>9} {'staleness':>9} {'wall s':>7}")
     for name, r in results.items():
         span = "-" if name == "sync" else "{:.2f}-{:.2f}".format(*interval[name])
         say(f"{name:<14} {r['eval_last_mean']:9.3f} {r['eval_last_min']:6.3f} "
             f"{r['eval_last_mean'] / base:8.2f} {span:>14} "
-            f"{r['reward_per_rollout']:14.3f} {r['collapses']:9d} "
+            f"{r['reward_per_rollout']:14.3f} {r['collapses']:9d} {r['late_dip_rate']:9.2f} "
             f"{'{:.2f}/{:.0f}'.format(r['staleness_mean'], r['staleness_max']):>9} "
             f"{r['wall_s_mean']:7.0f}")
     swarm = {k: v for k, v in results.items() if k != "sync"}
@@ -319,6 +353,9 @@ def main() -> None:
         "mixed_vs_torch_interval": by_s[worst_s][1] if worst_s else None,
         "mixed_vs_torch_by_staleness": {k: v[0] for k, v in by_s.items()},
         "collapses_total": sum(r["collapses"] for r in results.values()),
+        "late_dip_rate_sync": results["sync"]["late_dip_rate"],
+        "late_dip_rate_swarm": sum(v["late_dips"] for v in swarm.values())
+        / max(1, sum(v["late_evals"] for v in swarm.values())),
         "sync_eval_last": base,
         "configs": results,
         "seeds": seeds,
