@@ -154,16 +154,7 @@ class Learner:
         sealed = signing.seal_record(self.identity.private_key, report)
         checkpoint.save(
             self.job_dir / "checkpoints",
-            checkpoint.Checkpoint(
-                version=self.version,
-                anchor_version=pub.manifest.anchor_version,
-                model_state={
-                    k: v.detach().to("cpu", copy=True)
-                    for k, v in self.trainer.learner.model.state_dict().items()
-                },
-                optim_state=self.trainer.learner.opt.state_dict(),
-                report=sealed,
-            ),
+            self.trainer.make_checkpoint(pub.manifest.anchor_version, sealed),
         )
         self.trainer.remember(self.version, state)
         if self.tracker is not None:

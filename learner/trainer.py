@@ -156,6 +156,20 @@ class Trainer:
         """Steps taken: the version the current weights are published as."""
         return self.learner.version
 
+    def make_checkpoint(self, anchor_version: int, report: bytes) -> checkpoint.Checkpoint:
+        """What :meth:`build` restores from: the weights (copied to the CPU, so that training on
+        may go on while they are written) and the optimizer at the current version."""
+        return checkpoint.Checkpoint(
+            version=self.version,
+            anchor_version=anchor_version,
+            model_state={
+                k: v.detach().to("cpu", copy=True)
+                for k, v in self.learner.model.state_dict().items()
+            },
+            optim_state=self.learner.opt.state_dict(),
+            report=report,
+        )
+
     def published_state(self) -> dict[str, torch.Tensor]:
         """The weights as nodes receive them (in the job's publish dtype)."""
         return export_state(self.learner.model, self.spec.publish_dtype)

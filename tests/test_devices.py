@@ -215,19 +215,7 @@ def test_a_cpu_checkpoint_restarts_on_the_device(tmp_path: Path) -> None:
 
 def save_like_the_learner(job_dir: Path, trainer: Trainer) -> None:
     """The checkpoint learner/service.py writes after a step."""
-    checkpoint.save(
-        job_dir / "checkpoints",
-        checkpoint.Checkpoint(
-            version=trainer.version,
-            anchor_version=0,
-            model_state={
-                k: v.detach().to("cpu", copy=True)
-                for k, v in trainer.learner.model.state_dict().items()
-            },
-            optim_state=trainer.learner.opt.state_dict(),
-            report=b"",
-        ),
-    )
+    checkpoint.save(job_dir / "checkpoints", trainer.make_checkpoint(0, b""))
 
 
 @cuda

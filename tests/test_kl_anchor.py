@@ -55,17 +55,7 @@ def test_a_restored_learner_keeps_the_starting_policy_as_its_anchor(tmp_path: Pa
     anchor = [p.detach().clone() for p in trainer.learner.reference.parameters()]
     for _ in range(3):
         trainer.learner.step(groups_of(trainer.learner))
-    state = trainer.learner.model.state_dict()
-    checkpoint.save(
-        tmp_path / "job" / "checkpoints",
-        checkpoint.Checkpoint(
-            version=trainer.version,
-            anchor_version=0,
-            model_state={k: v.detach().clone() for k, v in state.items()},
-            optim_state=trainer.learner.opt.state_dict(),
-            report=b"",
-        ),
-    )
+    checkpoint.save(tmp_path / "job" / "checkpoints", trainer.make_checkpoint(0, b""))
     again, ckpt = Trainer.build(job, SPEC, tmp_path / "job")
     assert ckpt is not None and again.version == 3
     assert again.learner.reference is not None
