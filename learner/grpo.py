@@ -280,7 +280,8 @@ class GRPOLearner:
         dev = self.device
 
         # Per-token advantage and behaviour log-prob, in the same flat order as _logprobs.
-        adv_rows = torch.cat([group_advantages(g.rewards, cfg.adv_eps) for g in groups])
+        adv_groups = [group_advantages(g.rewards, cfg.adv_eps) for g in groups]
+        adv_rows = torch.cat(adv_groups)
         adv = torch.repeat_interleave(adv_rows, torch.tensor(batch.lengths)).to(dev)
         behaviour = torch.tensor(
             [x for g in groups for lp in g.behaviour_logprobs for x in lp], dtype=torch.float32
@@ -289,6 +290,8 @@ class GRPOLearner:
         rewards = [r for g in groups for r in g.rewards]
         staleness = [self.version - g.version for g in groups]
         metrics: dict[str, float] = {
+            # Groups whose samples scored differently: the only ones the policy gradient sees.
+            "signal_groups": float(sum(bool(adv.any()) for adv in adv_groups)),
             "reward": sum(rewards) / len(rewards),
             "tokens": float(n_tokens),
             "staleness_max": float(max(staleness)),

@@ -41,6 +41,8 @@ TAGS = {
     "staleness_max": "rollout/staleness_max",
     "tokens": "rollout/tokens",
     "rejected": "rollout/rejected_groups",
+    "signal_groups": "rollout/signal_groups",
+    "kl": "policy/kl_to_start",
     "eval_accuracy": "eval/accuracy",
     "loss": "train/loss",
     "grad_norm": "train/grad_norm",

@@ -207,3 +207,11 @@ def test_skip_uniform_trains_on_groups_with_signal(tmp_path: Path, monkeypatch) 
             assert all(min(r) < max(r) for r in rewards), rewards
     # At the start most groups are all wrong: filling a batch takes more than one round.
     assert max(h["groups_sampled"] for h in history) > cfg.prompts_per_step
+
+
+def test_the_step_counts_the_groups_that_carry_a_signal() -> None:
+    """A group whose samples all scored the same has no advantage: the step reports how many of
+    its groups the policy gradient saw (late in a run most are uniform)."""
+    learner = GRPOLearner(build_model(SPEC, seed=1))
+    groups = make_groups(learner, [[1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 1.0, 0.0], [0.0] * 4])
+    assert learner.step(groups)["signal_groups"] == 1.0
