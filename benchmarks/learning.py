@@ -31,7 +31,7 @@ reward first passed 0.1) and wall time. The baseline is measured in the same run
     python benchmarks/learning.py --quick    # 2 seeds, S = 2, torch and mixed (~20 min on 2 cores)
     python benchmarks/learning.py --out DIR  # keep each run in DIR; run again to go on from there
     python benchmarks/learning.py --skip-uniform  # dynamic sampling in every configuration
-    python benchmarks/learning.py --skip-uniform --kl-coef 0.2 --steps 300  # the README's run
+    python benchmarks/learning.py --skip-uniform --kl-coef 0.2 --steps 300 --seeds 10  # README
 
 With ``--skip-uniform`` groups whose samples all scored the same are not trained on (the job's
 ``skip_uniform_groups``; ``grpo_local``'s flag for the baseline), and the reward column reads the
