@@ -47,13 +47,9 @@ NODE_ACTIVE_S = 60.0
 # Requests other than submissions and step reports are a few hundred bytes.
 SMALL_REQUEST_BYTES = 64 * 1024
 SOFTWARE = "echo-swarm/0.1.0"
-# Under skip_uniform_groups, at most this many batches of no-advantage groups are set aside while
-# the learner waits for its next batch; the rest train (as zero-advantage groups), so a version
-# always fills its batch, even from a policy that solves, or fails, every prompt. Counted per
-# learner version, not per sampled one: counted per sampled version, what nodes still sampled
-# from a version whose quota had run out went to the next batch unfiltered, and late in a run
-# (a sharp policy, few groups with an advantage) batches of 12-16 such groups of 16 followed,
-# against at most a few in the synchronous loop, which draws up to 8 rounds of prompts a step.
+# Under skip_uniform_groups, at most this many batches of no-advantage groups per sampled version
+# are set aside; the rest train (as zero-advantage groups), so a version always fills its batch,
+# even from a policy that solves, or fails, every prompt.
 UNIFORM_BATCHES = 4
 
 
@@ -75,8 +71,7 @@ def open_signed(data: bytes, cls: type[RecordT], peer_id: ID) -> tuple[signing.E
 def buffers(spec: JobSpec, rewards: list[float], uniform_so_far: Callable[[], int]) -> bool:
     """Whether an accepted group goes to the batch buffer: always, unless the job skips uniform
     groups, its rewards are all equal (no advantage) and fewer than UNIFORM_BATCHES batches of
-    such groups were set aside since the learner's last version (``uniform_so_far``, asked only
-    then)."""
+    such groups were set aside for its version (``uniform_so_far``, asked only then)."""
     if not spec.skip_uniform_groups or has_advantage(rewards):
         return True
     return uniform_so_far() >= UNIFORM_BATCHES * spec.batch_groups
@@ -320,7 +315,7 @@ class NodeRPC:
         buffered = job is None or buffers(
             job.spec,
             result.rewards,
-            lambda: self.store.uniform_count(result.lease.job_id),
+            lambda: self.store.uniform_count(result.lease.job_id, result.submission.version),
         )
         try:
             self.store.accept_rollout(

@@ -98,16 +98,13 @@ class Ledger(Database):
         ).fetchone()
         return row[0] if row else None
 
-    def uniform_count(self, job_id: str) -> int:
-        """Groups set aside for having no advantage since the job's newest version was
-        published (all of them before its first): those the learner's next batch went without,
-        whichever version sampled them."""
+    def uniform_count(self, job_id: str, version: int) -> int:
+        """Groups sampled at ``version`` that were not buffered for having no advantage."""
         return int(
             self._db.execute(
-                "SELECT COUNT(*) FROM rollouts WHERE job_id=? AND status='dropped'"
-                " AND created_at >= (SELECT COALESCE(MAX(published_at), 0) FROM versions"
-                " WHERE job_id=?) AND reason=?",
-                (job_id, job_id, R.UNIFORM),
+                "SELECT COUNT(*) FROM rollouts WHERE job_id=? AND version=?"
+                " AND status='dropped' AND reason=?",
+                (job_id, version, R.UNIFORM),
             ).fetchone()[0]
         )
 

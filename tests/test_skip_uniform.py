@@ -56,7 +56,7 @@ def test_which_groups_are_buffered() -> None:
     assert buffers(on, [0.0, 1.0], never)  # an advantage to train on
     assert not buffers(on, [0.0, 0.0], lambda: 0)
     assert not buffers(on, [1.0, 1.0], lambda: UNIFORM_BATCHES * 2 - 1)
-    assert buffers(on, [1.0, 1.0], lambda: UNIFORM_BATCHES * 2)  # the cap is reached
+    assert buffers(on, [1.0, 1.0], lambda: UNIFORM_BATCHES * 2)  # the version's cap is reached
 
 
 def test_a_set_aside_group_is_credited_counted_and_never_batched(tmp_path) -> None:
@@ -67,7 +67,7 @@ def test_a_set_aside_group_is_credited_counted_and_never_batched(tmp_path) -> No
     _accept(store, "s", [1.0, 0.0, 0.0, 0.0], buffered=True)
 
     assert store.buffered_count("j") == 1  # the lease budget sees room for another group
-    assert store.uniform_count("j") == 1
+    assert store.uniform_count("j", 0) == 1 and store.uniform_count("j", 1) == 0
     assert store.node("node").accepted == 2  # valid work either way
     counts = store.rollout_counts("j")
     assert counts["dropped"] == 1 and counts["uniform"] == 1
@@ -80,21 +80,3 @@ def test_a_set_aside_group_is_credited_counted_and_never_batched(tmp_path) -> No
 
 def test_the_reason_is_not_held_against_a_node() -> None:
     assert R.UNIFORM not in R.COUNTS_AGAINST
-
-
-def test_the_set_aside_quota_starts_again_with_each_learner_version(tmp_path) -> None:
-    """The quota is the learner's, per version it waits on: groups set aside before a version
-    was published do not count against the next batch, whichever version sampled them."""
-    store = Store.open(tmp_path / "c.db")
-    store.create_job("j", "j", {})
-    store.upsert_node("node", b"k" * 32, "torch", {}, 0.0, 0.0, 0.0)
-    _accept(store, "u1", [0.0] * 4, buffered=False)
-    _accept(store, "u2", [1.0] * 4, buffered=False)
-    assert store.uniform_count("j") == 2
-    store.publish_version(
-        "j", 0, kind="anchor", manifest=b"m", state_digest="d", total_size=1, trained=[],
-        rejected=[], metrics={},
-    )  # fmt: skip
-    assert store.uniform_count("j") == 0  # a new batch: its own quota
-    _accept(store, "u3", [0.0] * 4, buffered=False)  # sampled at v0 like the others
-    assert store.uniform_count("j") == 1
