@@ -291,7 +291,7 @@ class GRPOLearner:
         staleness = [self.version - g.version for g in groups]
         metrics: dict[str, float] = {
             # Groups whose samples scored differently: the only ones the policy gradient sees.
-            "signal_groups": float(sum(bool(adv.any()) for adv in adv_groups)),
+            "signal_groups": float(sum(bool(a.any()) for a in adv_groups)),
             "reward": sum(rewards) / len(rewards),
             "tokens": float(n_tokens),
             "staleness_max": float(max(staleness)),
