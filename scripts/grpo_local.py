@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -64,9 +65,14 @@ class LocalConfig:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
 
-def run(cfg: LocalConfig, log: bool = True) -> tuple[list[dict[str, float]], float]:
+def run(
+    cfg: LocalConfig,
+    log: bool = True,
+    on_step: Callable[[GRPOLearner, dict[str, float]], None] | None = None,
+) -> tuple[list[dict[str, float]], float]:
     """Warm up, then GRPO for ``cfg.steps`` steps; returns per-step metrics and the final
-    held-out greedy accuracy."""
+    held-out greedy accuracy. ``on_step(learner, metrics)`` runs after every step, before the
+    step's metrics are logged: a probe may read the learner and add figures to ``metrics``."""
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
     if cfg.spec.kind != "tiny":
@@ -117,6 +123,8 @@ def run(cfg: LocalConfig, log: bool = True) -> tuple[list[dict[str, float]], flo
                  elapsed=time.perf_counter() - t_start)  # fmt: skip
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
             m["greedy"] = greedy_accuracy(learner.model, cfg.spec, task)
+        if on_step is not None:
+            on_step(learner, m)
         history.append(m)
         if log:
             greedy = f"  greedy {m['greedy']:.3f}" if "greedy" in m else ""

@@ -168,6 +168,29 @@ def test_short_run_learns(tmp_path: Path, lag: int) -> None:
     assert last > first + 0.15, (first, last)
 
 
+def test_on_step_probe_sees_every_step_and_adds_figures(tmp_path: Path) -> None:
+    """``run(on_step=...)`` calls the probe after each step with the learner that took it, and
+    a figure the probe adds to the step's metrics is in the history."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from grpo_local import LocalConfig, run
+
+    seen: list[int] = []
+
+    def probe(learner: GRPOLearner, metrics: dict[str, float]) -> None:
+        seen.append(learner.version)
+        metrics["probe"] = float(learner.version)
+
+    cfg = LocalConfig(task_params={"max_operand": 4}, steps=3, seed=0, cache_dir=str(tmp_path),
+                      eval_every=0, threads=1)
+    threads = torch.get_num_threads()
+    try:
+        history, _ = run(cfg, log=False, on_step=probe)
+    finally:
+        torch.set_num_threads(threads)
+    assert seen == [1, 2, 3]
+    assert [h["probe"] for h in history] == [1.0, 2.0, 3.0]
+
+
 def test_skip_uniform_trains_on_groups_with_signal(tmp_path: Path, monkeypatch) -> None:
     """Dynamic sampling in the local loop: a batch holds only groups whose rewards differ,
     drawn over as many rounds of prompts as that takes (MAX_DRAWS at most), and the run says how
