@@ -23,7 +23,8 @@ fields for every run (``--grpo '{"betas": [0.95, 0.99]}'``), to try a remedy aga
     python benchmarks/stability.py           # lags 0, 1, 2, seeds 0-2, 500 steps (~8 min)
 
 The JSON line: ``swings_per_100_steps`` and ``late_dips`` by lag, ``swing_ratio_lag1`` (lag 1's
-swings over lag 0's) and the final accuracies.
+swings over lag 0's), the final accuracies and, per run, the step at which held-out accuracy
+first reached REACHED (what a remedy costs in speed).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ SWING = 0.15
 # large moves are the learning itself.
 SETTLED_FROM = 0.5
 DIP_DEPTH = 0.05
+# The speed a remedy may cost: the first evaluation at this held-out accuracy.
+REACHED = 0.9
 EVAL_EVERY = 10
 MAX_OPERAND = 5  # the learning benchmark's task: 25 problems
 
@@ -104,6 +107,11 @@ def late_dips(curve: list[tuple[int, float]], start: int) -> int:
     return dips
 
 
+def reached(curve: list[tuple[int, float]]) -> int | None:
+    """The step of the first evaluation at REACHED or above (None: never)."""
+    return next((step for step, acc in curve if acc >= REACHED), None)
+
+
 def main() -> None:
     def setup(ap):
         ap.add_argument("--seeds", type=int, default=None, help="seeds per lag")
@@ -130,10 +138,11 @@ def main() -> None:
             r = f.result()
             moves, zz = swings(r["answer_p"], start)
             row = {"seed": r["seed"], "swings": moves, "zigzags": zz, "final": r["final"],
-                   "late_dips": late_dips(r["curve"], start)}
+                   "late_dips": late_dips(r["curve"], start), "reached": reached(r["curve"])}
             by_lag[r["lag"]].append(row)
             say(f"lag {r['lag']} seed {r['seed']}: {moves} swings, {zz} zigzags, "
-                f"{row['late_dips']} late dips, final accuracy {r['final']:.3f}")
+                f"{row['late_dips']} late dips, final accuracy {r['final']:.3f}, "
+                f"{REACHED} first at step {row['reached']}")
     per100 = {lag: 100 * sum(r["swings"] for r in rows) / (len(rows) * (steps - start))
               for lag, rows in by_lag.items()}
     say(f"{'lag':>4} {'swings/100 steps':>17} {'zigzags':>8} {'late dips':>10} {'final':>6}")
@@ -147,6 +156,7 @@ def main() -> None:
         "late_dips": {str(k): sum(r["late_dips"] for r in v) for k, v in by_lag.items()},
         "final_accuracy": {str(k): round(sum(r["final"] for r in v) / len(v), 3)
                            for k, v in by_lag.items()},
+        "reached_at": {str(k): [r["reached"] for r in v] for k, v in by_lag.items()},
     }
     if 1 in per100:
         result["swing_ratio_lag1"] = round(per100[1] / max(per100[0], 1e-9), 2)

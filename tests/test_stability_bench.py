@@ -24,3 +24,10 @@ def test_late_dips_count_evaluations_under_the_best_before_them() -> None:
     curve = [(10, 0.5), (20, 0.9), (30, 0.8), (40, 0.88), (50, 0.9)]
     assert late_dips(curve, 0) == 1  # 0.8 is more than 0.05 under 0.9; 0.88 is not
     assert late_dips(curve, 30) == 0  # only evaluations after step 30 count
+
+
+def test_reached_is_the_first_evaluation_at_the_mark() -> None:
+    from stability import reached
+
+    assert reached([(10, 0.5), (20, 0.91), (30, 0.8), (40, 0.95)]) == 20
+    assert reached([(10, 0.5)]) is None
