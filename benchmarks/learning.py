@@ -32,6 +32,7 @@ reward first passed 0.1) and wall time. The baseline is measured in the same run
     python benchmarks/learning.py --out DIR  # keep each run in DIR; run again to go on from there
     python benchmarks/learning.py --skip-uniform  # dynamic sampling in every configuration
     python benchmarks/learning.py --skip-uniform --kl-coef 0.2 --steps 300 --seeds 10  # README
+    python benchmarks/learning.py ... --lr 7e-4  # another learning rate in every configuration
 
 With ``--skip-uniform`` groups whose samples all scored the same are not trained on (the job's
 ``skip_uniform_groups``; ``grpo_local``'s flag for the baseline), and the reward column reads the
@@ -90,6 +91,8 @@ EVAL_EVERY = 10
 # where its final evaluation lands; the swarm and the baseline are compared on it.
 LATE_FROM = 2 / 3
 DIP_DEPTH = 0.05
+# The recipe's learning rate (the demo job's), unless --lr says otherwise.
+LR = 1e-3
 
 
 def late_dips(curve: list[list[float]], steps: int) -> tuple[int, int]:
@@ -122,7 +125,13 @@ def collapses(rewards: list[float]) -> int:
 
 
 def run_sync(
-    seed: int, steps: int, heads: int, out: Path, skip_uniform: bool = False, kl_coef: float = 0.0
+    seed: int,
+    steps: int,
+    heads: int,
+    out: Path,
+    skip_uniform: bool = False,
+    kl_coef: float = 0.0,
+    lr: float = LR,
 ) -> dict:
     """The synchronous baseline in this process, or the one kept in ``out`` (a JSON file)."""
     kept = json.loads(out.read_text()) if out.exists() else None
@@ -137,7 +146,7 @@ def run_sync(
     # Greedy evaluation draws no random numbers: the curve leaves the run as it was.
     cfg = LocalConfig(seed=seed, steps=steps, threads=1, eval_every=EVAL_EVERY,
                       spec=ModelSpec(hidden=64, layers=2, heads=heads), skip_uniform=skip_uniform,
-                      grpo=GRPOConfig(kl_coef=kl_coef))
+                      grpo=GRPOConfig(kl_coef=kl_coef, lr=lr))
     history, final = run(cfg, log=False)
     rewards = [h["reward"] for h in history]
     curve = [[h["step"] + 1, h["greedy"]] for h in history if "greedy" in h]
@@ -158,6 +167,7 @@ def run_swarm(
     skip_uniform: bool = False,
     buffer_batches: int = 0,
     kl_coef: float = 0.0,
+    lr: float = LR,
 ) -> dict:
     """One local swarm (real processes) through scripts/local_swarm.py; its summary, read back
     from ``out`` when a finished run is kept there (a run cut short is made again, afresh)."""
@@ -173,6 +183,7 @@ def run_swarm(
     cmd += ["--skip-uniform"] if skip_uniform else []
     cmd += ["--buffer-batches", str(buffer_batches)] if buffer_batches else []
     cmd += ["--kl-coef", str(kl_coef)] if kl_coef else []
+    cmd += ["--lr", str(lr)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
@@ -263,6 +274,8 @@ def main() -> None:
         ap.add_argument("--kl-coef", type=float, default=0.0,
                         help="the KL term to the starting policy everywhere (the job's "
                              "kl_coef, grpo_local's --kl-coef)")
+        ap.add_argument("--lr", type=float, default=LR,
+                        help="learning rate in every configuration (the job's [job.grpo] lr)")
         ap.add_argument("--default-buffer", action="store_true",
                         help="leave the coordinator's buffer at its default of 2 batches, where "
                              "trained groups stay about 1 version old at every S (the runs "
@@ -288,6 +301,8 @@ def main() -> None:
         recipe["skip_uniform"] = True
     if args.kl_coef:  # likewise
         recipe["kl_coef"] = args.kl_coef
+    if args.lr != LR:  # likewise
+        recipe["lr"] = args.lr
     if not args.default_buffer:  # likewise: folders made before the option stay readable
         recipe["buffer_batches"] = "S+1"
     check_recipe(out, recipe)
@@ -297,7 +312,7 @@ def main() -> None:
     runs = []
     for seed in range(seeds):
         runs.append(run_sync(seed, args.steps, heads, out / f"sync-seed{seed}.json",
-                             args.skip_uniform, args.kl_coef))
+                             args.skip_uniform, args.kl_coef, args.lr))
         say(f"  seed {seed}: final greedy accuracy {runs[-1]['eval_last']:.3f}, "
             f"{runs[-1]['wall_s']:.0f} s")
     results["sync"] = summarize(runs, args.steps)
@@ -310,7 +325,7 @@ def main() -> None:
             for seed in range(seeds):
                 r = run_swarm(seed, args.steps, s, mixed if engines == "mixed" else "torch",
                               out / f"{engines}-S{s}-seed{seed}", args.skip_uniform,
-                              0 if args.default_buffer else s + 1, args.kl_coef)
+                              0 if args.default_buffer else s + 1, args.kl_coef, args.lr)
                 runs.append(r)
                 say(f"  seed {seed}: final greedy accuracy {r['eval_last']:.3f} "
                     f"(from {r['eval_first']:.3f}), collapses {collapses(r['rewards'])}, "
