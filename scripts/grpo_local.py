@@ -219,6 +219,8 @@ def main() -> None:
     ap.add_argument("--skip-uniform", action="store_true",
                     help="experiment: draw more prompts instead of training on groups whose "
                          "rewards are all equal (dynamic sampling)")
+    ap.add_argument("--eval-every", type=int, default=LocalConfig.eval_every,
+                    help="held-out greedy accuracy every this many steps (0: at the end only)")
     ap.add_argument("--warmup-steps", type=int, default=LocalConfig.warmup_steps)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device", default="cpu", help="auto, cpu, cuda, cuda:N or mps")
@@ -236,6 +238,7 @@ def main() -> None:
         warmup_steps=args.warmup_steps,
         threads=args.threads,
         device=args.device,
+        eval_every=args.eval_every,
         grpo=GRPOConfig(lr=args.lr, kl_coef=args.kl_coef),
     )
     if args.no_cache:
