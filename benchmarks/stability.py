@@ -112,6 +112,21 @@ def reached(curve: list[tuple[int, float]]) -> int | None:
     return next((step for step, acc in curve if acc >= REACHED), None)
 
 
+def check_grpo(fields: object) -> None:
+    """Exit with the offending field named when ``--grpo`` is not a valid GRPO table: caught
+    here, before any run starts, not in a worker's traceback."""
+    from pydantic import ValidationError
+
+    from echo.learner.grpo import GRPOConfig
+
+    if not isinstance(fields, dict):
+        raise SystemExit(f"--grpo must be a JSON object of GRPO fields, not {fields!r}")
+    try:
+        GRPOConfig(**{"kl_coef": 0.2, **fields})
+    except ValidationError as e:
+        raise SystemExit(f"--grpo: {e}") from None
+
+
 def main() -> None:
     def setup(ap):
         ap.add_argument("--seeds", type=int, default=None, help="seeds per lag")
@@ -126,6 +141,7 @@ def main() -> None:
     lags = args.lags or ([0, 1] if args.quick else [0, 1, 2])
     if 0 not in lags:
         raise SystemExit("--lags must include 0: the on-policy run is the baseline")
+    check_grpo(args.grpo)
     start = round(SETTLED_FROM * steps)
     jobs = [(s, lag) for lag in lags for s in range(seeds)]
     say(f"{len(jobs)} runs of {steps} steps (lags {lags}, seeds 0-{seeds - 1}), "

@@ -31,3 +31,14 @@ def test_reached_is_the_first_evaluation_at_the_mark() -> None:
 
     assert reached([(10, 0.5), (20, 0.91), (30, 0.8), (40, 0.95)]) == 20
     assert reached([(10, 0.5)]) is None
+
+
+def test_a_bad_grpo_table_stops_before_any_run() -> None:
+    import pytest
+    from stability import check_grpo
+
+    check_grpo({"lr": 7e-4})  # a valid table passes
+    with pytest.raises(SystemExit, match="lrr"):
+        check_grpo({"lrr": 1})
+    with pytest.raises(SystemExit, match="JSON object"):
+        check_grpo([1])
