@@ -5,9 +5,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from stability import late_dips, swings  # noqa: E402
+from stability import check_grpo, late_dips, reached, swings  # noqa: E402
 
 
 def test_swings_count_large_moves_and_the_ones_that_come_straight_back() -> None:
@@ -27,16 +29,11 @@ def test_late_dips_count_evaluations_under_the_best_before_them() -> None:
 
 
 def test_reached_is_the_first_evaluation_at_the_mark() -> None:
-    from stability import reached
-
     assert reached([(10, 0.5), (20, 0.91), (30, 0.8), (40, 0.95)]) == 20
     assert reached([(10, 0.5)]) is None
 
 
 def test_a_bad_grpo_table_stops_before_any_run() -> None:
-    import pytest
-    from stability import check_grpo
-
     check_grpo({"lr": 7e-4})  # a valid table passes
     with pytest.raises(SystemExit, match="lrr"):
         check_grpo({"lrr": 1})
