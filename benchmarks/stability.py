@@ -36,11 +36,14 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from echo.learner.grpo import GRPOConfig
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from _common import emit, parse_args, say  # noqa: E402
+from learning import DIP_DEPTH, EVAL_EVERY  # noqa: E402  (a dip, and how often runs are evaluated)
 
 # A move of an answer's probability this large in one step: the right answer going from
 # certain to one sample in seven wrong, or back.
@@ -48,23 +51,25 @@ SWING = 0.15
 # Swings are counted from this share of the run on: before it the policy is still learning, and
 # large moves are the learning itself.
 SETTLED_FROM = 0.5
-DIP_DEPTH = 0.05
 # The speed a remedy may cost: the first evaluation at this held-out accuracy.
 REACHED = 0.9
-EVAL_EVERY = 10
-MAX_OPERAND = 5  # the learning benchmark's task: 25 problems
+# The learning benchmark's recipe, before the --grpo fields.
+KL_COEF = 0.2
 
 
-def run_one(seed: int, lag: int, steps: int, grpo: dict) -> dict:
+def run_one(seed: int, lag: int, steps: int, grpo: GRPOConfig) -> dict:
     """One grpo_local run at ``lag``; its per-step answer probabilities and evaluations."""
     from grpo_local import LocalConfig, run
 
-    from echo.learner.grpo import GRPOConfig, GRPOLearner, TrainGroup
+    from echo.learner.grpo import GRPOLearner, TrainGroup
     from echo.models.spec import ModelSpec, encode_prompt
     from echo.models.tokenizer import EOS_ID, encode
 
     spec = ModelSpec(hidden=64, layers=2, heads=4)
-    problems = [(a, b) for a in range(MAX_OPERAND) for b in range(MAX_OPERAND)]
+    cfg = LocalConfig(seed=seed, steps=steps, threads=1, eval_every=EVAL_EVERY, spec=spec,
+                      skip_uniform=True, lag=lag, grpo=grpo)
+    operands = range(cfg.task_params["max_operand"])  # the addition task's 25 problems
+    problems = [(a, b) for a in operands for b in operands]
     probe = [
         TrainGroup(encode_prompt(spec, f"{a}+{b}="), [ans], [[0.0] * len(ans)], [0.0])
         for a, b in problems
@@ -76,8 +81,6 @@ def run_one(seed: int, lag: int, steps: int, grpo: dict) -> dict:
         scored = learner.score(probe)
         answer_p.append([math.exp(sum(lp[0])) for lp in scored])
 
-    cfg = LocalConfig(seed=seed, steps=steps, threads=1, eval_every=EVAL_EVERY, spec=spec,
-                      skip_uniform=True, lag=lag, grpo=GRPOConfig(**{"kl_coef": 0.2, **grpo}))
     history, final = run(cfg, log=False, on_step=on_step)
     curve = [(h["step"] + 1, h["greedy"]) for h in history if "greedy" in h]
     return {"seed": seed, "lag": lag, "answer_p": answer_p, "curve": curve, "final": final}
@@ -112,17 +115,16 @@ def reached(curve: list[tuple[int, float]]) -> int | None:
     return next((step for step, acc in curve if acc >= REACHED), None)
 
 
-def check_grpo(fields: object) -> None:
-    """Exit with the offending field named when ``--grpo`` is not a valid GRPO table: caught
-    here, before any run starts, not in a worker's traceback."""
+def grpo_config(fields: object) -> GRPOConfig:
+    """The recipe's GRPO table with ``--grpo``'s fields over it; exits with the offending field
+    named when they are not a valid table: caught here, before any run starts, not in a
+    worker's traceback."""
     from pydantic import ValidationError
-
-    from echo.learner.grpo import GRPOConfig
 
     if not isinstance(fields, dict):
         raise SystemExit(f"--grpo must be a JSON object of GRPO fields, not {fields!r}")
     try:
-        GRPOConfig(**{"kl_coef": 0.2, **fields})
+        return GRPOConfig(**{"kl_coef": KL_COEF, **fields})
     except ValidationError as e:
         raise SystemExit(f"--grpo: {e}") from None
 
@@ -141,7 +143,7 @@ def main() -> None:
     lags = args.lags or ([0, 1] if args.quick else [0, 1, 2])
     if 0 not in lags:
         raise SystemExit("--lags must include 0: the on-policy run is the baseline")
-    check_grpo(args.grpo)
+    grpo = grpo_config(args.grpo)
     start = round(SETTLED_FROM * steps)
     jobs = [(s, lag) for lag in lags for s in range(seeds)]
     say(f"{len(jobs)} runs of {steps} steps (lags {lags}, seeds 0-{seeds - 1}), "
@@ -149,7 +151,7 @@ def main() -> None:
     by_lag: dict[int, list[dict]] = {lag: [] for lag in lags}
     workers = max(1, min(len(jobs), os.cpu_count() or 1))
     with ProcessPoolExecutor(workers) as pool:
-        futures = [pool.submit(run_one, s, lag, steps, args.grpo) for s, lag in jobs]
+        futures = [pool.submit(run_one, s, lag, steps, grpo) for s, lag in jobs]
         for f in futures:
             r = f.result()
             moves, zz = swings(r["answer_p"], start)

@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from stability import check_grpo, late_dips, reached, swings  # noqa: E402
+from stability import grpo_config, late_dips, reached, swings  # noqa: E402
 
 
 def test_swings_count_large_moves_and_the_ones_that_come_straight_back() -> None:
@@ -34,8 +34,9 @@ def test_reached_is_the_first_evaluation_at_the_mark() -> None:
 
 
 def test_a_bad_grpo_table_stops_before_any_run() -> None:
-    check_grpo({"lr": 7e-4})  # a valid table passes
+    cfg = grpo_config({"lr": 7e-4})  # a valid table passes, over the recipe's KL term
+    assert (cfg.lr, cfg.kl_coef) == (7e-4, 0.2)
     with pytest.raises(SystemExit, match="lrr"):
-        check_grpo({"lrr": 1})
+        grpo_config({"lrr": 1})
     with pytest.raises(SystemExit, match="JSON object"):
-        check_grpo([1])
+        grpo_config([1])
