@@ -180,7 +180,7 @@ def check_run(out: Path, s: dict, eng: list[str], steps: int) -> None:
     assert s["status"] == "done" and s["versions"] == steps, s
     assert s["nodes"] == len(eng) and sorted(s["engines"]) == sorted(eng), s["engines"]
     assert all(s["accepted_by_engine"].get(e, 0) > 0 for e in eng), s["accepted_by_engine"]
-    assert s["rollouts_rejected"] == 0, s
+    assert s["rollouts_rejected"] == 0, s["rejected_by_reason"]
     assert s["rollouts_trained"] >= 2 * steps
     # Held-out accuracy was measured on the base model and at the last version.
     assert [e["version"] for e in s["eval_by_version"]] == [0, steps], s["eval_by_version"]
