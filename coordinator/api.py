@@ -73,6 +73,7 @@ def job_status(coord: ApiBackend, job_id: str) -> dict[str, Any] | None:
         "task": spec.get("task"),
         "learner_peer_id": row.learner_peer_id,
         "rollouts": coord.store.rollout_counts(job_id),
+        "rejected_by_reason": coord.store.job_rejection_counts(job_id),
         "reward_by_version": [
             {"version": v, "mean_reward": r, "groups": n}
             for v, r, n in coord.store.reward_by_version(job_id)

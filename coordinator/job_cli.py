@@ -127,10 +127,13 @@ def status(
 
 def _print_status(st: dict[str, Any]) -> None:
     c = st["rollouts"]
+    # Absent from a coordinator older than the per-job breakdown.
+    reasons = ", ".join(f"{k} {v}" for k, v in st.get("rejected_by_reason", {}).items())
     console.print(
         f"[bold]{st['job_id']}[/bold] {st['status']}  v{st['current_version']}"
         f"/{st['steps']}  trained {c.get('trained', 0)}  buffered "
         f"{c.get('accepted', 0)}  rejected {c.get('rejected_total', 0)}"
+        + (f" ({reasons})" if reasons else "")
         + (f"  set aside (no advantage) {c['uniform']}" if c.get("uniform") else "")
     )
     if st["error"]:

@@ -149,6 +149,16 @@ class JobTables(Database):
         )
         return counts
 
+    def job_rejection_counts(self, job_id: str) -> dict[str, int]:
+        """The job's logged rejections by reason code (those of submissions too broken to name
+        a job are counted only against their node)."""
+        rows = self._db.execute(
+            "SELECT reason, COUNT(*) FROM rejections WHERE job_id=?"
+            " GROUP BY reason ORDER BY reason",
+            (job_id,),
+        ).fetchall()
+        return {r[0]: int(r[1]) for r in rows}
+
     def mean_tokens_per_rollout(self, job_id: str) -> float | None:
         """Mean tokens per completion of the job's unrejected rollouts (None before the first)."""
         row = self._db.execute(

@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -239,10 +238,7 @@ def summarize(st: dict, nodes: list[dict], wall: float) -> dict:
         "reward_by_version": curve,
         "rollouts_accepted": sum(n["accepted"] for n in nodes),
         "rollouts_rejected": st["rollouts"].get("rejected_total", 0),
-        # The nodes' counts cover every job they served; a local swarm runs one.
-        "rejected_by_reason": dict(
-            sorted(sum((Counter(n["rejected_by_reason"]) for n in nodes), Counter()).items())
-        ),
+        "rejected_by_reason": st["rejected_by_reason"],
         "rollouts_trained": st["rollouts"].get("trained", 0),
         "rollouts_uniform": st["rollouts"].get("uniform", 0),
         "nodes": len(nodes),

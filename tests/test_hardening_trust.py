@@ -12,10 +12,12 @@ import pytest
 import trio
 from libp2p.custom_types import TProtocol
 
+from echo.coordinator import job_cli
+from echo.coordinator.api import job_status
 from echo.p2p.rpc import RpcConnectionError
 from echo.protocol import codec, ids, signing
 from echo.protocol import reasons as R
-from tests.conftest import run_with_coordinator
+from tests.conftest import run_with_coordinator, submit_job
 from tests.test_coordinator import group_for, open_lease, start_job
 
 
@@ -92,6 +94,13 @@ def test_rejected_submission_is_parsed_once(tmp_path, monkeypatch) -> None:
         assert opened.calls == 1
         assert coord.store.lease(lease.lease_id).status == "submitted"
         assert coord.store.rejection_counts(str(node.host.peer_id)) == {R.INCOMPLETE_GROUP: 1}
+        # The job's status names the reason too, and another job's status does not.
+        st = job_status(coord, job_id)
+        assert st["rejected_by_reason"] == {R.INCOMPLETE_GROUP: 1}
+        with job_cli.console.capture() as shown:
+            job_cli._print_status(st)
+        assert f"rejected 1 ({R.INCOMPLETE_GROUP} 1)" in shown.get()
+        assert job_status(coord, submit_job(coord))["rejected_by_reason"] == {}
 
     run_with_coordinator(tmp_path, body, exclude_after_failures=100)
 
