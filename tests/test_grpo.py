@@ -138,9 +138,9 @@ def test_short_run_learns(tmp_path: Path, lag: int) -> None:
     policy and with the samples one version behind the learner, as a swarm's are (lag 1).
 
     Seed 0 goes from about 0.15 (first 20 steps) to 0.53 on policy and 0.62 at lag 1 (last 20; the
-    default lr of 7e-4). The seed matters: some seeds sit
-    longer near "always answer the commonest sum" (over seeds 0-5 the rise at step 160 was
-    0.11-0.68), so the seed is fixed; the run is bit-reproducible for 1 and 2 threads.
+    default lr of 7e-4). The seed matters: some seeds sit longer near "always answer the
+    commonest sum" (over seeds 0-5 the rise at step 160 was 0.11-0.68), so the seed is fixed; the
+    run is bit-reproducible for 1 and 2 threads.
     """
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     from grpo_local import LocalConfig, run
