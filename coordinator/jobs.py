@@ -24,7 +24,8 @@ from echo.protocol import messages as m
 from echo.protocol.jobspec import JobSpec
 from echo.tasks.base import Task
 from echo.tasks.registry import make_task
-from echo.tasks.scoring import JobReward
+from echo.tasks.sandbox import Recipe, Sandbox, SandboxError
+from echo.tasks.scoring import RewardTerm
 
 log = logging.getLogger(__name__)
 
@@ -32,14 +33,15 @@ log = logging.getLogger(__name__)
 @dataclass
 class RunningJob:
     """A stored job as the handlers use it: spec, model, tokenizer, verification context, and
-    how its prompts become token ids (:attr:`render`) and completions rewards (``ctx.reward``)."""
+    how its prompts become token ids (:attr:`render`) and completions rewards (:attr:`scorer`,
+    the job's scoring sandbox, started on first use)."""
 
     spec: JobSpec
     model: ModelSpec
     ctx: JobContext
     tokenizer: object
     render: PromptRenderer
-    reward: JobReward
+    scorer: Sandbox
 
     def prompt_tokens(self, prompt_id: int) -> list[int]:
         """The prompt as the model sees it (chat template or plain text, as the job resolved),
@@ -75,18 +77,35 @@ class RunningJob:
         return min(self.spec.sampling.max_new_tokens, self.ctx.task.max_new_tokens)
 
     def close(self) -> None:
-        """Stop the job's reward processes (researcher functions); safe to call twice."""
-        self.reward.close()
+        """Stop the job's scoring sandbox; safe to call twice."""
+        self.scorer.close()
 
 
-def _build(job_id: str, spec: JobSpec) -> tuple[ModelSpec, object, Task, PromptRenderer, JobReward]:
+def scoring_recipe(spec: JobSpec) -> Recipe:
+    """What the job's sandbox builds: its task and ``[[job.reward]]`` terms, as plain data."""
+    return Recipe(
+        task=spec.task.name,
+        params=dict(spec.task.params),
+        rewards=tuple(
+            RewardTerm(
+                kind=r.kind,
+                weight=r.weight,
+                tag=r.tag,
+                pattern=r.pattern,
+                entry_point=r.entry_point,
+                timeout_s=r.timeout_s,
+            )
+            for r in spec.reward
+        ),
+    )
+
+
+def _build(job_id: str, spec: JobSpec) -> tuple[ModelSpec, object, Task, PromptRenderer]:
     model = ModelSpec.from_dict(spec.model_spec_dict())
     tokenizer = load_tokenizer(model)
     task = make_task(spec.task.name, dict(spec.task.params))
     render = PromptRenderer.for_job(model, task, tokenizer, spec.task.chat, job=job_id)
-    reward = JobReward(task, spec.reward)
-    log.info("job %s: reward = %s", job_id, reward.describe())
-    return model, tokenizer, task, render, reward
+    return model, tokenizer, task, render
 
 
 def check_job(spec: JobSpec) -> None:
@@ -96,25 +115,27 @@ def check_job(spec: JobSpec) -> None:
     read a dataset and start a process): run it in a worker thread.
 
     :raises ValueError: the message names the bad task parameter, dataset file or field, chat
-        setting or reward entry point (RewardError for a reward function that does not load
-        is a ValueError too here).
+        setting or reward entry point (a reward that does not load in the scoring sandbox is a
+        ValueError too here).
     :raises OSError: an unreadable model folder.
     """
-    from echo.tasks.reward_worker import RewardError
+    from echo.tasks.scoring import find_entry_point
 
-    _, _, task, render, reward = _build(spec.name, spec)
+    _, _, task, render = _build(spec.name, spec)
+    render.ids(0)
+    if spec.eval.every:
+        held_out = task.eval_prompt_ids(1)
+        if not held_out:
+            raise ValueError(f"task {task.name!r} has no held-out prompts (set eval.every = 0)")
+        render.ids(held_out[0])
+    for r in spec.reward:
+        if r.kind == "python":
+            find_entry_point(r.entry_point or "")  # names the registered ones
     try:
-        render.ids(0)
-        if spec.eval.every:
-            held_out = task.eval_prompt_ids(1)
-            if not held_out:
-                raise ValueError(f"task {task.name!r} has no held-out prompts (set eval.every = 0)")
-            render.ids(held_out[0])
-        reward.start()
-    except RewardError as exc:
+        with Sandbox(scoring_recipe(spec)) as sandbox:
+            sandbox.start()
+    except SandboxError as exc:
         raise ValueError(str(exc)) from None
-    finally:
-        reward.close()
 
 
 def load_running_job(store: Store, job_id: str) -> RunningJob:
@@ -128,7 +149,7 @@ def load_running_job(store: Store, job_id: str) -> RunningJob:
     if row is None:
         raise KeyError(job_id)
     spec = JobSpec.model_validate(row.spec)
-    model, tokenizer, task, render, reward = _build(job_id, spec)
+    model, tokenizer, task, render = _build(job_id, spec)
     vocab = model.vocab if model.kind == "tiny" else len(tokenizer)  # type: ignore[arg-type]
     ctx = JobContext(
         job_id=job_id,
@@ -138,10 +159,15 @@ def load_running_job(store: Store, job_id: str) -> RunningJob:
         eos_id=eos_token_id(model),
         staleness=spec.staleness,
         current_version=row.current_version,
-        reward=reward,
+        prompt_tokens=render.ids,
     )
     for v in store.versions(job_id):
         ctx.digests[v.version] = v.state_digest
     return RunningJob(
-        spec=spec, model=model, ctx=ctx, tokenizer=tokenizer, render=render, reward=reward
+        spec=spec,
+        model=model,
+        ctx=ctx,
+        tokenizer=tokenizer,
+        render=render,
+        scorer=Sandbox(scoring_recipe(spec)),
     )

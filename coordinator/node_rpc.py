@@ -25,8 +25,9 @@ from echo.coordinator.metrics import Metrics
 from echo.coordinator.penalties import Penalties
 from echo.coordinator.rows import LeaseRow, NodeRow
 from echo.coordinator.sched_loop import Placement
+from echo.coordinator.scoring import TRUSTED_STREAK, Scoring, outcome_summary
 from echo.coordinator.store import Store, StoreError
-from echo.coordinator.verify import Accepted, Rejected, check_submission
+from echo.coordinator.verify import Accepted, Rejected, check_claimed_rewards, check_submission
 from echo.p2p.budget import Gate
 from echo.p2p.conn_guard import ConnectionGuard
 from echo.p2p.host import EchoHost
@@ -38,6 +39,7 @@ from echo.protocol import reasons as R
 from echo.protocol.errors import ProtocolError, SchemaError, VersionError
 from echo.protocol.jobspec import JobSpec
 from echo.protocol.signing import RecordT
+from echo.tasks.sandbox import SandboxError, Score
 from echo.tasks.scoring import has_advantage
 
 log = logging.getLogger("echo.coordinator")
@@ -104,8 +106,11 @@ class NodeRPC:
         leases: Leases,
         penalties: Penalties,
         placement: Placement | None = None,
+        scoring: Scoring | None = None,
     ) -> None:
         self.store = store
+        # Rewards are recomputed in each job's sandbox, off the loop, charged to the sender.
+        self.scoring = scoring or Scoring()
         self.jobs = jobs
         # Which job each node serves (None: every node may serve every job).
         self.placement = placement
@@ -232,15 +237,20 @@ class NodeRPC:
                 seen.append(row)
             return row
 
+        detail = ""
         try:
             if not self.penalties.rate_ok(node_id):
                 raise Rejected(R.RATE_LIMITED, "too many submissions per minute")
+            if self.scoring.budget_left(node_id) <= 0:
+                raise Rejected(
+                    R.RATE_LIMITED, "scoring budget spent: your last groups took long to score"
+                )
             if codec.is_zstd(data):
                 try:
                     data = codec.decompress(data, max_output=limits.MAX_MESSAGE_BYTES)
                 except ProtocolError as exc:
                     raise Rejected(R.MALFORMED, str(exc)) from None
-            result = check_submission(
+            checked = check_submission(
                 data,
                 peer_key=public_key_from_peer_id(peer_id),
                 node_key=node.public_key,
@@ -248,8 +258,11 @@ class NodeRPC:
                 lookup_lease=lookup_lease,
                 jobs={k: j.ctx for k, j in self.jobs.items()},
             )
-            if result.lease.node_id != node_id:
+            if checked.lease.node_id != node_id:
                 raise Rejected(R.LEASE_NOT_YOURS, "lease was issued to another node")
+            scores = await self._score(node, checked.lease, checked.texts)
+            detail = outcome_summary(scores)
+            result = check_claimed_rewards(checked, [s.value for s in scores])
             self._store_accepted(node_id, data, result)
             if self.guard is not None:
                 self.guard.protect(peer_id)
@@ -264,7 +277,28 @@ class NodeRPC:
             self.placement.accepted(
                 node_id, result.lease.job_id, len(result.submission.completions)
             )
-        return submit_reply(self.store, node_id, True, "ok", "")
+        return submit_reply(self.store, node_id, True, "ok", detail)
+
+    async def _score(self, node: NodeRow, lease: LeaseRow, texts: list[str]) -> list[Score]:
+        """The group's scores from its job's sandbox (see :class:`Scoring`).
+
+        :raises Rejected: UNSCORABLE when the job has ended meanwhile or its sandbox cannot
+            start (not held against the node).
+        """
+        job = self.jobs.get(lease.job_id)
+        if job is None:
+            raise Rejected(R.JOB_MISMATCH, "job is not running")
+        try:
+            return await self.scoring.score(
+                job.scorer,
+                node.node_id,
+                lease.prompt_id,
+                texts,
+                trusted=node.streak >= TRUSTED_STREAK,
+            )
+        except SandboxError as exc:
+            log.error("job %s cannot score: %s", lease.job_id, exc)
+            raise Rejected(R.UNSCORABLE, "the coordinator cannot score this job now") from None
 
     def _untrusted(self, node_id: str, node: NodeRow | None) -> bytes | None:
         """The reply to a submission not worth reading (None: it is a registered, admitted node

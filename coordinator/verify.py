@@ -1,10 +1,12 @@
 """Verification of submitted rollouts, steps 1-4 of DESIGN.md (everything that needs no model).
 
 Fail closed and cheapest first: size → envelope and signature → schema → node and lease →
-version window → group shape, tokens, log-probs and termination → weights digest → reward
-recomputed here from the lease's prompt. A node's claimed reward is never used; one that
-differs from the recomputed reward rejects the submission. Re-scoring
-under the claimed version (step 5) happens at the learner, which computes those log-probs anyway.
+version window → group shape, tokens, log-probs and termination → weights digest. Then the
+reward is recomputed from the decoded texts, in the job's scoring sandbox
+(:mod:`echo.coordinator.scoring`: never in this process, never on the event loop), and
+:func:`check_claimed_rewards` compares it with what the node claimed: a node's reward is never
+used, and one that claims others is lying. Re-scoring under the claimed version (step 5)
+happens at the learner, which computes those log-probs anyway.
 
 :func:`check_submission` is pure over the jobs' :class:`JobContext` and the lease lookup passed
 in, so it is benchmarked without a network (``benchmarks/verify.py``).
@@ -23,6 +25,9 @@ from echo.protocol import reasons as R
 from echo.protocol import signing
 from echo.protocol.errors import ProtocolError, SchemaError, SignatureError
 from echo.tasks.base import Task
+
+# How far a claimed reward may differ from the recomputed one (float noise of a weighted sum).
+REWARD_TOLERANCE = 1e-6
 
 
 class Rejected(Exception):
@@ -47,25 +52,55 @@ class JobContext:
     staleness: int
     current_version: int = -1
     digests: dict[int, str] = field(default_factory=dict)  # version -> published state digest
-    # The job's reward (``echo.tasks.scoring.JobReward``: its [[job.reward]] components, which
-    # score 0 and log instead of raising); None: the task's own ``reward``.
-    reward: Callable[[int, str], float] | None = None
+    # The prompt's token ids as this coordinator renders them, which is what a group answers:
+    # its content hash covers them rather than the prompt id, so the same completions to the
+    # same dataset row cannot be replayed in a later epoch under a new id. None: the id.
+    prompt_tokens: Callable[[int], list[int]] | None = None
 
-    def score(self, prompt_id: int, completion: str) -> float:
-        """The reward of ``completion`` (decoded, EOS removed) for ``prompt_id``."""
-        fn = self.reward if self.reward is not None else self.task.reward
-        return float(fn(prompt_id, completion))
+    def prompt_key(self, prompt_id: int) -> bytes:
+        """What a group's content hash binds it to (see ``prompt_tokens``)."""
+        if self.prompt_tokens is None:
+            return b"id:" + str(prompt_id).encode()
+        return b"tokens:" + ",".join(map(str, self.prompt_tokens(prompt_id))).encode()
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A submission that passed steps 1-4: the group, its lease, its decoded texts (what the
+    sandbox scores), how many tokens it holds and its content hash."""
+
+    submission: m.Submission
+    lease: LeaseRow
+    texts: list[str]
+    tokens: int
+    content_hash: bytes
 
 
 @dataclass(frozen=True)
 class Accepted:
-    """A submission that passed steps 1-4: the group, its lease, and what was recomputed here."""
+    """A checked submission with the rewards recomputed here."""
 
     submission: m.Submission
     lease: LeaseRow
     rewards: list[float]
     tokens: int
     content_hash: bytes
+
+
+def check_claimed_rewards(checked: Checked, rewards: list[float]) -> Accepted:
+    """The checked group with its recomputed ``rewards``.
+
+    :raises Rejected: REWARD_MISMATCH when the node claimed rewards other than these.
+    """
+    claimed = checked.submission.claimed_rewards
+    if claimed and (
+        len(claimed) != len(rewards)
+        or any(abs(a - b) > REWARD_TOLERANCE for a, b in zip(claimed, rewards, strict=True))
+    ):
+        raise Rejected(R.REWARD_MISMATCH, "claimed rewards differ from the recomputed ones")
+    return Accepted(
+        checked.submission, checked.lease, rewards, checked.tokens, checked.content_hash
+    )
 
 
 def check_submission(
@@ -77,7 +112,7 @@ def check_submission(
     lookup_lease: Callable[[str], LeaseRow | None],
     jobs: dict[str, JobContext],
     now: float | None = None,
-) -> Accepted:
+) -> Checked:
     """Run steps 1-4 on one signed submission from the peer whose key is ``peer_key``.
 
     Raises :class:`Rejected` with a reason code from :mod:`echo.protocol.reasons`; changes no
@@ -133,8 +168,8 @@ def check_submission(
     if expected is not None and sub.state_digest != expected:
         raise Rejected(R.WRONG_WEIGHTS, f"state digest differs from v{sub.version}")
 
-    rewards: list[float] = []
-    hasher = hashlib.sha256(lease.job_id.encode() + b"\x00" + str(lease.prompt_id).encode())
+    texts: list[str] = []
+    hasher = hashlib.sha256(lease.job_id.encode() + b"\x00" + ctx.prompt_key(lease.prompt_id))
     tokens = 0
     for i, comp in enumerate(sub.completions):
         try:
@@ -158,14 +193,8 @@ def check_submission(
                 R.BAD_TERMINATION, f"completion {i}: 'length' must fill max_new_tokens without EOS"
             )
         body = ids[:-1] if comp.finish_reason == "stop" else ids
-        rewards.append(ctx.score(lease.prompt_id, ctx.decode(body.tolist())))
+        texts.append(ctx.decode(body.tolist()))
         hasher.update(comp.token_ids)
         hasher.update(b"\x00")
         tokens += int(ids.size)
-    # Rewards are never taken from a node; a node that claims others than the true ones is lying.
-    if sub.claimed_rewards and (
-        len(sub.claimed_rewards) != len(rewards)
-        or any(abs(a - b) > 1e-6 for a, b in zip(sub.claimed_rewards, rewards, strict=True))
-    ):
-        raise Rejected(R.REWARD_MISMATCH, "claimed rewards differ from the recomputed ones")
-    return Accepted(sub, lease, rewards, tokens, hasher.digest())
+    return Checked(sub, lease, texts, tokens, hasher.digest())

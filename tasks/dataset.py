@@ -121,6 +121,7 @@ class DatasetTask(Task):
         if p.eval_split is not None and fmt != "disk":
             raise DatasetError(f"eval_split needs a save_to_disk folder; {p.path} is a file")
         self._perms: dict[int, list[int]] = {}
+        self._splits: Splits | None = None
 
     @property
     def max_new_tokens(self) -> int:
@@ -134,6 +135,11 @@ class DatasetTask(Task):
         :raises DatasetError: a file over a limit, malformed, lacking a field, with duplicate
             ids or without a marker ``answer_after`` names, or an empty split.
         """
+        if self._splits is not None:
+            # A task keeps the rows it first read: a job's prompts do not change under it, and
+            # the scoring sandbox, which loads them before it loses the filesystem, needs no
+            # file after that.
+            return self._splits
         p = self.params
         files = [Path(f) for f in (p.path, p.eval_path) if f is not None]
         stamp = tuple((str(f.resolve()), f.stat().st_mtime_ns) for f in files)
@@ -143,6 +149,7 @@ class DatasetTask(Task):
             if splits is None:
                 splits = self._read()
                 _cache[key] = splits
+        self._splits = splits
         return splits
 
     def _read(self) -> Splits:

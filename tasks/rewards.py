@@ -28,15 +28,23 @@ log = logging.getLogger(__name__)
 MAX_SCORED_CHARS = 1 << 20
 
 
-@functools.lru_cache(maxsize=64)
-def _tag_re(tag: str) -> re.Pattern[str]:
-    return re.compile(rf"<{re.escape(tag)}>(.*?)</{re.escape(tag)}>", re.DOTALL)
+def _tag_span(text: str, tag: str) -> tuple[int, int] | None:
+    """Where the content of the last ``<tag>...</tag>`` pair starts and ends: the last closing
+    tag and the last opening tag before it. Two reverse scans, linear in the text whatever it
+    holds (a regex over ``<tag>`` openers without a closer is quadratic)."""
+    close = text.rfind(f"</{tag}>")
+    if close < 0:
+        return None
+    opener = f"<{tag}>"
+    start = text.rfind(opener, 0, close)
+    return None if start < 0 else (start + len(opener), close)
 
 
 def tagged(completion: str, tag: str = "answer") -> str | None:
     """Stripped content of the last ``<tag>...</tag>`` in ``completion``; None if there is none."""
-    found = _tag_re(tag).findall(completion[:MAX_SCORED_CHARS])
-    return found[-1].strip() if found else None
+    text = completion[:MAX_SCORED_CHARS]
+    span = _tag_span(text, tag)
+    return None if span is None else text[span[0] : span[1]].strip()
 
 
 def final_answer(completion: str, tag: str = "answer") -> str:
@@ -75,10 +83,12 @@ def format_score(completion: str, tag: str = "answer") -> float:
     """1.0 iff the completion holds exactly one ``<tag>...</tag>`` pair with non-empty content
     and no text after it (a format reward: it checks shape, not correctness)."""
     text = completion[:MAX_SCORED_CHARS]
-    found = list(_tag_re(tag).finditer(text))
-    if len(found) != 1 or not found[0].group(1).strip():
+    if text.count(f"<{tag}>") != 1 or text.count(f"</{tag}>") != 1:
         return 0.0
-    return 1.0 if not text[found[0].end() :].strip() else 0.0
+    span = _tag_span(text, tag)
+    if span is None or not text[span[0] : span[1]].strip():
+        return 0.0
+    return 1.0 if not text[span[1] + len(f"</{tag}>") :].strip() else 0.0
 
 
 @functools.lru_cache(maxsize=4096)

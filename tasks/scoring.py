@@ -10,24 +10,28 @@ Kinds (see :class:`~echo.protocol.jobspec.RewardSection` for the keys each reads
 - ``format``: exactly one non-empty ``<tag>...</tag>`` (default ``answer``) ending the text;
 - ``python``: a researcher's function registered as entry point ``entry_point`` in group
   ``echo_swarm.rewards``, called as ``fn(prompt=str, completion=str, answer=str,
-  prompt_id=int) -> float`` in a child process with ``timeout_s`` per call (default 5).
+  prompt_id=int) -> float``, ``timeout_s`` per call (default 5).
 
-A component that fails (a python reward that raises, hangs or returns a non-number, or a task
-scorer that raises on odd text) scores 0.0 for that completion and logs the reason: the
-completion is still scored, and verification goes on. ``python`` components run where the reward
-is computed, on the coordinator; the learner's evaluation uses the task's own scorer.
+A :class:`JobReward` calls every scorer in its own thread and process: it is what runs *inside*
+the scoring sandbox (:class:`echo.tasks.sandbox.Sandbox`), which confines the process and
+enforces the time limits. Code that holds completions from the network never calls it directly.
+A component that fails (raises, or returns a non-number) scores 0.0 for that completion, and
+:meth:`JobReward.detailed` says so with the outcome ``scorer_error``.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import echo.tasks.rewards as rw
 from echo.tasks.base import Task
-from echo.tasks.reward_worker import RewardError, RewardWorker, find_entry_point
+from echo.tasks.reward_worker import find_entry_point, resolve
+
+__all__ = ["JobReward", "RewardTerm", "find_entry_point", "has_advantage"]
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +64,9 @@ class RewardConfig(Protocol):
 
 
 @dataclass(frozen=True)
-class TaskReward:
-    """The component a job without ``[[job.reward]]`` is scored by: the task's own scorer."""
+class RewardTerm:
+    """One component's settings as plain data (what crosses into the sandbox); the default is
+    the component a job without ``[[job.reward]]`` is scored by: the task's own scorer."""
 
     kind: str = "task"
     weight: float = 1.0
@@ -85,12 +90,12 @@ class JobReward:
 
     Built from validated sections, so the only errors left are about the environment:
     :raises ValueError: a ``python`` component whose entry point is not registered.
+    :raises ImportError, AttributeError, TypeError: one whose function does not load.
     """
 
     def __init__(self, task: Task, sections: Sequence[RewardConfig] = ()) -> None:
         self.task = task
-        self._workers: list[RewardWorker] = []
-        sections = list(sections) or [TaskReward()]
+        sections = list(sections) or [RewardTerm()]
         self.components = [self._component(i, s) for i, s in enumerate(sections)]
 
     def _component(self, i: int, s: RewardConfig) -> Component:
@@ -110,69 +115,61 @@ class JobReward:
             score = lambda pid, text: rw.format_score(text, tag)  # noqa: E731
         elif s.kind == "python":
             name = s.entry_point or ""
-            find_entry_point(name)  # fail at job load, not at the first completion
-            worker = RewardWorker(f"entry:{name}", timeout_s=timeout)
-            self._workers.append(worker)
-            score = self._python(worker)
+            find_entry_point(name)  # names the registered ones when it is missing
+            score = self._python(resolve(f"entry:{name}"))
             return Component(f"python:{name}", s.weight, score)
         else:
             raise ValueError(f"reward #{i}: unknown kind {s.kind!r}")
         return Component(f"{s.kind}#{i}" if s.kind != "task" else "task", s.weight, score)
 
-    def _python(self, worker: RewardWorker) -> Callable[[int, str], float]:
+    def _python(self, fn: Callable[..., object]) -> Callable[[int, str], float]:
         task = self.task
 
         def score(pid: int, text: str) -> float:
-            return worker.call(
+            value = fn(
                 prompt=task.prompt(pid), completion=text, answer=task.answer(pid), prompt_id=pid
             )
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise TypeError(f"returned {type(value).__name__}, not a number")
+            if not math.isfinite(value):
+                raise ValueError(f"returned {value}")
+            return float(value)
 
         return score
 
     def __call__(self, prompt_id: int, completion: str) -> float:
         """The weighted sum for one completion; never raises for what the completion says."""
-        return sum(
-            c.weight * s
-            for c, s in zip(self.components, self._scores(prompt_id, completion), strict=True)
-        )
+        return self.detailed(prompt_id, completion)[0]
+
+    def detailed(self, prompt_id: int, completion: str) -> tuple[float, str]:
+        """The weighted sum and ``"ok"``, or ``"scorer_error"`` when a component raised (it
+        scored 0)."""
+        scores, failed = self._scored(prompt_id, completion)
+        total = sum(c.weight * s for c, s in zip(self.components, scores, strict=True))
+        return total, ("scorer_error" if failed else "ok")
 
     def breakdown(self, prompt_id: int, completion: str) -> dict[str, float]:
         """Each component's unweighted score, by label (for logs and tests)."""
         return dict(
             zip(
-                (c.label for c in self.components), self._scores(prompt_id, completion), strict=True
+                (c.label for c in self.components),
+                self._scored(prompt_id, completion)[0],
+                strict=True,
             )
         )
 
-    def _scores(self, prompt_id: int, completion: str) -> list[float]:
-        out = []
+    def _scored(self, prompt_id: int, completion: str) -> tuple[list[float], bool]:
+        out, failed = [], False
         for c in self.components:
             try:
                 out.append(float(c.score(prompt_id, completion)))
-            except RewardError as exc:
-                log.warning("reward %s scored 0 for prompt %d: %s", c.label, prompt_id, exc)
-                out.append(0.0)
             except Exception as exc:  # noqa: BLE001 - odd node text must not stop verification
-                log.warning(
-                    "reward %s raised on prompt %d, scored 0: %s: %s",
-                    c.label,
-                    prompt_id,
-                    type(exc).__name__,
-                    exc,
+                log.debug(
+                    "reward %s raised on prompt %d, scored 0: %s", c.label, prompt_id, exc
                 )
                 out.append(0.0)
-        return out
-
-    def start(self) -> None:
-        """Start the child processes of ``python`` components now (so the first group does not
-        wait for them). :raises RewardError: a function that does not load (says why)."""
-        for w in self._workers:
-            w.start()
-
-    def close(self) -> None:
-        """Stop the child processes (a later call starts them again)."""
-        for w in self._workers:
-            w.close()
+                failed = True
+        return out, failed
 
     def describe(self) -> str:
         """``"1*math#0 + 0.1*format#1"``: what the job is trained on, for logs."""

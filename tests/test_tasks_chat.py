@@ -112,9 +112,8 @@ def test_coordinator_renders_leases_and_scores_with_the_job_reward(tmp_path: Pat
     assert isinstance(task, DatasetTask) and job.prompt_format == "plain text"
     assert job.prompt_tokens(4) == encode(f"Be brief.\n\n{task.prompt(4)}", add_bos=True)
     answer = task.answer(4)
-    assert job.ctx.score(4, f"<answer>{answer}</answer>") == 1.5
-    assert job.ctx.score(4, f"\\boxed{{{answer}}}") == 1.0
-    assert job.ctx.score(4, "<answer>nope</answer>") == 0.5
+    texts = [f"<answer>{answer}</answer>", f"\\boxed{{{answer}}}", "<answer>nope</answer>"]
+    assert [s.value for s in job.scorer.score(4, texts)] == [1.5, 1.0, 0.5]
     assert job.max_new_tokens == min(spec.sampling.max_new_tokens, task.max_new_tokens)
     job.close()
 

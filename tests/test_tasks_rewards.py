@@ -3,7 +3,6 @@ registered as real entry points and run in a child process with a time limit."""
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from pathlib import Path
@@ -13,8 +12,8 @@ import pytest
 from echo.protocol.jobspec import RewardSection, SpecError, load_job_toml
 from echo.tasks import make_task
 from echo.tasks import rewards as rw
-from echo.tasks.reward_worker import RewardError, RewardTimeout, RewardWorker
-from echo.tasks.scoring import JobReward
+from echo.tasks.sandbox import Recipe, Sandbox, SandboxError
+from echo.tasks.scoring import JobReward, RewardTerm
 
 DATA = str(Path(__file__).parent / "data" / "gsm8k_mini.jsonl")
 
@@ -130,58 +129,46 @@ def entry_points(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
+def _python(name: str, **kw: object) -> Recipe:
+    return Recipe(
+        "dataset", {"path": DATA, "shuffle": False}, (RewardTerm("python", **kw, entry_point=name),)
+    )
+
+
 def test_python_reward_from_an_entry_point(entry_points: Path) -> None:
     task = make_task("dataset", {"path": DATA, "shuffle": False})
-    job = JobReward(task, [RewardSection(kind="python", entry_point="good", weight=2.0)])
-    try:
-        job.start()
-        assert job(0, task.answer(0)) == 2.0
-        assert job(0, "wrong") == 0.5
-    finally:
-        job.close()
+    with Sandbox(_python("good", weight=2.0)) as sandbox:
+        scores = sandbox.score(0, [task.answer(0), "wrong"])
+    assert [(s.value, s.outcome) for s in scores] == [(2.0, "ok"), (0.5, "ok")]
 
 
-def test_a_hanging_reward_is_killed_scores_zero_and_is_restarted(
-    entry_points: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    task = make_task("dataset", {"path": DATA})
-    job = JobReward(task, [RewardSection(kind="python", entry_point="slow", timeout_s=1)])
-    job.start()
-    worker = job._workers[0]
-    try:
-        assert job(0, "fine") == 0.5
+def test_a_hanging_reward_is_killed_scores_zero_and_the_group_goes_on(entry_points: Path) -> None:
+    with Sandbox(_python("slow", timeout_s=1)) as sandbox:
         t0 = time.monotonic()
-        with caplog.at_level(logging.WARNING):
-            assert job(0, "hang") == 0.0
+        scores = sandbox.score(0, ["fine", "hang", "fine"])
         assert time.monotonic() - t0 < 10
-        assert "python:slow scored 0" in caplog.text and "no answer within 1 s" in caplog.text
-        assert worker.kills == 1
-        assert job(0, "fine") == 0.5  # a fresh process answers the next call
-    finally:
-        job.close()
+    assert [(s.value, s.outcome) for s in scores] == [
+        (0.5, "ok"),
+        (0.0, "scorer_timeout"),
+        (0.5, "ok"),  # scored in a fresh child
+    ]
+    assert 1.0 <= scores[1].seconds < 3.0  # what the node is charged
 
 
-def test_failing_rewards_score_zero_with_the_reason(
-    entry_points: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    worker = RewardWorker("entry:broken", timeout_s=30)
-    try:
-        with pytest.raises(RewardError, match="RuntimeError: grader bug"):
-            worker.call(prompt="", completion="x", answer="", prompt_id=0)
-        with pytest.raises(RewardError, match="returned nan"):
-            worker.call(prompt="", completion="nan", answer="", prompt_id=0)
-        with pytest.raises(RewardError, match="died"):
-            worker.call(prompt="", completion="die", answer="", prompt_id=0)
-        with pytest.raises(RewardError, match="grader bug"):  # restarted after the death
-            worker.call(prompt="", completion="x", answer="", prompt_id=0)
-    finally:
-        worker.close()
-    missing = RewardWorker("entry:missing", timeout_s=30)
-    with pytest.raises(RewardError, match="cannot load reward entry:missing: AttributeError"):
-        missing.start()
-    with pytest.raises(RewardError, match="cannot load"):  # remembered, not retried
-        missing.call(completion="x")
-    assert not isinstance(RewardError("x"), RewardTimeout)
+def test_failing_rewards_score_zero_with_the_reason(entry_points: Path) -> None:
+    with Sandbox(_python("broken")) as sandbox:
+        scores = sandbox.score(0, ["x", "nan", "die", "x", "die", "x"])
+    assert [s.outcome for s in scores] == [
+        "scorer_error",  # raised
+        "scorer_error",  # returned nan
+        "scorer_crashed",  # killed its process
+        "scorer_error",  # a new child goes on
+        "scorer_crashed",  # the second death ends the group:
+        "scorer_skipped",
+    ]
+    assert all(s.value == 0.0 for s in scores)
+    with pytest.raises(SandboxError, match="cannot load the job's reward: AttributeError"):
+        Sandbox(_python("missing")).start()
 
 
 def test_unknown_entry_point_is_named_at_job_load(entry_points: Path) -> None:

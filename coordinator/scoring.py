@@ -1,0 +1,123 @@
+"""Scoring submitted groups: each job's sandbox, awaited off the event loop, paid for by the sender.
+
+Rewards are recomputed here from the completion text (DESIGN.md, step 6), and that text is
+hostile: :class:`Scoring` hands it only to a job's :class:`~echo.tasks.sandbox.Sandbox` (a
+confined process per group), and awaits it in a worker thread so that a slow scorer holds one
+submission, never the loop that answers every other RPC, the HTTP API and housekeeping.
+
+Two things keep a stranger from spending the coordinator's CPU on the sandbox:
+
+- **Separate slots.** Nodes with a run of valid results (:data:`TRUSTED_STREAK`) score in
+  slots of their own; every other node shares :data:`NEW_NODE_SLOTS`. Scorer bombs from fresh
+  identities queue behind each other, not in front of the swarm's honest work.
+- **A per-node budget of scoring time.** Each group's wall seconds in the sandbox are charged
+  to its node (a text that hit its timeout costs the whole timeout); a node whose budget is
+  spent is refused before its next group is read, until the budget refills
+  (:data:`SCORING_S_PER_MINUTE`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import trio
+
+from echo.p2p.budget import LruMap
+from echo.tasks.sandbox import OK, Sandbox, Score
+
+log = logging.getLogger("echo.coordinator.scoring")
+
+# BOINC's adaptive replication trusts a host after about 10 valid results in a row.
+TRUSTED_STREAK = 10
+# Slots shared by nodes without that run: one, so they cannot take more than one core between
+# them, whatever their number.
+NEW_NODE_SLOTS = 1
+# Honest groups score in milliseconds (16 gym answers in about 10 ms here); a minute's refill
+# pays for thousands of them, and for two scorer timeouts at most.
+SCORING_S_PER_MINUTE = 6.0
+# What a node may spend at once: a few timeouts' worth, so a rare honest slow text never
+# locks a node out.
+SCORING_BURST_S = 12.0
+# Budgets tracked at once; a flood of identities evicts the oldest (which start full again,
+# but a new identity gets one lease, so that buys it one group).
+MAX_TRACKED_NODES = 50_000
+
+
+@dataclass
+class _Bucket:
+    level: float
+    at: float
+
+
+class Scoring:
+    """Groups scored in their job's sandbox, with slots and budgets per node (see the module
+    doc). One per coordinator; the sandboxes belong to the running jobs."""
+
+    def __init__(self, trusted_slots: int | None = None) -> None:
+        self.trusted = trio.CapacityLimiter(trusted_slots or max(2, os.cpu_count() or 2))
+        self.new = trio.CapacityLimiter(NEW_NODE_SLOTS)
+        self._budgets: LruMap[str, _Bucket] = LruMap(MAX_TRACKED_NODES)
+        self.failures: dict[str, int] = {}  # outcome -> texts, for metrics and tests
+
+    def budget_left(self, node_id: str, now: float | None = None) -> float:
+        """Seconds of scoring ``node_id`` may still spend (refilled at the per-minute rate)."""
+        bucket = self._bucket(node_id, time.monotonic() if now is None else now)
+        return bucket.level
+
+    def _bucket(self, node_id: str, now: float) -> _Bucket:
+        b = self._budgets.setdefault(node_id, lambda: _Bucket(SCORING_BURST_S, now))
+        b.level = min(SCORING_BURST_S, b.level + (now - b.at) * SCORING_S_PER_MINUTE / 60.0)
+        b.at = now
+        return b
+
+    def charge(self, node_id: str, seconds: float) -> None:
+        """Charge ``node_id`` for ``seconds`` of scoring (the level may go below zero: a
+        group that cost more than was left is paid off before the next is read)."""
+        self._bucket(node_id, time.monotonic()).level -= seconds
+
+    async def score(
+        self,
+        sandbox: Sandbox,
+        node_id: str,
+        prompt_id: int,
+        texts: Sequence[str],
+        *,
+        trusted: bool,
+    ) -> list[Score]:
+        """Each text's score from ``sandbox``, charged to ``node_id``.
+
+        Runs in a trio worker thread under the node's class of slots; not abandoned on
+        cancellation (the sandbox bounds every text by its budget, so the wait is bounded).
+
+        :raises SandboxError: the job's sandbox cannot start.
+        """
+        limiter = self.trusted if trusted else self.new
+        scores = await trio.to_thread.run_sync(
+            sandbox.score, prompt_id, list(texts), limiter=limiter
+        )
+        self.charge(node_id, sum(s.seconds for s in scores))
+        for s in scores:
+            if s.outcome != OK:
+                self.failures[s.outcome] = self.failures.get(s.outcome, 0) + 1
+        bad = [s.outcome for s in scores if s.outcome != OK]
+        if bad:
+            log.info(
+                "group from %s: %d of %d texts scored 0 (%s)",
+                node_id[-8:],
+                len(bad),
+                len(scores),
+                ", ".join(sorted(set(bad))),
+            )
+        return scores
+
+
+def outcome_summary(scores: Sequence[Score]) -> str:
+    """``"2 of 16 completions scored 0: scorer_timeout"`` for a reply's detail; "" if all ok."""
+    bad = [s.outcome for s in scores if s.outcome != OK]
+    if not bad:
+        return ""
+    return f"{len(bad)} of {len(scores)} completions scored 0: {', '.join(sorted(set(bad)))}"
