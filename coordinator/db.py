@@ -94,6 +94,8 @@ CREATE TABLE IF NOT EXISTS rollouts (
 );
 CREATE INDEX IF NOT EXISTS rollouts_job_status ON rollouts (job_id, status, created_at);
 CREATE UNIQUE INDEX IF NOT EXISTS rollouts_content ON rollouts (job_id, content_hash);
+-- A node's groups, newest last: the lease quota's "accepted since" (a read per lease request).
+CREATE INDEX IF NOT EXISTS rollouts_node ON rollouts (node_id, created_at);
 CREATE TABLE IF NOT EXISTS completions (
     rollout_id TEXT NOT NULL,
     idx INTEGER NOT NULL,                 -- position in the group

@@ -146,9 +146,11 @@ class Leases:
         A node's quota grows with its run of valid results (one more open lease per
         ``lease_quota_ramp`` valid groups): identities are free, so a fresh one, honest or not,
         cannot tie up more than one lease of the buffer before it has proven itself. Each lease
-        the node let expire within ``expired_lease_window_s`` takes one off its quota (then it
-        gets none until they age out; a later submitted lease forgives it), and nodes without
-        an accepted group (``fresh``) share ``fresh_lease_share`` of the window (unless
+        the node took and did not deliver within ``expired_lease_window_s`` (let expire, or had
+        its submission rejected, a stale version's included) takes one off its quota (then it
+        gets none until they age out; only a group accepted after them forgives them, see
+        :meth:`~echo.coordinator.store_leases.LeaseTables.undelivered_lease_count`), and nodes
+        without an accepted group (``fresh``) share ``fresh_lease_share`` of the window (unless
         ``lease_quota_ramp`` is 0): however many identities hoard, the rest of the window stays
         with nodes that have delivered.
         """
@@ -161,7 +163,9 @@ class Leases:
         quota = cfg.max_open_leases_per_node
         if cfg.lease_quota_ramp:
             quota = min(quota, 1 + streak // cfg.lease_quota_ramp)
-        quota -= self.store.expired_lease_count(node_id, time.time() - cfg.expired_lease_window_s)
+        quota -= self.store.undelivered_lease_count(
+            node_id, time.time() - cfg.expired_lease_window_s
+        )
         per_node = quota - self.store.open_lease_count(job_id, node_id)
         room = target - in_flight
         if fresh and cfg.lease_quota_ramp:  # ramp 0: the operator trusts identities at once

@@ -4,11 +4,20 @@
 the transaction rules). A lease is ``open`` until its group is submitted (accepted or not) or its
 deadline passes; an accepted group closes its lease in the same transaction that stores it
 (:meth:`~echo.coordinator.store_ledger.Ledger.accept_rollout`), so a lease yields one group at most.
+
+A lease is *delivered* only when a group of it was accepted (its rollout row exists: a rollout is
+stored under its lease's id). Every other lease that stopped being owed -- expired, or closed by
+a rejected submission, a stale version's included -- counts against its node's quota
+(:meth:`LeaseTables.undelivered_lease_count`) until the penalty window passes or the node has a
+group accepted after it. Nothing but an accepted group forgives: a stale-version submission,
+which costs the node nothing to make, used to close its lease as "submitted" and so forgive every
+lease of its grant (they share a deadline); hoarders kept a job's whole lease window that way.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from echo.coordinator.db import Database
 from echo.coordinator.rows import LeaseRow, lease_row
@@ -60,18 +69,25 @@ class LeaseTables(Database):
             ).fetchone()[0]
         )
 
-    def expired_lease_count(self, node_id: str, since: float) -> int:
-        """Leases the node let expire with a deadline at or after ``since`` and after the
-        deadline of the last lease it submitted (all jobs): a node that delivered since is
-        forgiven what expired before. Two reads on the ``leases_node`` index."""
+    def undelivered_lease_count(self, node_id: str, since: float) -> int:
+        """Leases the node took and did not deliver (let expire, or had a submission of them
+        rejected) that stopped being owed at or after ``since`` and after the node's last group
+        accepted by the coordinator (a later accepted group forgives what came before; one of the
+        same grant does not, its siblings stop being owed after it). Indexed reads only
+        (``leases_node``, ``rollouts_node``, the rollouts' key)."""
         last = self._db.execute(
-            "SELECT MAX(deadline) FROM leases WHERE node_id=? AND status='submitted'", (node_id,)
-        ).fetchone()[0]
+            # Walks the node's rollouts newest first: a rollout the learner's re-scoring rejected
+            # was not valid work and forgives nothing.
+            "SELECT created_at FROM rollouts WHERE node_id=? AND status!='rejected'"
+            " ORDER BY created_at DESC LIMIT 1",
+            (node_id,),
+        ).fetchone()
         return int(
             self._db.execute(
-                "SELECT COUNT(*) FROM leases WHERE node_id=? AND status='expired' AND deadline>=?"
-                " AND deadline>?",
-                (node_id, since, last if last is not None else float("-inf")),
+                "SELECT COUNT(*) FROM leases WHERE node_id=? AND status IN ('expired','submitted')"
+                " AND deadline>=? AND deadline>? AND NOT EXISTS"
+                " (SELECT 1 FROM rollouts WHERE rollouts.rollout_id=leases.lease_id)",
+                (node_id, since, last[0] if last is not None else float("-inf")),
             ).fetchone()[0]
         )
 
@@ -83,9 +99,15 @@ class LeaseTables(Database):
         return row is not None
 
     def close_lease(self, lease_id: str) -> None:
-        """Close an open lease whose submission was rejected: its prompt is not issued again."""
+        """Close an open lease whose submission was rejected: its prompt is not issued again.
+
+        Its deadline becomes the time it was closed (no group will come for it any more): from
+        then on it counts as undelivered, like a lease let expire, and only a group accepted
+        after it forgives it (:meth:`undelivered_lease_count`). It stays ``submitted``, so a
+        second submission of it is a duplicate."""
         with self._tx() as db:
             db.execute(
-                "UPDATE leases SET status='submitted' WHERE lease_id=? AND status='open'",
-                (lease_id,),
+                "UPDATE leases SET status='submitted', deadline=MIN(deadline, ?)"
+                " WHERE lease_id=? AND status='open'",
+                (time.time(), lease_id),
             )
