@@ -1,13 +1,17 @@
 """The coordinator's HTTP API (Starlette on hypercorn/trio), its dashboard and /metrics.
 
 Routes under ``/v1`` need ``Authorization: Bearer <token>``; ``/healthz``, ``/metrics`` and the
-read-only dashboard ``/`` do not. Bad job specs get 400 with one line per bad key.
+read-only dashboard ``/`` do not. Bad job specs get 400 with one line per bad key; a body that
+is not a job table (a string, null, a list, nesting past any job's depth), a tracking folder
+outside the job's folder and a dataset file outside the operator's ``[jobs] dataset_roots`` are
+400s too, and no 400 quotes what a dataset file holds. A submitted spec never answers 500.
 """
 
 from __future__ import annotations
 
 import hmac
 import json
+import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -36,7 +40,10 @@ from echo.coordinator.jobs import check_job
 from echo.coordinator.learners import tail
 from echo.coordinator.names import check_job_name
 from echo.coordinator.ports import ApiBackend
-from echo.protocol.jobspec import SpecError, load_job_toml, parse_job
+from echo.protocol.jobspec import JobSpec, SpecError, load_job_toml, parse_job
+from echo.tasks.dataset_io import DatasetError
+
+log = logging.getLogger("echo.coordinator.api")
 
 # A job spec is a few KB; anything much larger is not one.
 MAX_BODY = 256 * 1024
@@ -196,6 +203,41 @@ async def read_capped(request: Request, limit: int) -> bytes | None:
     return bytes(body)
 
 
+def parse_submitted(body: bytes, content_type: str) -> JobSpec:
+    """The job in a submit request's ``body``: JSON when ``content_type`` says so, else TOML.
+
+    :raises SpecError: bytes that are not UTF-8, JSON or TOML that does not parse (nesting
+        past the parser's recursion limit included), or a spec :func:`parse_job` refuses; the
+        message says which.
+    """
+    try:
+        text = body.decode()
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"job spec is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
+    if not content_type.startswith("application/json"):
+        return load_job_toml(text)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SpecError(f"job spec is not valid JSON: {exc}") from None
+    except RecursionError:  # the C decoder's own limit: far deeper than any job
+        raise SpecError("job spec JSON is nested too deeply to be a job") from None
+    return parse_job(data)
+
+
+def check_error(exc: Exception) -> str:
+    """The 400 message for what :func:`~echo.coordinator.jobs.check_job` raised: a dataset's
+    error without the file's content (:attr:`DatasetError.public`), a ValueError or OSError as
+    it says, and anything else by its type only (its text may quote what it read), logged here
+    with its traceback."""
+    if isinstance(exc, DatasetError):
+        return exc.public
+    if isinstance(exc, (ValueError, OSError)):
+        return str(exc)
+    log.warning("a submitted job could not be built", exc_info=exc)
+    return f"the job cannot be built here ({type(exc).__name__}); the coordinator's log says more"
+
+
 def build_app(coord: ApiBackend) -> Starlette:
     """The Starlette app of the API, the dashboard and /metrics over ``coord``.
 
@@ -228,18 +270,15 @@ def build_app(coord: ApiBackend) -> Starlette:
                 {"error": f"job spec too large (at most {MAX_BODY} bytes)"}, status_code=413
             )
         try:
-            text = body.decode()
-            if request.headers.get("content-type", "").startswith("application/json"):
-                spec = parse_job(json.loads(text))
-            else:
-                spec = load_job_toml(text)
-        except (SpecError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            spec = parse_submitted(body, request.headers.get("content-type", ""))
+            coord.config.jobs.check_task_paths(spec.task.params, coord.config.data_dir)
+        except SpecError as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
         try:  # the name, the task, its dataset and rewards, before anything is stored
             check_job_name(spec.name)
             await trio.to_thread.run_sync(check_job, spec)
-        except (ValueError, OSError) as exc:
-            return JSONResponse({"error": str(exc)}, status_code=400)
+        except Exception as exc:  # whatever building the job raised: the spec is bad, not us
+            return JSONResponse({"error": check_error(exc)}, status_code=400)
         job_id = coord.submit_job(spec)
         return JSONResponse({"job_id": job_id}, status_code=201)
 

@@ -44,10 +44,18 @@ def serve(
         typer.Option(help="libp2p listen multiaddr, repeatable (overrides the config)"),
     ] = None,
     http_port: Annotated[int | None, typer.Option(help="HTTP API port (0 = any free port)")] = None,
+    dataset_root: Annotated[
+        list[Path] | None,
+        typer.Option(
+            help="a folder jobs may read dataset files from, repeatable (overrides the "
+            "config's [jobs] dataset_roots; default: <data dir>/datasets)"
+        ),
+    ] = None,
     info_file: Annotated[
         Path | None,
         typer.Option(
-            help="write the multiaddr, HTTP URL and API token as JSON here once listening"
+            help="write the multiaddr, HTTP URL and API token as JSON here once listening "
+            "(mode 0600: it holds the token)"
         ),
     ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="debug logging")] = False,
@@ -58,7 +66,7 @@ def serve(
     and starts a learner subprocess for each job. State lives in SQLite under the data dir; a
     restart resumes every running job where it was.
     """
-    from echo.coordinator.config import load_config
+    from echo.coordinator.config import load_config, write_private
     from echo.coordinator.service import Coordinator
     from echo.coordinator.store import Store
     from echo.p2p.identity import Identity
@@ -81,6 +89,8 @@ def serve(
         updates["listen"] = listen
     if http_port is not None:
         updates["http_port"] = http_port
+    if dataset_root:
+        updates["jobs"] = cfg.jobs.model_copy(update={"dataset_roots": dataset_root})
     cfg = cfg.model_copy(update=updates)
     cfg.data_dir.mkdir(parents=True, exist_ok=True)
     store = Store.open(cfg.data_dir / "coordinator.sqlite")
@@ -98,9 +108,9 @@ def serve(
             console.print(
                 f"  join with: [bold]echo-node join --coordinator {coord.multiaddrs[0]}[/bold]"
             )
-            if info_file is not None:
-                tmp = info_file.with_suffix(".tmp")
-                tmp.write_text(
+            if info_file is not None:  # it holds the API token: this user's eyes only
+                write_private(
+                    info_file,
                     json.dumps(
                         {
                             "multiaddrs": coord.multiaddrs,
@@ -108,9 +118,8 @@ def serve(
                             "token": coord.token,
                             "peer_id": str(coord.identity.peer_id),
                         }
-                    )
+                    ),
                 )
-                tmp.replace(info_file)
 
     try:
         run_until_signalled(main)

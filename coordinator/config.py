@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import secrets
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import platformdirs
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from echo.models.device import DEVICE_PATTERN
-from echo.protocol.jobspec import explain_validation, read_toml
+from echo.protocol.jobspec import SpecError, explain_validation, is_local_path_param, read_toml
+
+# Where datasets may live when ``[jobs] dataset_roots`` is unset: a folder of the data dir, so a
+# fresh coordinator reads no file it did not create unless its operator names more.
+DEFAULT_DATASET_ROOT = "datasets"
 
 
 class VerificationSection(BaseModel):
@@ -202,6 +209,68 @@ class SchedulerSection(BaseModel):
     )
 
 
+class JobsSection(BaseModel):
+    """``[jobs]``: which of the coordinator's files a submitted job may make it read."""
+
+    model_config = ConfigDict(extra="forbid")
+    dataset_roots: list[Path] | None = Field(
+        default=None,
+        max_length=64,
+        description="folders a job's dataset files (task params path, eval_path, any *_path) "
+        "must lie in, after symlinks are resolved; relative ones are relative to where the "
+        "coordinator runs. Unset: <data_dir>/datasets only; []: no dataset files at all",
+    )
+
+    def roots(self, data_dir: Path) -> list[Path]:
+        """The dataset roots as real absolute paths (symlinks resolved), ``data_dir``'s
+        ``datasets`` folder when none are configured."""
+        given = self.dataset_roots
+        if given is None:
+            given = [data_dir / DEFAULT_DATASET_ROOT]
+        return [Path(os.path.realpath(r)) for r in given]
+
+    def check_task_paths(self, params: Mapping[str, Any], data_dir: Path) -> None:
+        """Refuse a task parameter that names a local file (``path``, ``eval_path``, ``*_path``)
+        outside :meth:`roots`. Nothing is opened or stat'ed first: the answer must not tell
+        whether a file exists elsewhere on this machine.
+
+        :raises SpecError: naming the key (``job: task.params.<key>``) and the roots.
+        """
+        roots = self.roots(data_dir)
+        for key, value in params.items():
+            if not is_local_path_param(key) or value is None:
+                continue
+            where = f"job: task.params.{key}"
+            if not isinstance(value, str) or not value or "\x00" in value:
+                raise SpecError(f"{where}: must be a file path")
+            real = Path(os.path.realpath(value))  # '..' and symlinks resolved
+            if not any(real.is_relative_to(root) for root in roots):
+                named = ", ".join(str(r) for r in roots) or "none"
+                raise SpecError(
+                    f"{where}: {value} is not inside this coordinator's dataset roots "
+                    f"({named}; the operator sets them in coordinator.toml, [jobs] dataset_roots)"
+                )
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by this user only (mode 0600, whatever the umask),
+    replacing it atomically: written to a fresh ``.tmp`` file beside it (an old one, with whatever
+    mode or link it had, is removed first), then renamed.
+
+    :raises OSError: the folder is not writable.
+    """
+    tmp = path.with_suffix(".tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # the umask may have taken bits off, never adds: set it exactly
+        os.write(fd, text.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    tmp.replace(path)
+
+
 class CoordinatorConfig(BaseModel):
     """The whole ``coordinator.toml``: data dir, listen addresses, HTTP API, the sections."""
 
@@ -219,6 +288,7 @@ class CoordinatorConfig(BaseModel):
     admission: AdmissionSection = Field(default_factory=AdmissionSection)
     retention: RetentionSection = Field(default_factory=RetentionSection)
     scheduler: SchedulerSection = Field(default_factory=SchedulerSection)
+    jobs: JobsSection = Field(default_factory=JobsSection)
 
     def ensure_token(self) -> str:
         """The API token: configured, or generated once and kept in data_dir (mode 0600)."""
@@ -229,10 +299,7 @@ class CoordinatorConfig(BaseModel):
             return path.read_text().strip()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         token = secrets.token_urlsafe(24)
-        tmp = path.with_suffix(".tmp")
-        tmp.touch(mode=0o600)
-        tmp.write_text(token + "\n")
-        tmp.replace(path)
+        write_private(path, token + "\n")
         return token
 
 

@@ -57,12 +57,15 @@ class JobControl:
         """Load every pending or running job, and start their learners in ``nursery``.
 
         Jobs submitted later start theirs there too. A stored job this build cannot load (its
-        task, model or dataset gone, or a spec an older build let through) is marked failed
-        with the reason, and the others start: one bad job never stops the coordinator.
+        task, model or dataset gone, or a spec an older build let through, such as a dataset
+        outside today's ``[jobs] dataset_roots``) is marked failed with the reason, and the
+        others start: one bad job never stops the coordinator.
         """
         self._nursery = nursery
         for row in self.store.jobs(["pending", "running"]):
             try:
+                task = row.spec.get("task") or {}
+                self.config.jobs.check_task_paths(task.get("params") or {}, self.config.data_dir)
                 self._start(row.job_id)
             except Exception as exc:  # whatever loading raised: the job fails, not the daemon
                 self.jobs.pop(row.job_id, None)

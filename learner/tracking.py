@@ -125,21 +125,42 @@ class Tracker:
             log.warning("tracking (%s) did not close cleanly: %s", self.backend, exc)
 
 
+def tracking_folder(section: TrackingSection, job_dir: Path, job_id: str) -> tuple[Path, str]:
+    """The folder the run writes to and the run's name: ``dir`` under ``job_dir`` (default
+    ``tracking``) and ``run_name`` (default the job id), checked to stay inside ``job_dir``
+    after ``..`` and symlinks are resolved. A submitted job was checked already
+    (:meth:`~echo.protocol.jobspec.TrackingSection.escape_problem`); this refuses one stored
+    by an older build, or written into the job's ``job.json`` by hand.
+
+    :raises TrackingError: naming the key whose folder is outside the job's folder.
+    """
+    name = section.run_name or job_id
+    folder = job_dir / (section.dir or "tracking")  # an absolute dir would replace job_dir
+    home = Path(os.path.realpath(job_dir))
+    for key, path in (("dir", folder), ("run_name", folder / name)):
+        real = Path(os.path.realpath(path))
+        if real != home and not real.is_relative_to(home):
+            raise TrackingError(
+                f"[job.tracking] {key}: {path} is outside the job's folder {job_dir}; "
+                "give a relative path without '..'"
+            )
+    return folder, name
+
+
 def open_tracker(
     section: TrackingSection, job_dir: Path, job_id: str, config: Mapping[str, Any]
 ) -> Tracker | None:
     """The tracker ``section`` asks for (None for backend 'none'), writing under its ``dir``
-    (relative to ``job_dir``; default ``job_dir/tracking``); ``config`` is recorded as the
-    run's hyper-parameters where the backend keeps them.
+    (relative to ``job_dir``; default ``job_dir/tracking``; see :func:`tracking_folder`);
+    ``config`` is recorded as the run's hyper-parameters where the backend keeps them.
 
-    :raises TrackingError: the backend's package is missing (naming the extra to install) or
-        the backend refused to start.
+    :raises TrackingError: the folder is outside ``job_dir``, the backend's package is missing
+        (naming the extra to install) or the backend refused to start.
     """
     if section.backend == "none":
         return None
-    folder = job_dir / (section.dir or "tracking")  # an absolute dir replaces job_dir
+    folder, name = tracking_folder(section, job_dir, job_id)
     folder.mkdir(parents=True, exist_ok=True)
-    name = section.run_name or job_id
     if section.backend == "trackio":  # trackio reads where its store lives when imported
         os.environ["TRACKIO_DIR"] = str(folder)
     lib = _import(section.backend)

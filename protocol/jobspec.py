@@ -9,7 +9,8 @@ from __future__ import annotations
 import importlib.util
 import re
 import tomllib
-from pathlib import Path
+from collections.abc import Mapping
+from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -17,6 +18,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 class SpecError(ValueError):
     """A job or config file that does not validate; the message names the bad key."""
+
+
+# A job is at most four tables deep (job.task.params.<key>, job.reward[i].<key>); a submitted
+# mapping nested deeper is not a job, and deep input costs recursion in every parser and
+# validator after this point, so it is refused first, by a walk that cannot overflow itself.
+MAX_SPEC_DEPTH = 8
 
 
 class ModelSection(BaseModel):
@@ -195,6 +202,25 @@ class TrackingSection(BaseModel):
         default=None, max_length=128, description="the run's name; unset: the job id"
     )
 
+    def escape_problem(self) -> str | None:
+        """Why ``dir`` or ``run_name`` could make the learner write outside the job's folder
+        (one line naming the key), else None. Checked when a job is submitted, not when a
+        stored one is read back: the learner refuses such a folder itself
+        (:func:`echo.learner.tracking.open_tracker`)."""
+        if self.dir is not None:
+            why = relative_path_problem(self.dir)
+            if why:
+                return f"tracking.dir: {why}"
+        if self.run_name is not None:
+            name = self.run_name
+            # The run's name is a folder of its own under dir (TensorBoard): one plain part.
+            if any(c in name for c in "/\\\x00") or name in ("", ".", ".."):
+                return (
+                    f"tracking.run_name: {name!r} must be one folder name (no '/', '\\', "
+                    "'..' or NUL)"
+                )
+        return None
+
     def missing_package(self) -> str | None:
         """What to install when the backend's package is not importable here (one line naming
         the extra), else None. Looks the module up without importing it."""
@@ -312,16 +338,87 @@ def read_toml(path: Path | None) -> dict[str, Any]:
         raise SpecError(f"{path} is not valid TOML: {exc}") from None
 
 
-def parse_job(data: dict[str, Any]) -> JobSpec:
+def relative_path_problem(path: str) -> str | None:
+    """Why ``path`` could name something outside the folder it is taken relative to (absolute,
+    a ``..`` part, a NUL byte), else None."""
+    if "\x00" in path:
+        return "must not contain a NUL byte"
+    # A backslash is a separator on Windows; here it only hides a '..' from a casual reader.
+    parts = PurePosixPath(path.replace("\\", "/"))
+    if parts.is_absolute() or path.startswith("~"):
+        return f"{path!r} must be relative to the job's folder, not absolute"
+    if ".." in parts.parts:
+        return f"{path!r} must stay inside the job's folder (no '..')"
+    return None
+
+
+def is_local_path_param(key: str) -> bool:
+    """Whether task parameter ``key`` names a file on the coordinator (``path``, ``eval_path``,
+    any ``*_path``): such a value is read only under the operator's dataset roots and never
+    sent to nodes."""
+    return key == "path" or key.endswith("_path")
+
+
+def node_task_params(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The task parameters a node may see: all but those naming local files
+    (:func:`is_local_path_param`). Nodes generate from the token ids in their leases and never
+    read the dataset; where the coordinator keeps its files is nobody else's business."""
+    return {k: v for k, v in params.items() if not is_local_path_param(k)}
+
+
+def _kind(data: object) -> str:
+    """What a JSON value is, in words, for an error message."""
+    if data is None:
+        return "null"
+    if isinstance(data, bool):
+        return "a boolean"
+    if isinstance(data, (int, float)):
+        return "a number"
+    if isinstance(data, str):
+        return "a string"
+    if isinstance(data, (list, tuple)):
+        return "a list"
+    return type(data).__name__
+
+
+def nested_deeper_than(data: object, limit: int) -> bool:
+    """Whether ``data`` holds lists or mappings more than ``limit`` levels deep (``data`` itself
+    is level 1). Iterative: a hostile depth cannot overflow this walk."""
+    stack: list[tuple[object, int]] = [(data, 1)]
+    while stack:
+        obj, depth = stack.pop()
+        if isinstance(obj, Mapping):
+            children: Any = obj.values()
+        elif isinstance(obj, (list, tuple)):
+            children = obj
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
+
+
+def parse_job(data: Any) -> JobSpec:
     """Validate a job mapping (the ``[job]`` table of job.toml, or the same as JSON) as it is
     submitted: a tracking backend a local learner could not import is refused here (an
-    external learner checks its own when it starts). Raises SpecError naming the bad key."""
-    if "job" in data and isinstance(data["job"], dict) and len(data) == 1:
+    external learner checks its own when it starts), and so is a tracking folder or run name
+    outside the job's folder. Raises SpecError naming the bad key, or saying what the input is
+    when it is not a table (a string, null, a list) or nests deeper than
+    :data:`MAX_SPEC_DEPTH`."""
+    if not isinstance(data, Mapping):
+        raise SpecError(f"job: the spec must be a table of keys (a JSON object), not {_kind(data)}")
+    if nested_deeper_than(data, MAX_SPEC_DEPTH):
+        raise SpecError(f"job: the spec is nested deeper than {MAX_SPEC_DEPTH} levels")
+    if "job" in data and isinstance(data["job"], Mapping) and len(data) == 1:
         data = data["job"]
     try:
         spec = JobSpec.model_validate(data)
     except ValidationError as exc:
         raise explain_validation(exc, "job") from None
+    escape = spec.tracking.escape_problem()
+    if escape:
+        raise SpecError(f"job: {escape}")
     missing = None if spec.learner_public_key else spec.tracking.missing_package()
     if missing:
         raise SpecError(f"job: tracking.backend: {missing}")
@@ -329,8 +426,12 @@ def parse_job(data: dict[str, Any]) -> JobSpec:
 
 
 def load_job_toml(text: str) -> JobSpec:
+    """Parse and validate job.toml text; SpecError for bad TOML (nested arrays past the
+    parser's recursion limit included) or a bad job (see :func:`parse_job`)."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(f"job.toml is not valid TOML: {exc}") from None
+    except RecursionError:  # tomllib recurses per nested array or inline table
+        raise SpecError("job.toml is nested too deeply to be a job") from None
     return parse_job(data)

@@ -178,7 +178,10 @@ class DatasetTask(Task):
         for i, r in enumerate(raw):
             key = r[p.id_field] if p.id_field else f"{path.name}#{i}"
             if key in seen:
-                raise DatasetError(f"dataset file {path}: id {key!r} ({p.id_field}) repeats")
+                raise DatasetError(
+                    f"dataset file {path}: id {key!r} ({p.id_field}) repeats",
+                    public=f"dataset file {path}: row {i}: its id ({p.id_field}) repeats",
+                )
             seen.add(key)
             answer = r[p.answer_field]
             if p.answer_after is not None:

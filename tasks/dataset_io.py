@@ -3,7 +3,9 @@
 Formats: JSON Lines (``.jsonl``), CSV (``.csv``, header row), Parquet (``.parquet``) and a folder
 written by ``datasets``' ``save_to_disk`` (a ``Dataset``, or a ``DatasetDict`` whose split is
 named). Only the named fields are kept, as strings. Every error is a :class:`DatasetError` (a
-ValueError) naming the file and, where it applies, the row and the field.
+ValueError) naming the file and, where it applies, the row and the field; its
+:attr:`~DatasetError.public` form quotes nothing read from the file (no field names from a
+header, no values, no parser's message), for whoever submitted the job over the network.
 
 Limits: a file (or a folder's files together) over ``max_bytes`` is refused by its size before
 it is opened; a file with more than ``max_rows`` rows is refused from its metadata (Parquet, a
@@ -16,6 +18,7 @@ from __future__ import annotations
 import csv
 import json
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +26,17 @@ FORMATS = ("auto", "jsonl", "csv", "parquet", "disk")
 
 
 class DatasetError(ValueError):
-    """A dataset file that is missing, too big, malformed or lacks a field."""
+    """A dataset file that is missing, too big, malformed or lacks a field.
+
+    ``str(exc)`` is the whole message, for the operator's log and local tools: it may quote the
+    file (the fields a row has, a repeated id). :attr:`public` says the same without anything
+    read from the file: what the job API answers, since a dataset path may name a file its
+    submitter should not read (the first line of a CSV header is a file's first line).
+    """
+
+    def __init__(self, message: str, *, public: str | None = None) -> None:
+        super().__init__(message)
+        self.public = message if public is None else public
 
 
 def detect_format(path: Path) -> str:
@@ -105,7 +118,10 @@ def _pick(path: Path, i: int, row: Any, fields: list[str]) -> dict[str, str]:
     for f in fields:
         if f not in row:
             have = ", ".join(sorted(map(str, row))) or "none"
-            raise DatasetError(f"dataset file {path}: row {i} has no field {f!r} (fields: {have})")
+            missing = f"dataset file {path}: row {i} has no field {f!r}"
+            raise DatasetError(
+                f"{missing} (fields: {have})", public=f"{missing} (it has {len(row)} fields)"
+            )
         value = row[f]
         if value is None:
             raise DatasetError(f"dataset file {path}: row {i}: field {f!r} is empty (null)")
@@ -122,7 +138,7 @@ def _text(value: Any) -> str:
 
 
 def _jsonl(path: Path) -> Iterator[dict[str, Any]]:
-    with path.open(encoding="utf-8") as fh:
+    with _utf8(path), path.open(encoding="utf-8") as fh:
         for n, line in enumerate(fh, 1):
             if not line.strip():
                 continue
@@ -133,7 +149,7 @@ def _jsonl(path: Path) -> Iterator[dict[str, Any]]:
 
 
 def _csv(path: Path) -> Iterator[dict[str, Any]]:
-    with path.open(encoding="utf-8", newline="") as fh:
+    with _utf8(path), path.open(encoding="utf-8", newline="") as fh:
         reader = csv.DictReader(fh)
         try:
             yield from reader
@@ -141,11 +157,24 @@ def _csv(path: Path) -> Iterator[dict[str, Any]]:
             raise DatasetError(f"dataset file {path}: line {reader.line_num}: {exc}") from None
 
 
+@contextmanager
+def _utf8(path: Path) -> Iterator[None]:
+    """Turn a decoding error inside the block into a DatasetError: the codec's message quotes
+    the offending byte, which the public form leaves out."""
+    try:
+        yield
+    except UnicodeDecodeError as exc:
+        bad = f"dataset file {path} is not UTF-8 text"
+        raise DatasetError(f"{bad}: {exc}", public=bad) from None
+
+
 def _check_columns(path: Path, have: list[str], fields: list[str]) -> None:
     for f in fields:
         if f not in have:
+            missing = f"dataset file {path} has no field {f!r}"
             raise DatasetError(
-                f"dataset file {path} has no field {f!r} (fields: {', '.join(have) or 'none'})"
+                f"{missing} (fields: {', '.join(have) or 'none'})",
+                public=f"{missing} (it has {len(have)} fields)",
             )
 
 
@@ -162,7 +191,8 @@ def _parquet(path: Path, fields: list[str], max_rows: int) -> Iterator[dict[str,
     try:
         pf = pq.ParquetFile(path)
     except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for bad files
-        raise DatasetError(f"dataset file {path} is not Parquet: {exc}") from None
+        bad = f"dataset file {path} is not Parquet"
+        raise DatasetError(f"{bad}: {exc}", public=f"{bad} ({type(exc).__name__})") from None
     _check_columns(path, pf.schema_arrow.names, fields)
     _check_count(path, pf.metadata.num_rows, max_rows)
     yield from pf.read(columns=fields).to_pylist()
@@ -174,11 +204,13 @@ def _disk(path: Path, fields: list[str], max_rows: int, split: str) -> Iterator[
     try:
         ds = datasets.load_from_disk(str(path))
     except Exception as exc:  # noqa: BLE001 - datasets raises several types for bad folders
-        raise DatasetError(f"dataset folder {path} is not a saved dataset: {exc}") from None
+        bad = f"dataset folder {path} is not a saved dataset"
+        raise DatasetError(f"{bad}: {exc}", public=f"{bad} ({type(exc).__name__})") from None
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
+            missing = f"dataset folder {path} has no split {split!r}"
             raise DatasetError(
-                f"dataset folder {path} has no split {split!r} (splits: {', '.join(ds)})"
+                f"{missing} (splits: {', '.join(ds)})", public=f"{missing} ({len(ds)} splits)"
             )
         ds = ds[split]
     _check_columns(path, list(ds.column_names), fields)
