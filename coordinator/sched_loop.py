@@ -6,15 +6,21 @@ gathers the scheduler's inputs (runnable jobs with their measured terms and oper
 active nodes with their declared cost, memory and engine, the throughput each delivered on each
 job -- counted here, from the groups the coordinator accepted from it
 (:meth:`Placement.accepted`) -- and the tokens/s each reports), runs
-:func:`~echo.coordinator.scheduler.schedule` every ``every_s`` and whenever a node registers
+:func:`~echo.coordinator.scheduler.schedule` every ``every_s`` and soon after a node registers
 unplaced, and answers the node RPCs: the job a registering node is placed on, and whether a node
 asking for leases has been moved. Nodes learn of a move from their next lease
 reply (``LeaseReply.assigned_job``) or, when idle, their next registration.
+
+Identities are free, so nothing a stranger sends buys a pass of its own: registrations that need
+one wait for the next, at most every :data:`PASS_COALESCE_S` (:meth:`Placement.place`), and what
+is kept per node is bounded -- per-job entries only for the live jobs, and a node not heard from
+for :data:`FORGET_S` is forgotten (:meth:`Placement.refresh`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from collections import Counter, deque
@@ -61,6 +67,15 @@ DELIVERY_MIN_AGE_S = 60.0
 # Accepted groups kept per node and job for its delivered rate: far more than a window holds at
 # the submission rate limit's pace is not needed (older ones leave the window anyway).
 DELIVERY_KEPT = 512
+# Passes that registrations (or a standby node's lease request) ask for run at most this often:
+# a pass costs O(active nodes x jobs) per node placed, and a churn of identities registered 5
+# per second, each with a pass of its own. A registering node waits at most this long.
+PASS_COALESCE_S = 0.25
+# A node not heard from (registration, status, lease, accepted group) for this long is forgotten:
+# far past ACTIVE_S, so a node that pauses keeps its measured rates, while a churn of identities
+# leaves at most FORGET_S of them behind. Placement is soft state: a node that comes back later
+# is placed afresh, as after a coordinator restart.
+FORGET_S = 10 * ACTIVE_S
 
 
 @dataclass
@@ -82,6 +97,7 @@ class _Node:
     decided: bool = False  # placed by a scheduling pass (else: never, or adopted)
     switches: int = 0
     proven: bool = False  # has at least one accepted group (any job)
+    seen: float = field(default_factory=time.time)  # last heard from (see FORGET_S)
 
     def update_delivered(self, now: float) -> None:
         """Update the delivered rate on the job the node serves (rates on jobs it left stay as
@@ -122,23 +138,68 @@ class Placement:
         self._params_count: dict[str, int] = {}
         self._misfits: dict[str, str] = {}  # node -> why no running job fits it
         self._rates: dict[str, dict[str, float]] = {}  # node -> job -> rollouts/s, last pass
+        self.passes = 0  # scheduling passes run so far
+        self._last_pass = -math.inf  # time.monotonic() of the last one
 
     # ------------------------------------------------------------------ node RPC hooks
 
     def registered(self, node_id: str, reg: m.Register) -> tuple[str, str]:
-        """Book a node's registration; its job ("" for none) and what to tell it."""
-        node = self.nodes.setdefault(node_id, _Node())
-        node.cost, node.engine = reg.cost, reg.engine
-        node.hardware, node.declared_tps = reg.hardware.to_obj(), reg.tokens_per_s
-        if not node.decided or node.job not in self._runnable():
+        """Book a node's registration; its job ("" for none) and what to tell it. Runs a pass
+        of its own when the node needs one: the registration handler calls :meth:`place`,
+        which coalesces them."""
+        node = self._book(node_id, reg)
+        if self._needs_pass(node):
             self.refresh()
         return node.job or "", self._idle_reason(node_id)
 
+    async def place(self, node_id: str, reg: m.Register) -> tuple[str, str]:
+        """Book a node's registration; its job ("" for none) and what to tell it, as
+        :meth:`registered`, except that a node which needs a pass waits for the next one
+        (at most :data:`PASS_COALESCE_S`) and every registration waiting then shares it."""
+        node = self._book(node_id, reg)
+        if self._needs_pass(node):
+            await self._next_pass()
+        return node.job or "", self._idle_reason(node_id)
+
+    def _book(self, node_id: str, reg: m.Register) -> _Node:
+        node = self.nodes.setdefault(node_id, _Node())
+        node.cost, node.engine = reg.cost, reg.engine
+        node.hardware, node.declared_tps = reg.hardware.to_obj(), reg.tokens_per_s
+        node.seen = time.time()
+        return node
+
+    def _needs_pass(self, node: _Node) -> bool:
+        return not node.decided or node.job not in self._runnable()
+
+    async def _next_pass(self) -> None:
+        """Return once a pass that started after this call has run: the first waiter to reach
+        :data:`PASS_COALESCE_S` after the last pass runs it, for every waiter."""
+        want = self.passes + 1
+        while self.passes < want:
+            wait = self._last_pass + PASS_COALESCE_S - time.monotonic()
+            if wait <= 0:
+                self.refresh()
+            else:
+                await trio.sleep(wait)
+
+    def _refresh_if_due(self) -> None:
+        """A pass, unless one ran within :data:`PASS_COALESCE_S` (the periodic pass follows)."""
+        if time.monotonic() - self._last_pass >= PASS_COALESCE_S:
+            self.refresh()
+
     def observed(self, node_id: str, job_id: str, tokens_per_s: float, version: int) -> None:
-        """A node's status: its delivered tokens/s on ``job_id`` and the version it holds."""
+        """A node's status: its delivered tokens/s on ``job_id`` and the version it holds. A
+        status naming a job that is not live is only a sign of life: the per-job entries are
+        keyed by the live jobs alone, whatever ``job_id`` a node writes."""
+        live = job_id in self.jobs
         node = self.nodes.get(node_id)
         if node is None:  # a node from before a coordinator restart: it works where it says
+            if not live:
+                return
             node = self.nodes[node_id] = _Node(job=job_id, since=time.time())
+        node.seen = time.time()
+        if not live:
+            return
         if tokens_per_s > 0:
             node.measured.pop(job_id, None)  # re-inserted last: the newest measure
             node.measured[job_id] = tokens_per_s
@@ -153,6 +214,7 @@ class Placement:
         own report."""
         node = self.nodes.setdefault(node_id, _Node())
         at = time.time() if at is None else at
+        node.seen = max(node.seen, at)
         times = node.accepted.setdefault(job_id, deque(maxlen=DELIVERY_KEPT))
         times.append((at, completions))
         while times and times[0][0] < at - DELIVERY_WINDOW_S:
@@ -165,11 +227,14 @@ class Placement:
         if node is None:
             node = self.nodes[node_id] = _Node(job=job_id, since=time.time())
             return None
+        node.seen = time.time()
         if node.job is None and not node.decided:
             node.job, node.since = job_id, time.time()
             return None
         if node.job is None and job_id in self._runnable():
-            self.refresh()  # placed on standby while nothing ran, say: look again
+            # Placed on standby while nothing ran, say: look again. Not a pass per request,
+            # though: a standby identity may ask for leases 20 times a second.
+            self._refresh_if_due()
         if node.job == job_id or job_id not in self._runnable():
             return None  # a job that ended says so itself ("job is done")
         return node.job or ""
@@ -239,11 +304,21 @@ class Placement:
         return self._params_count[job_id]
 
     def _active_rows(self, now: float) -> list[NodeRow]:
-        return [n for n in self.store.nodes() if not n.excluded and now - n.last_seen < ACTIVE_S]
+        return self.store.active_nodes(now - ACTIVE_S)
+
+    def _forget(self, now: float) -> None:
+        """Drop the nodes not heard from for :data:`FORGET_S` (see the module docstring)."""
+        gone = [nid for nid, n in self.nodes.items() if n.seen < now - FORGET_S]
+        for nid in gone:
+            del self.nodes[nid]
+            self._misfits.pop(nid, None)
 
     def refresh(self, now: float | None = None) -> Decision:
-        """Run one scheduling pass over the runnable jobs and active nodes, and apply it."""
+        """Run one scheduling pass over the runnable jobs and active nodes, and apply it; forget
+        the nodes gone for :data:`FORGET_S`."""
         now = time.time() if now is None else now
+        self.passes += 1
+        self._last_pass = time.monotonic()
         runnable = self._runnable()
         demands = []
         # Jobs that ended keep their terms and sizes: a node's rates there still calibrate it.
@@ -261,6 +336,7 @@ class Placement:
         supplies, self._rates = [], {}
         for row in self._active_rows(now):
             node = self.nodes.setdefault(row.node_id, _Node(engine=row.engine))
+            node.seen = max(node.seen, row.last_seen)
             node.proven = row.accepted > 0
             node.update_delivered(now)
             if not node.hardware:
@@ -305,6 +381,7 @@ class Placement:
             self._rates[row.node_id] = rates
         decision = schedule(demands, supplies, now, self.params)
         self._apply(decision, now)
+        self._forget(now)
         return decision
 
     def _typical_rate(self, job_id: str, tpr: Mapping[str, float]) -> float:

@@ -32,9 +32,14 @@ class NodeTables(Database):
         upload_bps: float,
         download_bps: float,
     ) -> NodeRow:
-        """Register the node or refresh what it declared; its record of results is kept."""
+        """Register the node or refresh what it declared; its record of results is kept.
+
+        A hint (see ``Database._hint_tx``: no fsync of its own): a new row holds no record yet
+        and a refresh only what the node declares again at its next registration, so a power cut
+        loses nothing a node cannot re-send, while an fsync per registration let a churn of free
+        identities keep the disk busy."""
         now = time.time()
-        with self._tx() as db:
+        with self._hint_tx() as db:
             db.execute(
                 "INSERT INTO nodes (node_id, public_key, engine, hardware_json, tokens_per_s,"
                 " upload_bps, download_bps, first_seen, last_seen) VALUES (?,?,?,?,?,?,?,?,?)"
@@ -66,6 +71,17 @@ class NodeTables(Database):
     def nodes(self) -> list[NodeRow]:
         """Every registered node, first registered first."""
         rows = self._db.execute("SELECT * FROM nodes ORDER BY first_seen").fetchall()
+        return [node_row(r) for r in rows]
+
+    def active_nodes(self, since: float) -> list[NodeRow]:
+        """Nodes not excluded and heard from after ``since``, first registered first.
+
+        One range read on the ``nodes_active`` index: the excluded and long-silent identities a
+        churn leaves behind (kept until retention forgets them) are never read.
+        """
+        rows = self._db.execute(
+            "SELECT * FROM nodes WHERE excluded=0 AND last_seen>? ORDER BY first_seen", (since,)
+        ).fetchall()
         return [node_row(r) for r in rows]
 
     def touch_node(
@@ -107,9 +123,15 @@ class NodeTables(Database):
         return {r[0]: int(r[1]) for r in rows}
 
     def set_excluded(self, node_id: str, excluded: bool) -> None:
-        """Exclude (or readmit) the node; excluding also expires its leases and drops its buffer."""
+        """Exclude (or readmit) the node; excluding also expires its leases and drops its buffer.
+
+        The time of exclusion is kept: retention forgets an excluded identity only a while after
+        it (:meth:`~echo.coordinator.store_prune.Pruning.prune`)."""
         with self._tx() as db:
-            db.execute("UPDATE nodes SET excluded=? WHERE node_id=?", (int(excluded), node_id))
+            db.execute(
+                "UPDATE nodes SET excluded=?, excluded_at=? WHERE node_id=?",
+                (int(excluded), time.time() if excluded else 0.0, node_id),
+            )
             if excluded:
                 # Its open leases go back to the pool at once rather than at their deadline.
                 db.execute(

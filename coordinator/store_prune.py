@@ -13,8 +13,11 @@ deletes, in one transaction, only what nothing reads any more:
   the training record; those of dropped or rejected groups go with the envelope);
 - rejection log rows older than ``rejections_s`` (a node's totals stay on its row);
 - nodes that never had a group accepted, are not excluded, hold no open lease and were not
-  heard from for ``idle_nodes_s`` (churning identities), with their version log. Excluded
-  nodes are kept, or forgetting would readmit them.
+  heard from for ``idle_nodes_s`` (churning identities), with their version log;
+- excluded nodes that were excluded and not heard from for ``idle_nodes_s``, with their version
+  log. Forgetting one readmits it as a fresh identity, which is no more than anyone gets by
+  making a new key (identities are free); keeping every one forever let a churn of excluded
+  identities grow the table without bound.
 
 Deleted pages are reused by SQLite, so the file levels off rather than shrinks.
 """
@@ -65,5 +68,12 @@ class Pruning(Database):
             db.execute(f"DELETE FROM node_versions WHERE node_id IN ({idle})", (node_cutoff,))
             out["nodes"] = db.execute(
                 f"DELETE FROM nodes WHERE node_id IN ({idle})", (node_cutoff,)
+            ).rowcount
+            # Excluded: its open leases were expired when it was excluded, so none is owed.
+            gone = "SELECT node_id FROM nodes WHERE excluded!=0 AND excluded_at<? AND last_seen<?"
+            args = (node_cutoff, node_cutoff)
+            db.execute(f"DELETE FROM node_versions WHERE node_id IN ({gone})", args)
+            out["excluded_nodes"] = db.execute(
+                f"DELETE FROM nodes WHERE node_id IN ({gone})", args
             ).rowcount
             return out
