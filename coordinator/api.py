@@ -36,10 +36,12 @@ from starlette.routing import Route
 
 from echo.coordinator.capacity import NodeRate, plan, recommend_staleness, staleness_options
 from echo.coordinator.exports import Exports, ExportUnavailable
+from echo.coordinator.job_control import FINISHED
 from echo.coordinator.jobs import check_job
 from echo.coordinator.learners import tail
 from echo.coordinator.names import check_job_name
 from echo.coordinator.ports import ApiBackend
+from echo.coordinator.store_epochs import learner_epochs
 from echo.protocol.jobspec import JobSpec, SpecError, load_job_toml, parse_job
 from echo.tasks.dataset_io import DatasetError
 
@@ -318,6 +320,17 @@ def build_app(coord: ApiBackend) -> Starlette:
     async def cancel(job_id: str, request: Request) -> Response:
         return JSONResponse({"cancelled": coord.cancel_job(job_id)})
 
+    epochs = learner_epochs(coord.store)
+
+    @job_route
+    async def learner_epoch(job_id: str, request: Request) -> Response:
+        """Issue the job a new learner epoch for an external learner (409 once it is over):
+        every learner of the job started before is refused from now on."""
+        row = coord.store.job(job_id)
+        if row is None or row.status in FINISHED:
+            return JSONResponse({"error": "the job is over"}, status_code=409)
+        return JSONResponse({"epoch": epochs.issue_learner_epoch(job_id)})
+
     @job_route
     async def logs(job_id: str, request: Request) -> Response:
         try:
@@ -384,6 +397,7 @@ def build_app(coord: ApiBackend) -> Starlette:
             Route("/v1/jobs", list_jobs, methods=["GET"]),
             Route("/v1/jobs/{job_id}", get_job),
             Route("/v1/jobs/{job_id}/cancel", cancel, methods=["POST"]),
+            Route("/v1/jobs/{job_id}/learner-epoch", learner_epoch, methods=["POST"]),
             Route("/v1/jobs/{job_id}/logs", logs),
             Route("/v1/jobs/{job_id}/plan", capacity),
             Route("/v1/jobs/{job_id}/export", export, methods=["POST"]),

@@ -211,6 +211,17 @@ def cancel(job_id: str, url: UrlOpt = "http://127.0.0.1:8080", token: TokenOpt =
     console.print("cancelled" if out["cancelled"] else "job was not running")
 
 
+@app.command("learner-epoch")
+def learner_epoch(
+    job_id: str, url: UrlOpt = "http://127.0.0.1:8080", token: TokenOpt = ""
+) -> None:
+    """Hand the job to a learner you run yourself: print a new learner epoch for it, to pass
+    as `python -m echo.learner ... --epoch N`. Every learner of the job started before (the
+    coordinator's own included) is refused from then on."""
+    out = _call(url, token, "POST", f"/v1/jobs/{job_id}/learner-epoch")
+    console.print(out["epoch"], markup=False, highlight=False)
+
+
 # Writing a large model's export on the coordinator takes minutes; the POST waits for it.
 EXPORT_TIMEOUT = httpx.Timeout(10.0, read=3600.0)
 

@@ -23,6 +23,7 @@ from echo.coordinator.learners import supervise_learner
 from echo.coordinator.metrics import Metrics
 from echo.coordinator.names import check_job_name
 from echo.coordinator.store import Store
+from echo.coordinator.store_epochs import learner_epochs
 from echo.p2p.identity import Identity
 from echo.protocol.jobspec import JobSpec
 
@@ -52,6 +53,7 @@ class JobControl:
         self._multiaddrs = multiaddrs
         self._nursery: trio.Nursery | None = None
         self._learner_scopes: dict[str, trio.CancelScope] = {}
+        self.epochs = learner_epochs(store)
 
     def resume(self, nursery: trio.Nursery) -> None:
         """Load every pending or running job, and start their learners in ``nursery``.
@@ -119,7 +121,14 @@ class JobControl:
         return names.job_dir(self.config.data_dir, job_id)
 
     def learner_command(self, job_id: str) -> list[str]:
-        """The command line of the job's local learner (it dials the first listen address)."""
+        """The command line of the job's local learner (it dials the first listen address).
+
+        Each call issues the job a new learner epoch (:mod:`~echo.coordinator.store_epochs`)
+        and puts it on the command line: the process about to start is the only learner the
+        coordinator hears from then on, and any started before (an orphan of a killed
+        coordinator, a copy run by hand) is refused. Call it once per process started.
+        """
+        epoch = self.epochs.issue_learner_epoch(job_id)
         cmd = [
             sys.executable,
             "-m",
@@ -134,6 +143,8 @@ class JobControl:
             str(self.config.learner.torch_threads),
             "--device",
             self.config.learner.device,
+            "--epoch",
+            str(epoch),
         ]
         bc = self.config.broadcast
         if bc.learner_pace > 0:

@@ -1,8 +1,10 @@
 """The coordinator's learner-facing libp2p handlers: attach, take a batch, publish a version.
 
 :class:`LearnerRPC` owns what a job's learner may ask: only the key the job pins may sign these
-requests. A step report is booked in one store transaction (the trained rollouts, the re-scoring
-rejections, the new version), then the version's broadcast is planned over the nodes active now
+requests, and only with the job's newest learner epoch (:mod:`~echo.coordinator.store_epochs`),
+so of two learners holding that key only the one the coordinator last started is heard. A step
+report is booked in one store transaction (the trained rollouts, the re-scoring rejections, the
+new version), then the version's broadcast is planned over the nodes active now
 and announced; the learner gets the signed plan in its acknowledgement and pushes down it.
 A :class:`~echo.protocol.errors.ProtocolError` raised here goes back as a status-1 reply.
 """
@@ -25,12 +27,13 @@ from echo.coordinator.node_rpc import SMALL_REQUEST_BYTES, active_nodes, open_si
 from echo.coordinator.penalties import Penalties
 from echo.coordinator.sched_loop import Placement
 from echo.coordinator.store import Store, StoreError
+from echo.coordinator.store_epochs import learner_epochs
 from echo.p2p.host import EchoHost
 from echo.p2p.identity import Identity
 from echo.protocol import ids, limits, signing
 from echo.protocol import messages as m
 from echo.protocol import reasons as R
-from echo.protocol.errors import SchemaError, SignatureError
+from echo.protocol.errors import ProtocolError, SchemaError, SignatureError
 
 log = logging.getLogger("echo.coordinator")
 
@@ -61,6 +64,8 @@ class LearnerRPC:
         self.dissemination = dissemination
         self.broadcast = broadcast
         self.penalties = penalties
+        # Which learner of each job may speak (durable: a restart keeps refusing old ones).
+        self.epochs = learner_epochs(store)
         self._host: EchoHost | None = None
         # Bytes one batch reply may take; lowered only to exercise multi-reply batches.
         self.batch_reply_bytes = limits.MAX_BATCH_REPLY_BYTES
@@ -92,7 +97,8 @@ class LearnerRPC:
         """The live job a learner request names and the request, a ``cls`` record.
 
         Raises SchemaError for an unknown job or a bad record, SignatureError unless the job's
-        pinned learner key signed it (and the peer is that key), ProtocolError for a bad envelope.
+        pinned learner key signed it (and the peer is that key), ProtocolError for a bad envelope
+        or a learner epoch that is not the job's newest (:meth:`_check_epoch`).
         """
         env, rec = open_signed(data, cls, peer_id)
         job_id = rec.job_id
@@ -101,7 +107,27 @@ class LearnerRPC:
             raise SchemaError(f"unknown job {job_id!r}")
         if row.learner_pubkey is None or row.learner_pubkey != env.signer:
             raise SignatureError("not the learner key this job pins")
+        self._check_epoch(job_id, rec.epoch)
         return self.jobs[job_id], rec
+
+    def _check_epoch(self, job_id: str, epoch: int) -> None:
+        """Refuse a request from any learner but the job's newest: its ``epoch`` must be the
+        last one issued (:mod:`~echo.coordinator.store_epochs`). The key alone cannot tell two
+        learners apart (both hold it): a superseded one, however far its versions run ahead,
+        books nothing, takes no batch, and cannot re-attach (which would return the current
+        learner's batch to the buffer).
+
+        :raises ProtocolError: code :data:`~echo.protocol.messages.LEARNER_EPOCH_REFUSED`, the
+            message says whether ``epoch`` was superseded or never issued.
+        """
+        current = self.epochs.learner_epoch(job_id)
+        if epoch == current:
+            return
+        if epoch < current:
+            why = f"was superseded by epoch {current}: another learner holds job {job_id}"
+        else:
+            why = f"was never issued for job {job_id} (the newest is {current})"
+        raise ProtocolError(f"learner epoch {epoch} {why}", code=m.LEARNER_EPOCH_REFUSED)
 
     async def handle_learner_hello(self, peer_id: ID, data: bytes) -> bytes:
         """Attach the learner (where nodes fetch from); its unreported batch returns to the buffer.

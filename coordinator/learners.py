@@ -3,8 +3,10 @@
 :func:`supervise_learner` owns the learner process of one job: it starts it, writes its output
 to ``<job dir>/learner.log``, restarts it after a crash (the learner resumes from its last
 checkpoint, and the rollouts it held in memory go back to the buffer when it re-attaches), and
-marks the job failed after too many crashes. Cancelling ``scope`` terminates the process
-(SIGTERM, then SIGKILL after trio's grace period).
+marks the job failed after too many crashes. Each start gets a new learner epoch
+(``host.learner_command``), which fences every earlier learner of the job; one that exits
+because a newer learner holds the job is not restarted. Cancelling ``scope`` terminates the
+process (SIGTERM, then SIGKILL after trio's grace period).
 """
 
 from __future__ import annotations
@@ -25,6 +27,11 @@ MAX_RESTARTS = 3
 # A learner exits with this status when a restart cannot help (its checkpoints are behind the
 # ledger: learner/service.py, EXIT_CANNOT_RESUME): the job fails at once, with the reason.
 LEARNER_CANNOT_RESUME = 3
+# A learner exits with this status when the coordinator refused its learner epoch: a newer
+# learner holds the job (an external one its operator handed it to; learner/service.py,
+# EXIT_SUPERSEDED). Restarting would take the job back from it, so supervision ends, the job
+# still running under the newer learner.
+LEARNER_SUPERSEDED = 4
 RESTART_DELAY_S = 2.0
 
 
@@ -60,6 +67,9 @@ async def supervise_learner(host: LearnerHost, job_id: str, scope: trio.CancelSc
             status = row.status
             if proc.returncode == 0 or status in ("done", "cancelled"):
                 log.info("learner of %s exited (%s)", job_id, status)
+                return
+            if proc.returncode == LEARNER_SUPERSEDED:
+                log.warning("learner of %s was superseded by a newer one; not restarting", job_id)
                 return
             if proc.returncode == LEARNER_CANNOT_RESUME:
                 host.store.set_job_status(job_id, "failed", tail(log_path, 4))

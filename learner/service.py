@@ -9,8 +9,14 @@ from older versions while it waits for the rest), train (``Trainer.train``), pub
 version. Compute runs in a trio worker thread so the host keeps serving chunks.
 
 Crash safety: the checkpoint of ``v + 1`` is written, with its signed report, before the report
-is sent; after a restart the learner re-sends that report, so the coordinator's ledger and the
-learner's weights never disagree.
+is sent; after a restart the learner re-sends that report (re-signed with its new learner
+epoch), so the coordinator's ledger and the learner's weights never disagree.
+
+One learner per job: the job folder's lock (:mod:`~echo.learner.fence`) keeps two off one
+machine's checkpoints, and the learner epoch the coordinator issued this process (``--epoch``)
+rides on every request, so once a newer learner of the job has been started or handed the job
+the coordinator refuses this one (:class:`Superseded`) and it exits with
+:data:`EXIT_SUPERSEDED`, whichever host it runs on.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from echo.p2p.host import EchoHost, open_host
 from echo.p2p.identity import Identity, public_key_from_peer_id
 from echo.p2p.lifecycle import run_until_signalled
 from echo.p2p.relay import Relay, RelayConfig, open_relay
+from echo.p2p.rpc import RemoteError
 from echo.protocol import ids, limits, signing
 from echo.protocol import messages as m
 from echo.protocol.errors import ProtocolError
@@ -57,8 +64,19 @@ FINAL_SERVE_MAX_S = 90.0
 EXIT_CANNOT_RESUME = 3
 
 
+# The exit status that tells the coordinator's supervisor a newer learner holds the job: do not
+# restart us (coordinator/learners.py, LEARNER_SUPERSEDED).
+EXIT_SUPERSEDED = 4
+
+
 class LedgerAhead(RuntimeError):
     """The coordinator's ledger holds a version this learner has no checkpoint of."""
+
+
+class Superseded(RuntimeError):
+    """The coordinator refused this learner's epoch: a newer learner of the job was started
+    or handed the job (or the epoch was never issued). Nothing this learner sends is booked
+    any more, so it stops."""
 
 
 def resume_action(ledger_version: int, own_version: int, pending_report: bytes | None) -> str:
@@ -92,11 +110,17 @@ class Learner:
         threads: int,
         upload_limit_bps: float | None = None,
         device: str = "cpu",
+        epoch: int = 0,
     ) -> None:
-        """:raises ValueError: a ``device`` this machine cannot compute on (see
-        :func:`~echo.models.device.resolve_device`).
+        """``epoch`` is the learner epoch the coordinator issued this process (on the command
+        line of a learner it starts; ``echo-job learner-epoch`` for an external one); 0 for a
+        job that never issued one.
+
+        :raises ValueError: a ``device`` this machine cannot compute on (see
+            :func:`~echo.models.device.resolve_device`).
         :raises TrackingError: the job's tracking backend cannot start."""
         self.device = resolve_device(device)
+        self.epoch = epoch
         self.job_dir = job_dir
         self.upload_limit_bps = upload_limit_bps
         self.job_id = job_id
@@ -150,6 +174,7 @@ class Learner:
             trained=trained,
             verdicts=verdicts,
             metrics=metrics,
+            epoch=self.epoch,
         )
         sealed = signing.seal_record(self.identity.private_key, report)
         checkpoint.save(
@@ -170,20 +195,38 @@ class Learner:
         assert self.host is not None
         sealed = signing.seal_record(self.identity.private_key, record)
         cap = limits.MAX_BATCH_REPLY_BYTES
-        data = await self.host.request(
-            self.coord_peer, proto, sealed, timeout=RPC_TIMEOUT, max_response=cap
-        )
+        data = await self._request(proto, sealed, cap)
         return m.decode(reply_cls, data, max_bytes=cap)
+
+    async def _request(self, proto: str, sealed: bytes, max_response: int) -> bytes:
+        """One request to the coordinator. :raises Superseded: it refused our learner epoch.
+        :raises RpcError: the call failed otherwise."""
+        assert self.host is not None
+        try:
+            return await self.host.request(
+                self.coord_peer, proto, sealed, timeout=RPC_TIMEOUT, max_response=max_response
+            )
+        except RemoteError as exc:
+            if exc.message.startswith(f"{m.LEARNER_EPOCH_REFUSED}:"):
+                raise Superseded(f"the coordinator refused this learner: {exc.message}") from None
+            raise
+
+    def _for_this_epoch(self, sealed: bytes) -> bytes:
+        """``sealed`` (a StepReport this learner signed, perhaps in an earlier life under an
+        older epoch: a report checkpointed but never booked) re-signed with this process's
+        epoch; unchanged when it carries it already. :raises ProtocolError: not such a report."""
+        _, report = signing.open_record(
+            sealed, m.StepReport, expected_signer=self.identity.public_key_bytes
+        )
+        if report.epoch == self.epoch:
+            return sealed
+        return signing.seal_record(
+            self.identity.private_key, report.model_copy(update={"epoch": self.epoch})
+        )
 
     async def _send_report(self, sealed: bytes) -> None:
         assert self.host is not None
-        data = await self.host.request(
-            self.coord_peer,
-            ids.PROTO_LEARNER_REPORT,
-            sealed,
-            timeout=RPC_TIMEOUT,
-            max_response=1 << 16,
-        )
+        data = await self._request(ids.PROTO_LEARNER_REPORT, sealed, 1 << 16)
         ack = m.decode(m.StepAck, data, max_bytes=8 << 20)
         if not ack.ok:
             raise RuntimeError(f"coordinator refused version {self.version}: {ack.message}")
@@ -212,7 +255,11 @@ class Learner:
         return await self._rpc(
             ids.PROTO_LEARNER_BATCH,
             m.BatchRequest(
-                job_id=self.job_id, max_groups=want, min_version=min_version, timestamp=time.time()
+                job_id=self.job_id,
+                max_groups=want,
+                min_version=min_version,
+                timestamp=time.time(),
+                epoch=self.epoch,
             ),
             m.BatchReply,
         )
@@ -279,6 +326,7 @@ class Learner:
                 peer_id=str(host.peer_id),
                 addrs=host.listen_multiaddrs,
                 timestamp=time.time(),
+                epoch=self.epoch,
             ),
             m.LearnerHelloReply,
         )
@@ -293,7 +341,8 @@ class Learner:
                 self.version,
                 hello.current_version,
             )
-            await self._send_report(self.pending_report)
+            # Checkpointed under the epoch of the learner that crashed: ours now.
+            await self._send_report(self._for_this_epoch(self.pending_report))
         elif action == "publish_base":
             sealed = await trio.to_thread.run_sync(
                 lambda: self._publish([], [], self.trainer.evaluate(force=True))
@@ -388,6 +437,14 @@ def main() -> None:
         "cpu, cuda, cuda:N or mps",
     )
     ap.add_argument(
+        "--epoch",
+        type=int,
+        default=0,
+        help="the learner epoch the coordinator issued this learner (it passes it to the "
+        "learners it starts; for an external learner, `echo-job learner-epoch JOB` issues "
+        "one); 0: the job never issued one",
+    )
+    ap.add_argument(
         "--upload-limit-bps",
         type=float,
         default=None,
@@ -396,6 +453,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.upload_limit_bps is not None and args.upload_limit_bps <= 0:
         ap.error("--upload-limit-bps must be positive")
+    if args.epoch < 0:
+        ap.error("--epoch must be >= 0")
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -409,6 +468,7 @@ def main() -> None:
             args.threads,
             args.upload_limit_bps,
             args.device,
+            args.epoch,
         )
     except (TrackingError, ValueError) as exc:  # one clear line in learner.log, no traceback
         # A device this machine lacks, a tracker that cannot start: a restart would fail alike.
@@ -420,3 +480,6 @@ def main() -> None:
     except* LedgerAhead as group:  # one clear line in learner.log, and no restart
         log.error("%s", group.exceptions[0])
         raise SystemExit(EXIT_CANNOT_RESUME) from None
+    except* Superseded as group:  # a newer learner holds the job: stop, and stay stopped
+        log.error("%s", group.exceptions[0])
+        raise SystemExit(EXIT_SUPERSEDED) from None

@@ -272,6 +272,16 @@ class ChunkRequest(Record):
 # ---------------------------------------------------------------- learner <-> coordinator
 
 
+# The code of the error a coordinator answers a learner request with when the request's epoch
+# is not the job's newest (the learner was superseded, or its epoch was never issued): the
+# learner stops for good rather than retry (protocol 8).
+LEARNER_EPOCH_REFUSED = "learner_epoch"
+# The learner epoch a request carries (protocol 8): the number the coordinator issued when it
+# started this learner, or when its operator handed the job to an external one
+# (coordinator/store_epochs.py). 0: none issued, accepted only while the job has never issued one.
+LearnerEpoch = Annotated[int, Field(ge=0, le=2**40)]
+
+
 class LearnerHello(Record):
     """Signed by the learner's key (the one the job pins): where nodes fetch its chunks."""
 
@@ -281,6 +291,7 @@ class LearnerHello(Record):
     peer_id: ShortStr
     addrs: list[ShortStr] = Field(max_length=16)
     timestamp: float = Field(allow_inf_nan=False)
+    epoch: LearnerEpoch = 0
 
 
 class LearnerHelloReply(Record):
@@ -297,6 +308,7 @@ class BatchRequest(Record):
     max_groups: int = Field(ge=1, le=4096)
     min_version: int = Field(ge=0)
     timestamp: float = Field(allow_inf_nan=False)
+    epoch: LearnerEpoch = 0
 
 
 class TrainingGroup(Record):
@@ -361,6 +373,7 @@ class StepReport(Record):
     trained: list[Id] = Field(max_length=4096)
     verdicts: list[RescoreVerdict] = Field(default_factory=list, max_length=4096)
     metrics: dict[str, float] = Field(default_factory=dict, max_length=64)
+    epoch: LearnerEpoch = 0
 
 
 class StepAck(Record):
