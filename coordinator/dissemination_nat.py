@@ -9,17 +9,24 @@ connection) go into the plan's :class:`~echo.p2p.tree_reach.Reach`.
 
 A node behind a symmetric router fails every punch (its router gives each remote a new port);
 it keeps no path and relays to dialable nodes only. Pure functions: no I/O, no clock.
+
+What a node is told to dial is never simply what its peer declared: across routers it is the
+peer's router ip as the coordinator saw it; behind one router it is the peer's declared LAN
+addresses, but only those in a LAN range (:func:`lan_addrs`) -- a "LAN address" on a public ip
+would be a stranger's host, and a node is not to be steered at it (issue 26, finding 6).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Set
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
+from echo.p2p.conn_guard import prefix_of
 from echo.protocol.reachability import MAX_PUNCH_ADDRS, PunchMethod
 
 _TCP_PORT = re.compile(r"^/ip4/[^/]+/tcp/(\d{1,5})(?:/|$)")
+_IP = re.compile(r"^/ip[46]/([^/]+)/tcp/")
 
 # A failed punch costs both nodes and the coordinator a task for the punch timeout (10 s): each
 # node is paired this many times at most while its addresses stay the same. Enough to find
@@ -63,6 +70,23 @@ class PunchPair:
     # What the pair was planned from: an outcome booked for other addresses would be stale.
     info_a: NatInfo
     info_b: NatInfo
+
+
+def lan_addrs(addrs: Sequence[str], observed_ip: str) -> tuple[str, ...]:
+    """The declared TCP addresses of a node behind the router at ``observed_ip`` that its LAN
+    peers may dial: private or link-local ones, and loopback ones only when the router's ip is
+    loopback itself (nodes on the coordinator's own machine: the tests)."""
+    shared = prefix_of(observed_ip)
+    allowed = {"private"} | (
+        {"loopback"} if shared is not None and shared.kind == "loopback" else set()
+    )
+    out = []
+    for addr in addrs:
+        found = _IP.match(addr)
+        prefix = prefix_of(found.group(1)) if found else None
+        if prefix is not None and prefix.kind in allowed:
+            out.append(addr)
+    return tuple(out[:MAX_PUNCH_ADDRS])
 
 
 def pair_key(a: str, b: str) -> frozenset[str]:
@@ -115,7 +139,12 @@ def punch_pairs(
                 continue
             ia, ib = nat[a], nat[b]
             if ia.observed_ip == ib.observed_ip:
-                lan_b, lan_a = ib.addrs[:MAX_PUNCH_ADDRS], ia.addrs[:MAX_PUNCH_ADDRS]
+                lan_b, lan_a = (
+                    lan_addrs(ib.addrs, ib.observed_ip),
+                    lan_addrs(ia.addrs, ia.observed_ip),
+                )
+                if not lan_a or not lan_b:  # nothing in a LAN range to dial
+                    continue
                 pair = PunchPair(a, b, "lan", lan_b, lan_a, ia, ib)
             else:
                 if owner[(ia.observed_ip, ia.port)] != a or owner[(ib.observed_ip, ib.port)] != b:
@@ -136,6 +165,7 @@ __all__ = [
     "MAX_TRIES_PER_NODE",
     "NatInfo",
     "PunchPair",
+    "lan_addrs",
     "pair_key",
     "punch_pairs",
 ]

@@ -23,6 +23,7 @@ def _diss(nodes: dict[str, float], addrs: dict[str, list[str]] | None = None) ->
     for name, up in nodes.items():
         d.registered(name, (addrs or {}).get(name, [f"/ip4/10.0.0.1/tcp/1/p2p/{name}"]), up)
         d.measured(name, up)
+        d.confirm(name, ("job", -1), up)  # as its receivers would (Dissemination.delivered)
     return d
 
 
@@ -41,7 +42,7 @@ def test_unreachable_nodes_relay_to_dialable_peers_and_have_no_addresses() -> No
     d = _diss(ups)
     assert sorted(n for n, _ in d.unprobed()) == sorted(ups)
     for i in range(10):
-        d.set_reachable(f"n{i}", i >= 3)
+        d.set_reachable(f"n{i}", i >= 3, verdict="public", observed_ip="10.0.0.1")
     assert d.unprobed() == []
     for _ in range(2):  # the quick plan, then the full re-plan patched
         ann = d.plan("job", 1, b"m", 64 * MB, source="L", source_addrs=[], nodes=list(ups))
@@ -53,10 +54,13 @@ def test_unreachable_nodes_relay_to_dialable_peers_and_have_no_addresses() -> No
         by_peer = {p.peer_id: p.addrs for p in ann.peers}
         assert by_peer["n0"] == [] and by_peer["n5"] != []
         d.refresh("job")
-    # New addresses (it moved, or forwarded a port): judged afresh, planned as dialable meanwhile.
+    # New addresses (it moved, or forwarded a port): judged afresh, announced without addresses
+    # meanwhile (issue 26: nodes not yet probed are not dialable).
     d.registered("n0", ["/ip4/10.0.0.9/tcp/4001/p2p/n0"], 20 * MB)
     assert [n for n, _ in d.unprobed()] == ["n0"]
     assert d.upload_of("n0") == 20 * MB
+    ann = d.plan("job", 2, b"m", 64 * MB, source="L", source_addrs=[], nodes=list(ups))
+    assert ann is not None and {p.peer_id: p.addrs for p in ann.peers}["n0"] == []
 
 
 def test_nodes_without_addresses_receive_and_relay_by_push(tmp_path: Path) -> None:
@@ -78,7 +82,7 @@ def test_nodes_without_addresses_receive_and_relay_by_push(tmp_path: Path) -> No
             addrs = await start_swarm(nursery, [src, *nodes], keys, cfg)
             d = _diss({n.name: (4 if n.name in hidden else 1) * MB for n in nodes}, addrs)
             for n in nodes:
-                d.set_reachable(n.name, n.name not in hidden)
+                d.set_reachable(n.name, n.name not in hidden, observed_ip="127.0.0.1")
             ann = d.plan(
                 JOB,
                 1,
