@@ -21,7 +21,7 @@ from echo.models.spec import (
     load_tokenizer,
 )
 from echo.protocol import messages as m
-from echo.protocol.jobspec import JobSpec
+from echo.protocol.jobspec import JobSpec, node_task_params
 from echo.tasks.base import Task
 from echo.tasks.registry import make_task
 from echo.tasks.sandbox import Recipe, Sandbox, SandboxError
@@ -60,7 +60,8 @@ class RunningJob:
         return m.JobInfo(
             job_id=row.job_id,
             model=self.model.to_dict(),
-            task=m.TaskRef(name=spec.task.name, params=dict(spec.task.params)),
+            # Without file paths: a node needs the prompt tokens of its lease, not the dataset.
+            task=m.TaskRef(name=spec.task.name, params=node_task_params(spec.task.params)),
             publish_dtype=spec.publish_dtype,
             learner_public_key=row.learner_pubkey,
             learner_peer_id=row.learner_peer_id,

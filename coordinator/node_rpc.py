@@ -56,9 +56,9 @@ UNIFORM_BATCHES = 4
 
 
 def active_nodes(store: Store) -> list[NodeRow]:
-    """Nodes heard from within NODE_ACTIVE_S and not excluded."""
-    now = time.time()
-    return [n for n in store.nodes() if not n.excluded and now - n.last_seen < NODE_ACTIVE_S]
+    """Nodes heard from within NODE_ACTIVE_S and not excluded (one range of an index, however
+    many identities have come and gone)."""
+    return store.active_nodes(time.time() - NODE_ACTIVE_S)
 
 
 def open_signed(data: bytes, cls: type[RecordT], peer_id: ID) -> tuple[signing.Envelope, RecordT]:
@@ -174,7 +174,9 @@ class NodeRPC:
         self.dissemination.registered(node_id, reg.addrs, reg.upload_bps)
         log.info("node %s registered (%s, %.0f tok/s)", node_id[-8:], reg.engine, reg.tokens_per_s)
         jobs = self._job_infos()
-        placed, why = self.placement.registered(node_id, reg) if self.placement else ("", "")
+        # Registrations that need a scheduling pass share one (a churn of identities is not a
+        # pass each).
+        placed, why = await self.placement.place(node_id, reg) if self.placement else ("", "")
         placed = placed if placed in {j.job_id for j in jobs} else ""  # the job it serves
         return m.encode(
             m.RegisterReply(
@@ -295,6 +297,7 @@ class NodeRPC:
                 lease.prompt_id,
                 texts,
                 trusted=node.streak >= TRUSTED_STREAK,
+                context=job.ctx.task.scoring_context(lease.prompt_id),
             )
         except SandboxError as exc:
             log.error("job %s cannot score: %s", lease.job_id, exc)

@@ -23,6 +23,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import trio
 
@@ -87,8 +88,10 @@ class Scoring:
         texts: Sequence[str],
         *,
         trusted: bool,
+        context: Any = None,
     ) -> list[Score]:
-        """Each text's score from ``sandbox``, charged to ``node_id``.
+        """Each text's score from ``sandbox``, charged to ``node_id``; ``context`` is the
+        job's ``task.scoring_context(prompt_id)`` (see :meth:`Sandbox.score`).
 
         Runs in a trio worker thread under the node's class of slots; not abandoned on
         cancellation (the sandbox bounds every text by its budget, so the wait is bounded).
@@ -97,7 +100,7 @@ class Scoring:
         """
         limiter = self.trusted if trusted else self.new
         scores = await trio.to_thread.run_sync(
-            sandbox.score, prompt_id, list(texts), limiter=limiter
+            sandbox.score, prompt_id, list(texts), context, limiter=limiter
         )
         self.charge(node_id, sum(s.seconds for s in scores))
         for s in scores:

@@ -22,6 +22,7 @@ cost more than the query).
 from __future__ import annotations
 
 from echo.coordinator.db import StoreError
+from echo.coordinator.store_epochs import LearnerEpochs
 from echo.coordinator.store_jobs import JobTables
 from echo.coordinator.store_leases import LeaseTables
 from echo.coordinator.store_ledger import Ledger
@@ -29,7 +30,7 @@ from echo.coordinator.store_nodes import NodeTables
 from echo.coordinator.store_prune import Pruning
 
 
-class Store(JobTables, NodeTables, LeaseTables, Ledger, Pruning):
+class Store(JobTables, NodeTables, LeaseTables, Ledger, Pruning, LearnerEpochs):
     """One SQLite database file; open with :meth:`open`, close with :meth:`close`.
 
     Write methods raise :class:`StoreError` for a transition the stored state does not allow

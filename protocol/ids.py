@@ -18,7 +18,10 @@
 #    open a direct connection to this other node now). Additive on the wire, but the go signal
 #    goes to both nodes at once: a v6 node refuses the stream and its partner punches alone
 #    until its timeout, so the swarm is kept on one punch-capable build.
-PROTOCOL_VERSION = 7
+# 8: learner epochs: LearnerHello / BatchRequest / StepReport .epoch, issued by the coordinator;
+#    a request with any but the job's newest is refused (code messages.LEARNER_EPOCH_REFUSED).
+#    JobInfo.task.params no longer carries file paths (jobspec.node_task_params).
+PROTOCOL_VERSION = 8
 
 # libp2p stream protocols (request/response, one frame each way).
 PROTO_REGISTER = "/echo/register/1.0.0"  # node -> coordinator

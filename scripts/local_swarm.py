@@ -259,7 +259,10 @@ def summarize(st: dict, nodes: list[dict], wall: float) -> dict:
 # Loopback is as fast as memory, so the planner would rightly have the learner send to 3 nodes
 # itself. The demo declares a home-sized learner uplink instead: the plan then puts one node
 # under the learner and has it relay to the others, as a real swarm of many nodes would.
-DEMO_COORDINATOR_TOML = """\
+DEMO_COORDINATOR_TOML = f"""\
+[jobs]
+dataset_roots = ["{ROOT / 'tests' / 'data'}"]
+
 [broadcast]
 learner_upload_bps = 2.0e6
 default_node_upload_bps = 4.0e6

@@ -75,6 +75,17 @@ class Task(ABC):
         """The system prompt for ``prompt_id``, or None (the default: tasks without one)."""
         return None
 
+    def scoring_context(self, prompt_id: int) -> Any:
+        """What another process needs to score ``prompt_id`` exactly as this one would
+        (picklable; None: the task's params suffice, the default). Tasks whose items depend on
+        more than their params (reasoning-gym's, some of which vary with the interpreter's hash
+        seed) return the item, and the scoring sandbox :meth:`pin` s it in its child."""
+        return None
+
+    def pin(self, prompt_id: int, context: Any) -> None:
+        """Use ``context`` (from :meth:`scoring_context` in the parent) for ``prompt_id``."""
+        return None  # tasks without a context have nothing to pin
+
     def eval_prompt_ids(self, n: int) -> list[int]:
         """At most ``n`` held-out prompt ids, the same on every call and every machine.
 

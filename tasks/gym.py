@@ -11,10 +11,12 @@ generates each item from ``Random(seed + index)``, so a prompt is the same on ev
 nothing is downloaded. Held-out ids (from ``EVAL_PROMPT_BASE``) fall in chunks no training run
 reaches.
 
-Scoring: the answer is taken from the completion first (the last ``<answer>...</answer>``
-content, else the last non-empty line; :func:`echo.tasks.rewards.final_answer`), then given to
-the dataset's ``score_answer`` with the item. The default system prompt is reasoning-gym's
-``default`` one, which asks for the answer in those tags.
+Scoring (always in the scoring sandbox on a coordinator, with :mod:`echo.tasks.gym_guards` in
+front of the scorers that would run an interpreter): the answer is taken from the completion
+first (the last ``<answer>...</answer>`` content, else the last non-empty line;
+:func:`echo.tasks.rewards.final_answer`), then given to the dataset's ``score_answer`` with
+the item. The default system prompt is reasoning-gym's ``default`` one, which asks for the
+answer in those tags.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 from pydantic import ConfigDict, Field, model_validator
 
 import echo.tasks.rewards as rw
+from echo.tasks import gym_guards
 from echo.tasks.base import Task, TaskParams, check_prompt_id
 
 # Items per generated dataset object: reasoning-gym's own default size.
@@ -88,6 +91,9 @@ class GymTask(Task):
         super().__init__(params)
         self._lock = threading.Lock()
         self._chunks: OrderedDict[int, Any] = OrderedDict()
+        # Items handed in by the process that rendered the prompts (see ``scoring_context``).
+        self._pinned: dict[int, dict[str, Any]] = {}
+        gym_guards.install(self.params.dataset)
         # Building one dataset object validates the config now, not at the first lease.
         self._chunk(0)
 
@@ -122,7 +128,17 @@ class GymTask(Task):
         check_prompt_id(prompt_id)
         chunk, idx = divmod(prompt_id, CHUNK)
         ds = self._chunk(chunk)
-        return ds, ds[idx]
+        pinned = self._pinned.get(prompt_id)
+        return ds, (pinned if pinned is not None else ds[idx])
+
+    def scoring_context(self, prompt_id: int) -> dict[str, Any]:
+        """The item itself: some datasets (polynomial_multiplication) generate other items
+        under another hash seed, so a scoring process must not regenerate it."""
+        return self.item(prompt_id)[1]
+
+    def pin(self, prompt_id: int, context: Any) -> None:
+        if isinstance(context, dict):
+            self._pinned[prompt_id] = context
 
     def prompt(self, prompt_id: int) -> str:
         return str(self.item(prompt_id)[1]["question"])

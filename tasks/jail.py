@@ -4,10 +4,12 @@
 it has imported and warmed everything it will need, and before it reads any completion. What it
 applies, in order, each step kept only where the kernel and our privileges allow it:
 
-1. **No network, no host filesystem.** As root: a new network namespace (no interfaces, not
-   even loopback) and ``chroot`` into an empty, read-only directory. As another user: the same
-   through an unprivileged user namespace, with a read-only tmpfs as the new root (a directory of
-   the host would be the caller's own, so writable).
+1. **No network, no host filesystem.** A new network namespace (no interfaces, not even
+   loopback) and a new mount namespace whose root (``chroot``) is a read-only tmpfs holding
+   read-only bind mounts of the code folders (:func:`code_dirs`: the interpreter, the packages
+   and this project's modules, which scorers import and read data files from lazily). No home,
+   no data directory, no ``/tmp``, no ``/proc``. As root directly; as another user through an
+   unprivileged user namespace.
 2. **No privileges.** As root: every group dropped and the uid/gid set to ``nobody``; in a user
    namespace: every capability dropped. Then ``PR_SET_NO_NEW_PRIVS`` and not dumpable (no
    ptrace from a sibling, no core file).
@@ -27,6 +29,7 @@ import ctypes.util
 import os
 import resource
 import signal
+import sys
 import tempfile
 from dataclasses import dataclass
 
@@ -38,8 +41,9 @@ _CLONE_NEWNET = 0x40000000
 _PR_SET_PDEATHSIG = 1
 _PR_SET_DUMPABLE = 4
 _PR_SET_NO_NEW_PRIVS = 38
-# mount(2) flags: read-only, no set-uid, no devices, no exec.
-_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
+# mount(2) flags.
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV = 1, 2, 4
+_MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 16384, 1 << 18
 _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 # The unprivileged account of Debian and most distributions.
 NOBODY_UID = NOBODY_GID = 65534
@@ -86,10 +90,56 @@ def jail_root() -> str:
     return path
 
 
+def code_dirs() -> list[str]:
+    """Directories the scorers may read: the interpreter's and the packages' (``sys.path``),
+    and the folders of this project's loaded modules (an editable install maps them from
+    outside ``sys.path``). Only folders of code and its data files; no home, no data dir."""
+    found = {os.path.realpath(p) for p in sys.path if p and os.path.isdir(p)}
+    for prefix in (sys.prefix, sys.base_prefix, sys.exec_prefix):
+        found.add(os.path.realpath(prefix))
+    for name, mod in list(sys.modules.items()):
+        path = getattr(mod, "__file__", None)
+        if name.startswith("echo.") and path:
+            found.add(os.path.realpath(os.path.dirname(path)))
+    # Keep the outermost of nested folders: one bind mount covers what is below it.
+    out: list[str] = []
+    for d in sorted(found):
+        if not out or not (d + "/").startswith(out[-1].rstrip("/") + "/"):
+            out.append(d)
+    return [d for d in out if d != "/"]
+
+
+def _mount(
+    libc: ctypes.CDLL,
+    src: bytes | None,
+    dst: str,
+    fstype: bytes | None,
+    flags: int,
+    data: bytes | None = None,
+) -> None:
+    _check(libc.mount(src, dst.encode(), fstype, flags, data), f"mount {dst}")
+
+
+def _build_root(libc: ctypes.CDLL, root: str, dirs: list[str]) -> None:
+    """In this (new) mount namespace: a tmpfs at ``root`` holding read-only bind mounts of
+    ``dirs`` at their own paths, the tmpfs itself made read-only last. The host sees none of
+    it: ``root`` stays an empty directory there."""
+    _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE)  # nothing propagates back
+    _mount(libc, b"none", root, b"tmpfs", _MS_NOSUID | _MS_NODEV, b"size=1m,mode=0755")
+    ro = _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV
+    for d in dirs:
+        target = root + d
+        os.makedirs(target, mode=0o755, exist_ok=True)
+        _mount(libc, d.encode(), target, None, _MS_BIND | _MS_REC)
+        _mount(libc, None, target, None, ro)
+    _mount(libc, None, root, None, _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
+
+
 def _as_root(libc: ctypes.CDLL, applied: list[str]) -> None:
-    _check(libc.unshare(_CLONE_NEWNET), "unshare(CLONE_NEWNET)")
+    dirs, root = code_dirs(), jail_root()
+    _check(libc.unshare(_CLONE_NEWNET | _CLONE_NEWNS), "unshare(CLONE_NEWNET | CLONE_NEWNS)")
     applied.append("no_network")
-    root = jail_root()
+    _build_root(libc, root, dirs)
     os.chroot(root)
     os.chdir("/")
     applied.append("no_filesystem")
@@ -125,18 +175,13 @@ def _drop_capabilities(libc: ctypes.CDLL) -> None:
 
 def _in_user_namespace(libc: ctypes.CDLL, applied: list[str]) -> None:
     uid, gid = os.getuid(), os.getgid()
-    root = jail_root()
+    dirs, root = code_dirs(), jail_root()
     _check(libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET | _CLONE_NEWNS), "unshare(user, net, mnt)")
     applied.append("no_network")
     _write("/proc/self/setgroups", "deny")
     _write("/proc/self/uid_map", f"0 {uid} 1")
     _write("/proc/self/gid_map", f"0 {gid} 1")
-    # Mounts made here stay in this namespace; the host sees an empty directory.
-    flags = _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
-    _check(
-        libc.mount(b"none", root.encode(), b"tmpfs", flags, b"size=4k,mode=0555"),
-        "mount(tmpfs)",
-    )
+    _build_root(libc, root, dirs)
     os.chroot(root)
     os.chdir("/")
     applied.append("no_filesystem")

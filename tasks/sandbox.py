@@ -10,6 +10,9 @@ in C, or allocate without end by a text chosen for it. A :class:`Sandbox` owns o
   limits);
 - a **child forked per group**, which scores that group's texts and exits, so a compromise
   never outlives the group that caused it;
+- **only the caller's data in**: the request carries the texts and, for tasks whose items
+  another process would regenerate differently, the caller's own item (pickled by the caller
+  for its child; nothing a child sends back is unpickled);
 - the **caller's deadlines**: each text has :attr:`Sandbox.budget_s` of wall time; a child that
   overruns is killed and the text scores 0 with outcome ``scorer_timeout`` (``scorer_crashed``
   when the child dies on it, say at a resource limit). The rest of the group goes on in a new
@@ -27,6 +30,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import pickle
 import select
 import socket
 import subprocess
@@ -51,9 +55,12 @@ OUTCOMES = frozenset({OK, SCORER_ERROR, SCORER_TIMEOUT, SCORER_CRASHED, SCORER_S
 # Two texts that each killed a child mark the group as hostile; scoring the rest would only
 # hand its sender more of our CPU.
 MAX_FAILURES_PER_GROUP = 2
-# Wall seconds per text for components without a timeout of their own (task, exact, regex,
-# format): honest texts score in milliseconds, so this only ever bounds a hostile one.
+# Wall seconds per text for components without a timeout of their own (exact, regex, format):
+# honest texts score in milliseconds, so this only ever bounds a hostile one.
 FAST_COMPONENT_S = 2.0
+# A task's own scorer: some reasoning-gym ones check an answer by solving the puzzle
+# (futoshiki's reference took over 2 s here on a busy machine).
+TASK_COMPONENT_S = 10.0
 # The zygote imports the task's libraries (reasoning-gym and sympy take seconds) and warms them.
 START_TIMEOUT_S = 120.0
 # Answers to fork/kill commands come from our own zygote at once; a silent one is replaced.
@@ -95,6 +102,8 @@ class Recipe:
                 total += 2 * (t.timeout_s or DEFAULT_TIMEOUT_S) + 1
             elif t.kind == "python":
                 total += t.timeout_s or DEFAULT_TIMEOUT_S
+            elif t.kind == "task":
+                total += TASK_COMPONENT_S
             else:
                 total += FAST_COMPONENT_S
         return total
@@ -224,8 +233,10 @@ class Sandbox:
 
     # -- scoring ---------------------------------------------------------------------------
 
-    def score(self, prompt_id: int, texts: Sequence[str]) -> list[Score]:
+    def score(self, prompt_id: int, texts: Sequence[str], context: Any = None) -> list[Score]:
         """Each text's :class:`Score`, in order; never raises for what a text says or does.
+        ``context``: the caller's ``task.scoring_context(prompt_id)``, for tasks whose items
+        another process would not regenerate the same.
 
         :raises SandboxError: the zygote cannot be (re)started.
         """
@@ -235,12 +246,14 @@ class Sandbox:
             if failures >= MAX_FAILURES_PER_GROUP:
                 out.extend(Score(0.0, SCORER_SKIPPED, 0.0) for _ in texts[len(out) :])
                 break
-            done, failed = self._score_in_child(prompt_id, texts[len(out) :])
+            done, failed = self._score_in_child(prompt_id, texts[len(out) :], context)
             out.extend(done)
             failures += failed
         return out
 
-    def _score_in_child(self, prompt_id: int, texts: Sequence[str]) -> tuple[list[Score], int]:
+    def _score_in_child(
+        self, prompt_id: int, texts: Sequence[str], context: Any
+    ) -> tuple[list[Score], int]:
         """Score ``texts`` in one fresh child until it ends or fails; (scores, 1 if it failed)."""
         z = self._get_zygote()
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -250,7 +263,9 @@ class Sandbox:
             theirs.close()
         out: list[Score] = []
         try:
-            write_frame(mine, msgpack.packb({"prompt_id": prompt_id, "texts": list(texts)}))
+            ctx = None if context is None else pickle.dumps(context)
+            request = {"prompt_id": prompt_id, "texts": list(texts), "context": ctx}
+            write_frame(mine, msgpack.packb(request))
             reader = _FrameReader(mine)
             limit = self.recipe.max_abs()
             for _ in texts:

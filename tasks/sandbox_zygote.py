@@ -14,14 +14,16 @@ where ``FD`` is its end of a ``SOCK_SEQPACKET`` control socket. The sequence:
    child cannot outlive the group it came in.
 
 Frames on a child's socket: a 4-byte big-endian length, then msgpack. The request is
-``{"prompt_id": int, "texts": [str, ...]}``; the child answers each text, in order, with
-``[score, outcome]`` (``outcome`` "ok" or "scorer_error"), so a text that kills the child costs
-the texts after it only a new child.
+``{"prompt_id": int, "texts": [str, ...], "context": bytes | None}`` (``context``: the
+parent's :meth:`~echo.tasks.base.Task.scoring_context`, pickled by the parent); the child
+answers each text, in order, with ``[score, outcome]`` (``outcome`` "ok" or "scorer_error"),
+so a text that kills the child costs the texts after it only a new child.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import socket
 import struct
@@ -114,6 +116,9 @@ def _serve_child(fd: int, reward: Any, cpu_s: float, zygote: int) -> None:
         return
     req = msgpack.unpackb(raw, raw=False, max_str_len=MAX_REQUEST_BYTES, max_array_len=4096)
     prompt_id, texts = int(req["prompt_id"]), req["texts"]
+    if req.get("context") is not None:
+        # From our parent, the coordinator, which made it from its own task: never from a node.
+        reward.task.pin(prompt_id, pickle.loads(req["context"]))
     for text in texts:
         value, outcome = reward.detailed(prompt_id, str(text))
         write_frame(sock, msgpack.packb([float(value), outcome]))

@@ -164,9 +164,7 @@ class JobReward:
             try:
                 out.append(float(c.score(prompt_id, completion)))
             except Exception as exc:  # noqa: BLE001 - odd node text must not stop verification
-                log.debug(
-                    "reward %s raised on prompt %d, scored 0: %s", c.label, prompt_id, exc
-                )
+                log.debug("reward %s raised on prompt %d, scored 0: %s", c.label, prompt_id, exc)
                 out.append(0.0)
                 failed = True
         return out, failed

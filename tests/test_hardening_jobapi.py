@@ -215,11 +215,6 @@ def test_by_default_datasets_are_read_only_under_the_data_dir(tmp_path) -> None:
 # ---------------------------------------------------------------------- what nodes see
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs coordinator/jobs.py RunningJob.info to send node_task_params(...) (issue 26, "
-    "finding 8; the owner of jobs.py wires it, then this mark goes)",
-)
 def test_dataset_paths_never_reach_nodes(tmp_path) -> None:
     data = tmp_path / "coord" / "datasets"
     data.mkdir(parents=True)
