@@ -274,6 +274,7 @@ def build_app(coord: ApiBackend) -> Starlette:
         try:
             spec = parse_submitted(body, request.headers.get("content-type", ""))
             coord.config.jobs.check_task_paths(spec.task.params, coord.config.data_dir)
+            coord.config.jobs.check_gym(spec.task.name, spec.task.params)
         except SpecError as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)
         try:  # the name, the task, its dataset and rewards, before anything is stored

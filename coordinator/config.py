@@ -221,6 +221,36 @@ class JobsSection(BaseModel):
         "coordinator runs. Unset: <data_dir>/datasets only; []: no dataset files at all",
     )
 
+    allow_gym: list[str] = Field(
+        default_factory=list,
+        max_length=256,
+        description="reasoning-gym datasets a job may use although their scorer hands answers "
+        "to an interpreter no guard covers (echo.tasks.gym_guards.scorer_hazards); they are "
+        "scored in the sandbox all the same",
+    )
+
+    def check_gym(self, task_name: str, params: Mapping[str, Any]) -> None:
+        """Refuse a reasoning-gym dataset whose scorer is not known safe, unless allowed.
+
+        :raises SpecError: naming the dataset, what its scorer calls, and the key that allows it.
+        """
+        base, _, dataset = task_name.partition(":")
+        dataset = dataset or params.get("dataset", "")
+        if base != "gym" or not isinstance(dataset, str) or dataset in self.allow_gym:
+            return
+        from echo.tasks.gym_guards import scorer_hazards
+
+        try:
+            hazards = scorer_hazards(dataset)
+        except KeyError:
+            return  # not a dataset: the task's own check names it
+        if hazards:
+            raise SpecError(
+                f"job: task.name: the scorer of reasoning-gym dataset {dataset!r} calls "
+                f"{', '.join(hazards)} on answers; the operator may allow it in "
+                "coordinator.toml ([jobs] allow_gym)"
+            )
+
     def roots(self, data_dir: Path) -> list[Path]:
         """The dataset roots as real absolute paths (symlinks resolved), ``data_dir``'s
         ``datasets`` folder when none are configured."""

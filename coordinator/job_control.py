@@ -68,6 +68,7 @@ class JobControl:
             try:
                 task = row.spec.get("task") or {}
                 self.config.jobs.check_task_paths(task.get("params") or {}, self.config.data_dir)
+                self.config.jobs.check_gym(task.get("name", ""), task.get("params") or {})
                 self._start(row.job_id)
             except Exception as exc:  # whatever loading raised: the job fails, not the daemon
                 self.jobs.pop(row.job_id, None)

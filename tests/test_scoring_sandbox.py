@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 import trio
 
+from echo.coordinator.config import JobsSection
 from echo.coordinator.scoring import NEW_NODE_SLOTS, Scoring
+from echo.protocol.jobspec import SpecError
 from echo.tasks import gym_guards, jail, make_task
 from echo.tasks.gym import gym_datasets
 from echo.tasks.sandbox import OUTCOMES, Recipe, Sandbox
@@ -149,3 +151,15 @@ async def test_the_loop_answers_while_a_group_is_scored() -> None:
     assert ticks > 100  # the loop ran through the ~2 s the group took
     assert scoring.budget_left("bomber") < scoring.budget_left("someone else") - 1.5
     assert NEW_NODE_SLOTS == 1 and scoring.failures == {"scorer_timeout": 1}
+
+
+def test_gym_datasets_with_unguarded_interpreters_need_the_operators_leave() -> None:
+    jobs = JobsSection()
+    with pytest.raises(SpecError, match=r"'codeio' calls exec on answers.*\[jobs\] allow_gym"):
+        jobs.check_gym("gym:codeio", {})
+    with pytest.raises(SpecError, match="codeio"):
+        jobs.check_gym("gym", {"dataset": "codeio"})
+    jobs.check_gym("gym:spiral_matrix", {})  # guarded: literal_eval
+    jobs.check_gym("gym:basic_arithmetic", {})
+    JobsSection(allow_gym=["codeio"]).check_gym("gym:codeio", {})
+    jobs.check_gym("gym:no_such_dataset", {})  # left to the task's own check, which names it
