@@ -56,6 +56,7 @@ def test_the_sandbox_is_confined_here() -> None:
         assert sandbox.start() == list(jail.STRONG)
 
 
+@pytest.mark.slow  # about 4 minutes on 2 cores: a sandbox started for each of ~100 datasets
 def test_every_gym_dataset_meets_hostile_answers_without_a_trace(trap: Path) -> None:
     names = [n for n in gym_datasets() if n not in NEEDS_CONFIG]
     texts = hostile(trap)
@@ -129,14 +130,13 @@ def test_math_verify_and_regex_meet_hostile_answers(trap: Path) -> None:
     assert os.listdir(trap) == []
 
 
-async def test_the_loop_answers_while_a_group_is_scored() -> None:
+def test_the_loop_answers_while_a_group_is_scored() -> None:
     """A group that takes its whole budget holds one slot, not the event loop."""
     recipe = Recipe("addition", {}, (RewardTerm("regex", pattern="(a+)+$"),))
     scoring = Scoring(trusted_slots=1)
     ticks = 0
-    with Sandbox(recipe) as sandbox:
-        await trio.to_thread.run_sync(sandbox.start)
 
+    async def main(sandbox: Sandbox) -> list:
         async def tick() -> None:
             nonlocal ticks
             while True:
@@ -147,6 +147,11 @@ async def test_the_loop_answers_while_a_group_is_scored() -> None:
             nursery.start_soon(tick)
             scores = await scoring.score(sandbox, "bomber", 0, ["a" * 40 + "!"], trusted=False)
             nursery.cancel_scope.cancel()
+        return scores
+
+    with Sandbox(recipe) as sandbox:
+        sandbox.start()
+        scores = trio.run(main, sandbox)
     assert scores[0].outcome == "scorer_timeout"
     assert ticks > 100  # the loop ran through the ~2 s the group took
     assert scoring.budget_left("bomber") < scoring.budget_left("someone else") - 1.5
