@@ -197,6 +197,8 @@ class Coordinator:
             if expired:
                 self.metrics.leases_expired.inc(expired)
             self.metrics.nodes_active.set(len(active_nodes(self.store)))
+            for job in list(self.job_control.jobs.values()):
+                job.scorer.close_if_idle()
             if now - last_prune >= PRUNE_EVERY_S:
                 last_prune = now
                 pruned = self.store.prune(

@@ -43,6 +43,7 @@ from typing import Any
 
 import msgpack
 
+from echo.tasks.jail import STRONG
 from echo.tasks.sandbox_zygote import MAX_CONTROL_BYTES, OK, SCORER_ERROR, write_frame
 from echo.tasks.scoring import DEFAULT_TIMEOUT_S, RewardTerm
 
@@ -67,6 +68,9 @@ START_TIMEOUT_S = 120.0
 CONTROL_TIMEOUT_S = 10.0
 # A reply frame is two short fields.
 MAX_REPLY_BYTES = 256
+# A zygote holds its job's libraries in memory (reasoning-gym and sympy: ~200 MB); one unused
+# this long (its job over, or its nodes gone) is stopped, and the next group starts another.
+IDLE_CLOSE_S = 600.0
 
 
 class SandboxError(Exception):
@@ -148,7 +152,7 @@ class Sandbox:
         self.restarts = 0
         self._lock = threading.Lock()
         self._zygote: _Zygote | None = None
-        self._closed = False
+        self._used = time.monotonic()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -169,6 +173,14 @@ class Sandbox:
         if z is not None:
             _stop(z)
 
+    def close_if_idle(self, idle_s: float = IDLE_CLOSE_S) -> bool:
+        """Stop the zygote if no group was scored for ``idle_s``; whether it was stopped."""
+        with self._lock:
+            idle = self._zygote is not None and time.monotonic() - self._used > idle_s
+        if idle:
+            self.close()
+        return idle
+
     def __enter__(self) -> Sandbox:
         return self
 
@@ -177,6 +189,7 @@ class Sandbox:
 
     def _get_zygote(self) -> _Zygote:
         with self._lock:
+            self._used = time.monotonic()
             z = self._zygote
             if z is not None and z.proc.poll() is None:
                 return z
@@ -228,6 +241,16 @@ class Sandbox:
             _stop(z)
             raise SandboxError("scoring sandbox did not start (no ready message)")
         self.protections = [str(p) for p in ready]
+        missing = [p for p in STRONG if p not in self.protections]
+        if missing and self.jail:
+            log.warning(
+                "scoring sandbox for %s runs without %s (run as root, or allow unprivileged "
+                "user namespaces: sysctl kernel.unprivileged_userns_clone=1)",
+                self.recipe.task,
+                ", ".join(missing),
+            )
+        else:
+            log.info("scoring sandbox for %s: %s", self.recipe.task, ", ".join(self.protections))
         parent.settimeout(CONTROL_TIMEOUT_S)
         return z
 

@@ -51,9 +51,13 @@ def trap(tmp_path: Path) -> Path:
     return d
 
 
-def test_the_sandbox_is_confined_here() -> None:
+def test_the_sandbox_is_confined_here_and_stops_when_idle() -> None:
+    task = make_task("addition", {})
     with Sandbox(Recipe("addition", {})) as sandbox:
         assert sandbox.start() == list(jail.STRONG)
+        assert not sandbox.close_if_idle(idle_s=60)
+        assert sandbox.close_if_idle(idle_s=0)  # its job's libraries leave memory
+        assert sandbox.score(3, [task.answer(3)])[0].value == 1.0  # a new zygote
 
 
 @pytest.mark.slow  # about 4 minutes on 2 cores: a sandbox started for each of ~100 datasets
