@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
+import functools
 import os
 import resource
 import signal
@@ -62,8 +62,10 @@ class Limits:
     open_files: int = 16
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    # The interpreter's own symbols include libc's; find_library would run ldconfig each time.
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def _check(ret: int, what: str) -> None:

@@ -22,6 +22,7 @@ so a text that kills the child costs the texts after it only a new child.
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import signal
@@ -109,6 +110,7 @@ def _warm(reward: Any) -> None:
 def _serve_child(fd: int, reward: Any, cpu_s: float, zygote: int) -> None:
     from echo.tasks import jail
 
+    gc.disable()
     jail.limit_call(cpu_s, zygote)
     sock = socket.socket(fileno=fd)
     raw = read_frame(sock, MAX_REQUEST_BYTES)
@@ -188,6 +190,10 @@ def main(fd: int) -> None:
 
         applied = jail.confine()
         jail.die_with_parent(parent)
+    # Children share the zygote's heap copy-on-write; a collection in a child would touch (and
+    # copy) every page of it. Frozen objects are never collected, and a child never collects.
+    gc.collect()
+    gc.freeze()
     ctrl.send(msgpack.packb({"ready": applied}))
     serve(ctrl, reward)
 
