@@ -73,8 +73,9 @@ the other attackers once they all have turned (at most ``STALE_WAIT_S`` later; t
 ``turned`` says how many did). Until then they are honest nodes, beside the swarm's. The phase
 after the attack starts once the leases that hoarders held have expired (``LEASE_TIMEOUT_S``).
 
-``--quick``: 2 nodes and 20 s phases, about 3 minutes in all; the default is 3 nodes and
-180 s phases. The learner's format warm-up of the job is kept between runs
+``--quick``: 2 nodes and 20 s phases, about 4 minutes in all on 2 busy cores (start-up, the
+stale hoarders' warm-up and the wait for held leases to expire included); the default is 3
+nodes and 180 s phases. The learner's format warm-up of the job is kept between runs
 (:data:`WARMUP_CACHE`): only the first run of a job spends it (about a minute).
 """
 
@@ -656,18 +657,18 @@ def main() -> int:
     traces = sorted(p.name for p in bench.marker_dir.iterdir())
     if traces:
         say(f"[!] the bombs' code ran outside the sandbox: {traces} in {bench.marker_dir}")
-    if after["versions_per_min"] == 0:
+    stopped = after["versions_per_min"] == 0
+    if stopped:
         # Not a ratio: the honest swarm stopped and did not come back (one run: every honest
         # node excluded for false verification failures). The logs in ``out`` say why. A swarm
         # stopped only under attack is a ratio of 0, below.
         say(f"the honest swarm stopped training (see {out}); no ratio")
-        return 1
     base = (calm["versions_per_min"] + after["versions_per_min"]) / 2
-    ratio = hit["versions_per_min"] / base if base else 0.0
+    ratio = None if stopped else hit["versions_per_min"] / base if base else 0.0
     recovery = (
         after["versions_per_min"] / calm["versions_per_min"] if calm["versions_per_min"] else 0
     )
-    # The unattacked p99 from both calm phases' calls together: one 30 s phase holds a few
+    # The unattacked p99 from both calm phases' calls together: one 20 s phase holds a few
     # dozen calls per node, so its p99 is nearly its maximum.
     calm_windows = [tuple(calm["window"]), tuple(after["window"])]
     rpc = {}
@@ -686,10 +687,11 @@ def main() -> int:
         if rpc[f"{name}_p99_under_attack_vs_unattacked"] is not None
     }
     rpc_ratio = max(ratios.values()) if ratios else None
-    say(
-        f"honest ratio under attack: {ratio:.2f} of the unattacked phases' mean (goal >= 0.8); "
-        f"after the attack the swarm ran at {recovery:.2f} of its first phase"
-    )
+    if ratio is not None:
+        say(
+            f"honest ratio under attack: {ratio:.2f} of the unattacked phases' mean (goal >= "
+            f"0.8); after the attack the swarm ran at {recovery:.2f} of its first phase"
+        )
     shown = ", ".join(
         f"{k} {ratios[k]:.2f}" if k in ratios else f"{k} -" for k in TIMED_RPCS.values()
     )
@@ -722,9 +724,10 @@ def main() -> int:
             "rpc_p99_under_attack_vs_unattacked": rpc_ratio,
             "rpc_p99_from": sorted(ratios),
             "recovery_after_attack": recovery,
+            "swarm_stopped": stopped,
         }
     )
-    return 0
+    return 1 if stopped else 0
 
 
 if __name__ == "__main__":
