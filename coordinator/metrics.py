@@ -29,6 +29,18 @@ class Metrics:
             registry=r,
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 1.0),
         )
+        self.scoring_seconds = Histogram(
+            "echo_scoring_seconds",
+            "Wall time to score one group in its job's sandbox",
+            registry=r,
+            buckets=(0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 2.0, 10.0),
+        )
+        self.scoring_failures = Counter(
+            "echo_scoring_failures_total",
+            "Completions that scored 0 because their scorer failed, by outcome",
+            ["outcome"],
+            registry=r,
+        )
         self.versions_published = Counter(
             "echo_versions_published_total", "Policy versions published", registry=r
         )

@@ -262,7 +262,12 @@ class NodeRPC:
             )
             if checked.lease.node_id != node_id:
                 raise Rejected(R.LEASE_NOT_YOURS, "lease was issued to another node")
+            t_score = time.perf_counter()
             scores = await self._score(node, checked.lease, checked.texts)
+            self.metrics.scoring_seconds.observe(time.perf_counter() - t_score)
+            for s in scores:
+                if s.outcome != "ok":
+                    self.metrics.scoring_failures.labels(outcome=s.outcome).inc()
             detail = outcome_summary(scores)
             result = check_claimed_rewards(checked, [s.value for s in scores])
             self._store_accepted(node_id, data, result)
