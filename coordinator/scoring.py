@@ -37,12 +37,13 @@ TRUSTED_STREAK = 10
 # Slots shared by nodes without that run: one, so they cannot take more than one core between
 # them, whatever their number.
 NEW_NODE_SLOTS = 1
-# Honest groups score in milliseconds (16 gym answers in about 10 ms here); a minute's refill
-# pays for thousands of them, and for two scorer timeouts at most.
-SCORING_S_PER_MINUTE = 6.0
-# What a node may spend at once: a few timeouts' worth, so a rare honest slow text never
-# locks a node out.
-SCORING_BURST_S = 12.0
+# Honest groups score in milliseconds (the demo's in about 5 ms, 16 gym answers in 25 ms, 16
+# math-verify ones in 40-60 ms here): half a core a node pays for a fast GPU node's long math
+# answers many times over, and bounds what one identity's groups can take.
+SCORING_S_PER_MINUTE = 30.0
+# What a node may spend at once, and so the most one group may take: a few timeouts' worth,
+# so a rare honest slow text never locks a node out.
+SCORING_BURST_S = 30.0
 # Budgets tracked at once; a flood of identities evicts the oldest (which start full again,
 # but a new identity gets one lease, so that buys it one group).
 MAX_TRACKED_NODES = 50_000
@@ -99,8 +100,11 @@ class Scoring:
         :raises SandboxError: the job's sandbox cannot start.
         """
         limiter = self.trusted if trusted else self.new
+        # A group may spend what its node has left (at least one text's budget): a group of
+        # texts that each stop just inside their own timeout costs its sender, not the slot.
+        max_s = max(self.budget_left(node_id), sandbox.budget_s)
         scores = await trio.to_thread.run_sync(
-            sandbox.score, prompt_id, list(texts), context, limiter=limiter
+            sandbox.score, prompt_id, list(texts), context, max_s, limiter=limiter
         )
         self.charge(node_id, sum(s.seconds for s in scores))
         for s in scores:

@@ -256,26 +256,35 @@ class Sandbox:
 
     # -- scoring ---------------------------------------------------------------------------
 
-    def score(self, prompt_id: int, texts: Sequence[str], context: Any = None) -> list[Score]:
+    def score(
+        self,
+        prompt_id: int,
+        texts: Sequence[str],
+        context: Any = None,
+        max_s: float | None = None,
+    ) -> list[Score]:
         """Each text's :class:`Score`, in order; never raises for what a text says or does.
         ``context``: the caller's ``task.scoring_context(prompt_id)``, for tasks whose items
-        another process would not regenerate the same.
+        another process would not regenerate the same. ``max_s``: wall seconds the whole group
+        may take (what its sender may still spend); a text still scoring then is killed
+        (``scorer_timeout``) and the rest are skipped (``scorer_skipped``).
 
         :raises SandboxError: the zygote cannot be (re)started.
         """
+        until = math.inf if max_s is None else time.monotonic() + max_s
         out: list[Score] = []
         failures = 0
         while len(out) < len(texts):
-            if failures >= MAX_FAILURES_PER_GROUP:
+            if failures >= MAX_FAILURES_PER_GROUP or time.monotonic() >= until:
                 out.extend(Score(0.0, SCORER_SKIPPED, 0.0) for _ in texts[len(out) :])
                 break
-            done, failed = self._score_in_child(prompt_id, texts[len(out) :], context)
+            done, failed = self._score_in_child(prompt_id, texts[len(out) :], context, until)
             out.extend(done)
             failures += failed
         return out
 
     def _score_in_child(
-        self, prompt_id: int, texts: Sequence[str], context: Any
+        self, prompt_id: int, texts: Sequence[str], context: Any, until: float
     ) -> tuple[list[Score], int]:
         """Score ``texts`` in one fresh child until it ends or fails; (scores, 1 if it failed)."""
         z = self._get_zygote()
@@ -293,7 +302,7 @@ class Sandbox:
             limit = self.recipe.max_abs()
             for _ in texts:
                 t0 = time.monotonic()
-                raw = reader.next(t0 + self.budget_s)
+                raw = reader.next(min(t0 + self.budget_s, until))
                 took = time.monotonic() - t0
                 if raw is _TIMEOUT:
                     self._kill(z, pid)

@@ -153,6 +153,10 @@ def test_a_hanging_reward_is_killed_scores_zero_and_the_group_goes_on(entry_poin
         (0.5, "ok"),  # scored in a fresh child
     ]
     assert 1.0 <= scores[1].seconds < 3.0  # what the node is charged
+    with Sandbox(_python("slow", timeout_s=1)) as sandbox:
+        capped = sandbox.score(0, ["hang", "fine", "fine"], max_s=0.5)  # all its sender had
+    assert [s.outcome for s in capped] == ["scorer_timeout", "scorer_skipped", "scorer_skipped"]
+    assert capped[0].seconds < 1.0
 
 
 def test_failing_rewards_score_zero_with_the_reason(entry_points: Path) -> None:
