@@ -36,6 +36,7 @@ from echo.learner.tracking import Tracker, TrackingError, open_tracker
 from echo.learner.trainer import Trainer
 from echo.models.device import resolve_device
 from echo.models.spec import ModelSpec
+from echo.p2p.budget import STRANGER_BYTES_PER_S, Audience
 from echo.p2p.chunkstore import ChunkStore, serve_chunks
 from echo.p2p.host import EchoHost, open_host
 from echo.p2p.identity import Identity, public_key_from_peer_id
@@ -57,6 +58,9 @@ POLL_S = 0.1
 # after its current groups), and never longer than FINAL_SERVE_MAX_S.
 FINAL_IDLE_S = 10.0
 FINAL_SERVE_MAX_S = 90.0
+# Share of a paced learner's uplink (--upload-limit-bps) that peers outside its audience -- not
+# in a recent plan, no group trained -- may take together: a quarter leaves the plan most of it.
+STRANGER_SHARE = 0.25
 
 
 # The exit status that tells the coordinator's supervisor not to restart us: restarting cannot
@@ -123,6 +127,13 @@ class Learner:
         self.epoch = epoch
         self.job_dir = job_dir
         self.upload_limit_bps = upload_limit_bps
+        # Whom we serve chunks to on their own budgets: planned nodes and those whose groups we
+        # trained on; everyone else shares a small bucket (issue 26, finding 7).
+        self.audience = Audience(
+            min(STRANGER_BYTES_PER_S, STRANGER_SHARE * upload_limit_bps)
+            if upload_limit_bps
+            else STRANGER_BYTES_PER_S
+        )
         self.job_id = job_id
         self.coordinator = coordinator
         self.spec = JobSpec.model_validate_json((job_dir / "job.json").read_text())
@@ -238,11 +249,14 @@ class Learner:
         not reach pull from us instead, so a bad plan only costs time."""
         assert self.host is not None and self.relay is not None
         try:
-            await self.relay.join_plan(
+            ann = await self.relay.join_plan(
                 sealed_plan, public_key_from_peer_id(self.coord_peer), self.job_id
             )
         except ProtocolError as exc:
             log.warning("cannot push v%d down the plan: %s", self.version, exc)
+            return
+        if ann is not None:  # the plan's nodes may pull from us on their own budgets
+            self.audience.planned(ann.version, (p.peer_id for p in ann.peers))
 
     def bytes_sent(self) -> int:
         """Chunk bytes this learner has sent, pushed and pulled, since it started."""
@@ -299,7 +313,7 @@ class Learner:
         async with open_host(self.identity, [self._listen_addr()]) as host:
             self._remember_port(host)
             self.host = host
-            serve_chunks(host, self.chunks, on_served=self._count_served)
+            serve_chunks(host, self.chunks, on_served=self._count_served, audience=self.audience)
             self.coord_peer = await host.connect(self.coordinator)
             async with open_relay(
                 host,
@@ -376,6 +390,8 @@ class Learner:
                 log.info("job cancelled at v%d", self.version)
                 return False
             groups = list(reply.groups)
+            for g in groups:  # accepted work: they pull from us on their own budgets
+                self.audience.proven(g.node_id)
             pending.extend(groups)
             floor = self.version - spec.staleness
             pending = [g for g in pending if g.version >= floor]

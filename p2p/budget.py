@@ -11,6 +11,17 @@ Every map is a bounded LRU (:class:`LruMap`): the least recently seen keys are d
 a flood of fresh identities costs at most ``max_keys`` small entries. Forgetting a peer forgets
 its debt, which only ever errs towards a stranger's favour for peers not seen for a long time.
 
+A prefix's share is ``prefix_factor`` peers' worth by default; an rpc may have a factor of its own
+(:meth:`Gate.set_prefix_factor`): chunk serving gives a network two peers' worth, because its
+byte budget is what a leecher minting identities on one /24 would otherwise multiply (8
+identities on one /24 pulled 4.6 GB in 10 s from one learner; issue 26, finding 7). Responses
+are charged too (:meth:`Gate.admit_response`), for every rpc with a limit of its own: a small
+request may ask for a large reply (a 4 MiB manifest).
+
+:class:`Audience` is whom a chunk server serves on their own budgets (the learner's: the nodes
+of its recent plans and those whose groups it trained on); everyone else shares one small
+strangers' bucket.
+
 The buckets are pure and synchronous over an injectable monotonic clock; :class:`UploadLimiter`
 (the host-wide upload cap) is the one part that waits. Nothing here raises for any input.
 """
@@ -21,7 +32,7 @@ import dataclasses
 import ipaddress
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -37,6 +48,17 @@ BACKOFF_BASE_S = 2.0
 BACKOFF_MAX_S = 300.0
 # A prefix holds this many peers' worth of budget: a NAT or a lab shares one address honestly.
 DEFAULT_PREFIX_FACTOR = 8.0
+# Chunk bytes a network may pull, in peers' worth (Gate.set_prefix_factor). A network's nodes
+# get most of a version pushed down the relay tree, and pull from many peers, each with its own
+# gate; what one server's chunk budget has to cover is one node's catch-up and a second's.
+CHUNK_PREFIX_FACTOR = 2.0
+# Bytes/s a chunk server's Audience shares among all the peers outside it (a late joiner before
+# its first plan; a stranger). About 32 Mbit/s: a 270 MB anchor in ~70 s for one newcomer, while
+# the planned nodes keep the learner's uplink.
+STRANGER_BYTES_PER_S = 4e6
+# Plans whose members stay in an Audience: a node planned for a version may still be pulling it
+# (or a patch before it) while the next few versions are planned.
+AUDIENCE_PLANS = 4
 
 
 @dataclass(frozen=True)
@@ -177,6 +199,7 @@ class Gate:
         self.limits = dict(limits or {})
         self.default = default
         self.prefix_factor = prefix_factor
+        self.prefix_factors: dict[str, float] = {}  # rpcs whose prefix share is their own
         # Each loopback address its own prefix (see :func:`network_prefix`); off: none.
         self.loopback_is_network = False
         self.backoff_base_s = backoff_base_s
@@ -194,10 +217,27 @@ class Gate:
         """Budget ``rpc`` with ``limit`` per peer from now on, buckets already made included
         (their tokens are kept, capped at the new bursts on their next refill)."""
         self.limits[rpc] = limit
+        factor = self.prefix_factor_of(rpc)
         for (who, key_rpc), bucket in self._buckets.items():
             if key_rpc == rpc:
                 # Prefix keys are networks ("a.b.c.0/24"); peer ids never hold a '/'.
-                bucket.limit = limit.scaled(self.prefix_factor) if "/" in who else limit
+                bucket.limit = limit.scaled(factor) if "/" in who else limit
+
+    def set_prefix_factor(self, rpc: str, factor: float) -> None:
+        """Give each network prefix ``factor`` peers' worth of ``rpc`` (instead of
+        :attr:`prefix_factor`) from now on, prefix buckets already made included (their tokens
+        capped at the new bursts)."""
+        self.prefix_factors[rpc] = factor
+        scaled = self.limit(rpc).scaled(factor)
+        for (who, key_rpc), bucket in self._buckets.items():
+            if key_rpc == rpc and "/" in who:
+                bucket.limit = scaled
+                bucket.requests = min(bucket.requests, bucket.limit.burst_requests)
+                bucket.bytes = min(bucket.bytes, bucket.limit.burst_bytes)
+
+    def prefix_factor_of(self, rpc: str) -> float:
+        """How many peers' worth of ``rpc`` a network prefix gets."""
+        return self.prefix_factors.get(rpc, self.prefix_factor)
 
     def raise_burst(self, rpc: str, burst_bytes: float) -> None:
         """Raise ``rpc``'s byte burst to ``burst_bytes`` (a smaller value changes nothing); the
@@ -207,9 +247,10 @@ class Gate:
         if extra <= 0:
             return
         self.set_limit(rpc, dataclasses.replace(limit, burst_bytes=burst_bytes))
+        factor = self.prefix_factor_of(rpc)
         for (who, key_rpc), bucket in self._buckets.items():
             if key_rpc == rpc:
-                bucket.bytes += extra * (self.prefix_factor if "/" in who else 1.0)
+                bucket.bytes += extra * (factor if "/" in who else 1.0)
 
     def resize(self, max_keys: int) -> None:
         """Keep at most ``max_keys`` keys per map from now on (applied as keys are added)."""
@@ -235,6 +276,17 @@ class Gate:
         header, or a response about to be sent); False (nothing charged) when over budget."""
         return self._charge(peer, address, rpc, 0.0, float(nbytes))
 
+    def admit_response(self, peer: str, address: str | None, rpc: str, nbytes: int) -> bool:
+        """Charge a response of ``nbytes`` about to be sent for ``rpc``; False (nothing charged)
+        when over budget. Only rpcs with a limit of their own (:meth:`set_limit`) are charged:
+        the generous default budgets requests, not the replies of trusted exchanges. At most
+        the peer's byte burst is charged, so one reply larger than the burst (a manifest near
+        its 4 MiB cap) can still be served from a full bucket."""
+        limit = self.limits.get(rpc)
+        if limit is None:
+            return True
+        return self._charge(peer, address, rpc, 0.0, min(float(nbytes), limit.burst_bytes))
+
     def _charge(
         self, peer: str, address: str | None, rpc: str, requests: float, nbytes: float
     ) -> bool:
@@ -251,7 +303,7 @@ class Gate:
         prefix = network_prefix(address, self.loopback_is_network)
         theirs = None
         if prefix is not None:
-            scaled = limit.scaled(self.prefix_factor)
+            scaled = limit.scaled(self.prefix_factor_of(rpc))
             theirs = self._buckets.setdefault((prefix, rpc), lambda: Bucket(scaled, now))
         if not mine.can(now, requests, nbytes) or (
             theirs is not None and not theirs.can(now, requests, nbytes)
@@ -286,6 +338,63 @@ class Gate:
             "backoff": len(self._backoff),
             "addresses": len(self._where),
         }
+
+
+class Audience:
+    """Whom a chunk server serves on their own budgets: the members of its last
+    :data:`AUDIENCE_PLANS` plans (:meth:`planned`) and the peers whose work it has seen accepted
+    (:meth:`proven`, at most ``max_keys``, least recently seen dropped). Everyone else --
+    identities are free -- shares one bucket of ``stranger_bps`` whose burst is what the caller
+    names (the largest version held: one newcomer's first pull), so strangers together cannot
+    take more of the server's uplink than that (issue 26, finding 7). Pure; raises nothing."""
+
+    def __init__(
+        self,
+        stranger_bps: float = STRANGER_BYTES_PER_S,
+        *,
+        max_keys: int = DEFAULT_MAX_KEYS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.stranger_bps = stranger_bps
+        self._clock = clock
+        self._plans: OrderedDict[object, frozenset[str]] = OrderedDict()
+        self._proven: LruMap[str, bool] = LruMap(max_keys)
+        self._tokens: float | None = None  # the strangers' bucket (None: full, not yet used)
+        self._stamp = clock()
+        self.refused = 0  # strangers' requests refused, ever
+
+    def planned(self, key: object, peers: Iterable[str]) -> None:
+        """The members of a new plan (``key``: its version); the oldest plan beyond
+        :data:`AUDIENCE_PLANS` is forgotten."""
+        self._plans.pop(key, None)
+        self._plans[key] = frozenset(peers)
+        while len(self._plans) > AUDIENCE_PLANS:
+            self._plans.popitem(last=False)
+
+    def proven(self, peer: str) -> None:
+        """``peer`` delivered accepted work (a group the server trained on, a lease it held)."""
+        self._proven.put(peer, True)
+
+    def __contains__(self, peer: str) -> bool:
+        return self._proven.get(peer) is not None or any(peer in p for p in self._plans.values())
+
+    def admit(self, peer: str, nbytes: int, burst: float) -> bool:
+        """True for a member; for anyone else, charge ``nbytes`` to the strangers' bucket
+        (refilled at ``stranger_bps`` up to ``burst``): False, charging nothing, when it is
+        spent."""
+        if peer in self:
+            return True
+        now = self._clock()
+        burst = max(burst, float(nbytes))  # one request larger than the burst still fits once
+        tokens = burst if self._tokens is None else self._tokens
+        tokens = min(burst, tokens + (now - self._stamp) * self.stranger_bps)
+        self._stamp = now
+        if tokens < nbytes:
+            self._tokens = tokens
+            self.refused += 1
+            return False
+        self._tokens = tokens - nbytes
+        return True
 
 
 class UploadLimiter:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from echo.p2p.budget import Limit
+from echo.p2p.budget import CHUNK_PREFIX_FACTOR, Audience, Limit
 from echo.p2p.host import EchoHost
 from echo.protocol import ids
 from echo.protocol import messages as m
@@ -178,17 +178,26 @@ def prune_job_stores(root: Path, keep: set[str], max_bytes: int) -> list[str]:
 
 
 def serve_chunks(
-    host: EchoHost, store: ChunkStore, on_served: Callable[[int], None] | None = None
+    host: EchoHost,
+    store: ChunkStore,
+    on_served: Callable[[int], None] | None = None,
+    audience: Audience | None = None,
 ) -> None:
     """Answer ``PROTO_CHUNK`` requests from ``store`` (unknown chunk: a status-1 reply);
     ``on_served(n)`` is told the size of every chunk handed out.
 
-    Every chunk is charged to the asking peer's byte budget in the host's gate (over it: a
-    ``rate_limited`` reply and a backoff, so one leecher cannot take the uplink), then waits
-    on the host's upload cap (:attr:`EchoHost.upload_limiter`), which relay pushes share.
-    A request that came through a circuit relay is answered ``relayed`` (bulk data travels on
-    direct connections only; see :mod:`echo.p2p.circuit`).
+    Every chunk is charged to the asking peer's byte budget in the host's gate, and to its
+    network's (:data:`~echo.p2p.budget.CHUNK_PREFIX_FACTOR` peers' worth per /24 or /48, unless
+    someone set the factor: identities are free, networks are not); over either, a
+    ``rate_limited`` reply and a backoff, so one leecher cannot take the uplink. With an
+    ``audience`` (the learner's), a peer outside it is also charged to the strangers' shared
+    bucket (over it: ``rate_limited``, no backoff -- it is not that peer's doing). Then the
+    chunk waits on the host's upload cap (:attr:`EchoHost.upload_limiter`), which relay pushes
+    share. A request that came through a circuit relay is answered ``relayed`` (bulk data
+    travels on direct connections only; see :mod:`echo.p2p.circuit`).
     """
+    if ids.PROTO_CHUNK not in host.gate.prefix_factors:
+        host.gate.set_prefix_factor(ids.PROTO_CHUNK, CHUNK_PREFIX_FACTOR)
 
     fitted: list[Limit | None] = [None]  # the limit this function set, if any
 
@@ -215,14 +224,28 @@ def serve_chunks(
         if not host.gate.admit_bytes(peer, None, ids.PROTO_CHUNK, len(chunk)):
             host.gate.punish(peer)
             raise ProtocolError("over this peer's chunk budget: back off", code="rate_limited")
+        # The strangers' burst: two newcomers' first pulls (the largest version each) at once.
+        if audience is not None and not audience.admit(
+            peer, len(chunk), 2.0 * store.largest_version_bytes()
+        ):
+            raise ProtocolError(
+                "not planned here: the newcomers' share is spent, retry later", code="rate_limited"
+            )
         if host.upload_limiter is not None:
             await host.upload_limiter.take(len(chunk))
         if on_served is not None:
             on_served(len(chunk))
         return chunk
 
-    # Chunks are bulk data: never over a relayed connection (a ``relayed`` error instead).
-    host.set_handler(ids.PROTO_CHUNK, handler, max_request=CHUNK_REQUEST_MAX, direct_only=True)
+    # Chunks are bulk data: never over a relayed connection (a ``relayed`` error instead); the
+    # handler charges each chunk itself, before it waits on the upload cap.
+    host.set_handler(
+        ids.PROTO_CHUNK,
+        handler,
+        max_request=CHUNK_REQUEST_MAX,
+        direct_only=True,
+        charge_response=False,
+    )
 
 
 async def fetch_chunk(host: EchoHost, peer_id, ref: m.ChunkRef, *, timeout: float) -> bytes:

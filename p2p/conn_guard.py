@@ -16,9 +16,13 @@ hold them, and shut every honest peer out. :class:`ConnectionGuard` bounds that 
 * **Idle reaping under pressure.** A connection on which no stream was opened or closed, in
   either direction, for ``idle_timeout_s`` is idle. While the host holds more than
   ``pressure_fraction`` of its cap, or a connection's prefix is at its own cap, the reaper closes
-  the idle inbound connections of peers that are not protected (:meth:`ConnectionGuard.protect`:
-  the coordinator protects the peers it has reason to keep). Outbound connections are never
-  reaped (we chose to open them).
+  the idle inbound connections. A protected peer (:meth:`ConnectionGuard.protect`: the
+  coordinator protects the peers it has reason to keep, such as nodes with an accepted group)
+  has a longer grace, ``protected_idle_timeout_s``, for one connection -- its most recently
+  active -- and none for any other: protection is a head start, not immunity. (It was immunity:
+  one accepted group each, 16 idle connections from each of 16 /24s held the host over its
+  cap of 250 for good; issue 26, finding 5.) Outbound connections are never reaped (we chose to
+  open them).
 
 How it hooks py-libp2p 0.8.1: a notifee (``INotifee.opened_stream`` / ``closed_stream`` fire for
 streams in both directions, from ``SwarmConn._add_stream`` and the stream's close) stamps each
@@ -88,6 +92,10 @@ IDLE_TIMEOUT_S = 60.0
 # Reaping starts above this share of the host's connection cap: below it, idle connections cost
 # nothing anybody needs, and honest peers that happen to be quiet keep theirs.
 PRESSURE_FRACTION = 0.5
+# A protected peer's connection is reaped under pressure after this long without a stream. An
+# honest node opens one every 10 s (its status) and a learner with every batch request, so five
+# minutes of silence is a holder, not a worker; a reaped peer that was working pays one re-dial.
+PROTECTED_IDLE_TIMEOUT_S = 300.0
 # How often the reaper looks: an idle holder is closed at most IDLE_TIMEOUT_S + this after its
 # last stream. A pass is a scan of at most the cap's worth of connections.
 REAP_INTERVAL_S = 5.0
@@ -145,6 +153,7 @@ class GuardPolicy:
     loopback_cap: int | None = LOOPBACK_CAP
     handshake_refill_s: float | None = HANDSHAKE_REFILL_S
     idle_timeout_s: float = IDLE_TIMEOUT_S
+    protected_idle_timeout_s: float = PROTECTED_IDLE_TIMEOUT_S
     pressure_fraction: float = PRESSURE_FRACTION
     reap_interval_s: float = REAP_INTERVAL_S
 
@@ -159,6 +168,8 @@ class GuardPolicy:
             )
         if self.idle_timeout_s <= 0 or self.reap_interval_s <= 0:
             raise ValueError("idle_timeout_s and reap_interval_s must be positive")
+        if self.protected_idle_timeout_s <= 0:
+            raise ValueError("protected_idle_timeout_s must be positive")
         if not 0 < self.pressure_fraction <= 1:
             raise ValueError(f"pressure_fraction must be in (0, 1], got {self.pressure_fraction}")
 
@@ -224,8 +235,9 @@ class ConnectionGuard:
     # -- protection -----------------------------------------------------------------------------
 
     def protect(self, peer_id: ID | str) -> None:
-        """Never reap ``peer_id``'s connections (until :meth:`unprotect`). Admission is not
-        affected: it happens before the handshake says who the peer is."""
+        """Give ``peer_id``'s most recently active connection the longer idle grace
+        (``protected_idle_timeout_s``) until :meth:`unprotect`. Admission is not affected: it
+        happens before the handshake says who the peer is."""
         self._protected.add(_peer(peer_id))
 
     def unprotect(self, peer_id: ID | str) -> None:
@@ -336,9 +348,23 @@ class ConnectionGuard:
         total = sum(1 for _ in self._connections())
         return total > self.policy.pressure_fraction * self.connection_cap
 
+    def _kept(self, inbound: list[INetConn]) -> dict[ID, INetConn]:
+        """Per protected peer, the one inbound connection its protection covers: the most
+        recently active (a protected peer's other connections are anybody's)."""
+        kept: dict[ID, INetConn] = {}
+        for conn in inbound:
+            peer = conn.muxed_conn.peer_id
+            if peer in self._protected and (
+                peer not in kept or self.idle_for(conn) < self.idle_for(kept[peer])
+            ):
+                kept[peer] = conn
+        return kept
+
     def reapable(self) -> list[INetConn]:
-        """The inbound connections of unprotected peers that are idle and under pressure (the
-        host's, or their prefix's: at its cap). Also drops stamps of connections gone."""
+        """The inbound connections that are idle -- past ``idle_timeout_s``, or
+        ``protected_idle_timeout_s`` for the one a protection covers (:meth:`_kept`) -- and
+        under pressure (the host's, or their prefix's: at its cap). Also drops stamps of
+        connections gone."""
         conns = list(self._connections())
         live = set(conns)
         for gone in [c for c in self._last_active if c not in live]:
@@ -354,11 +380,14 @@ class ConnectionGuard:
             if prefix is not None:
                 per_prefix[prefix] = per_prefix.get(prefix, 0) + 1
             inbound.append((conn, prefix))
+        kept = self._kept([conn for conn, _ in inbound])
         victims = []
         for conn, prefix in inbound:
-            if conn.muxed_conn.peer_id in self._protected:
-                continue
-            if self.idle_for(conn) < self.policy.idle_timeout_s:
+            covered = kept.get(conn.muxed_conn.peer_id) is conn
+            grace = self.policy.idle_timeout_s
+            if covered:  # never shorter than anybody's
+                grace = max(grace, self.policy.protected_idle_timeout_s)
+            if self.idle_for(conn) < grace:
                 continue
             cap = self.policy.cap_for(prefix) if prefix is not None else None
             prefix_full = prefix is not None and cap is not None and per_prefix[prefix] >= cap
@@ -442,6 +471,7 @@ __all__ = [
     "IDLE_TIMEOUT_S",
     "LOOPBACK_CAP",
     "PRESSURE_FRACTION",
+    "PROTECTED_IDLE_TIMEOUT_S",
     "PRIVATE_PREFIX_CAP",
     "PUBLIC_PREFIX_CAP",
     "REAP_INTERVAL_S",

@@ -186,16 +186,21 @@ class EchoHost:
         max_response: int = MAX_FRAME_BYTES - _STATUS_LEN,
         handler_timeout: float = DEFAULT_HANDLER_TIMEOUT,
         direct_only: bool = False,
+        charge_response: bool = True,
     ) -> None:
         """Serve ``protocol_id``: ``await handler(peer_id, request) -> response``.
 
         Requests over ``max_request`` bytes are refused before their body is read, and every
-        request is charged to its peer's budget in :attr:`gate` first. A handler that
-        raises ``ProtocolError`` sends ``"{code}: {message}"`` to the client; any other exception
-        is logged and answered with a generic error. With ``direct_only`` (bulk data), a request
-        that came over a circuit-relayed connection is answered with a ``relayed`` error.
+        request is charged to its peer's budget in :attr:`gate` first; so is its response, by
+        size, where the gate has a limit for the protocol (``charge_response=False``: the
+        handler charges its bytes itself). A handler that raises ``ProtocolError`` sends
+        ``"{code}: {message}"`` to the client; any other exception is logged and answered with
+        a generic error. With ``direct_only`` (bulk data), a request that came over a
+        circuit-relayed connection is answered with a ``relayed`` error.
         """
-        spec = HandlerSpec(handler, max_request, max_response, handler_timeout, direct_only)
+        spec = HandlerSpec(
+            handler, max_request, max_response, handler_timeout, direct_only, charge_response
+        )
 
         async def _stream_handler(stream: INetStream) -> None:
             await serve_stream(stream, spec, self._violations, self.gate)

@@ -15,7 +15,9 @@ Server side (:func:`serve_stream`) owns the inbound stream it is given and alway
 resets it; it never raises (errors are logged, framing violations are recorded in a
 :class:`ViolationLog`). With a :class:`~echo.p2p.budget.Gate`, a stream is admitted against the
 peer's budget before its header is read, and the announced body against its byte budget before
-the body is read; a refusal resets the stream and puts the peer in backoff.
+the body is read; a refusal resets the stream and puts the peer in backoff. The response is
+charged by its size too (:meth:`~echo.p2p.budget.Gate.admit_response`); over budget, the peer
+gets a ``rate_limited`` error and a backoff instead of the reply.
 Client side (:func:`call`) owns the stream it opens and raises
 :class:`RemoteError`, :class:`RpcTimeout`, :class:`RpcConnectionError` or
 :class:`~echo.protocol.errors.FrameError`.
@@ -64,6 +66,8 @@ INTERNAL_ERROR_MESSAGE = "internal: the handler failed"
 
 # The error code a direct-only handler answers a relayed request with.
 RELAYED_CODE = "relayed"
+# The error code of a reply refused over the peer's byte budget (the client backs off).
+RATE_LIMITED_CODE = "rate_limited"
 
 Handler = Callable[[ID, bytes], Awaitable[bytes]]
 ViolationCallback = Callable[[ID, ProtocolError], None]
@@ -127,6 +131,9 @@ class HandlerSpec:
     handler_timeout: float = DEFAULT_HANDLER_TIMEOUT
     # Refuse requests that arrive over a relayed connection (bulk data: direct connections only).
     direct_only: bool = False
+    # Charge the response to the peer's byte budget (Gate.admit_response) before sending it;
+    # off for a handler that charges its own bytes (chunks: before it waits on the upload cap).
+    charge_response: bool = True
 
 
 def is_relayed(conn_or_stream: object) -> bool:
@@ -151,6 +158,17 @@ def is_relayed(conn_or_stream: object) -> bool:
 def _error_payload(message: str) -> bytes:
     data = message.encode("utf-8", errors="replace")[:MAX_ERROR_MESSAGE_BYTES]
     return bytes([STATUS_ERROR]) + data
+
+
+def _charged(gate: Gate, peer: str, address: str | None, protocol: str, payload: bytes) -> bytes:
+    """``payload`` once its size is charged to the peer's budget for ``protocol``; over budget,
+    a ``rate_limited`` error (and a backoff) instead: a small request must not buy a large
+    reply for free (a 4 MiB manifest; issue 26, finding 7)."""
+    if gate.admit_response(peer, address, protocol, len(payload)):
+        return payload
+    gate.punish(peer)
+    logger.info("%s reply to %s refused: over its byte budget", protocol, peer)
+    return _error_payload(f"{RATE_LIMITED_CODE}: over this peer's byte budget for {protocol}")
 
 
 class OverBudget(Exception):
@@ -271,6 +289,8 @@ async def serve_stream(
             )
         else:
             payload = await _run_handler(spec, peer_id, request, protocol)
+            if gate is not None and spec.charge_response:
+                payload = _charged(gate, peer, address, protocol, payload)
         with trio.move_on_after(transfer_timeout(len(payload), REQUEST_BODY_BASE_TIMEOUT)) as sc:
             await write_frame(stream, payload, spec.max_response + 1)
         if sc.cancelled_caught:
