@@ -278,20 +278,30 @@ class Gate:
 
     def admit_response(self, peer: str, address: str | None, rpc: str, nbytes: int) -> bool:
         """Charge a response of ``nbytes`` about to be sent for ``rpc``; False (nothing charged)
-        when over budget. Only rpcs with a limit of their own (:meth:`set_limit`) are charged:
-        the generous default budgets requests, not the replies of trusted exchanges. At most
-        the peer's byte burst is charged, so one reply larger than the burst (a manifest near
-        its 4 MiB cap) can still be served from a full bucket."""
+        when over budget (a backoff alone does not refuse it: the request was admitted). Only
+        rpcs with a limit of their own (:meth:`set_limit`) are charged: the generous default
+        budgets requests, not the replies of trusted exchanges. At most the peer's byte burst
+        is charged, so one reply larger than the burst (a manifest near its 4 MiB cap) can
+        still be served from a full bucket."""
         limit = self.limits.get(rpc)
         if limit is None:
             return True
-        return self._charge(peer, address, rpc, 0.0, min(float(nbytes), limit.burst_bytes))
+        # A backoff the handler itself just imposed does not eat the reply that says why.
+        charge = min(float(nbytes), limit.burst_bytes)
+        return self._charge(peer, address, rpc, 0.0, charge, backoff_refuses=False)
 
     def _charge(
-        self, peer: str, address: str | None, rpc: str, requests: float, nbytes: float
+        self,
+        peer: str,
+        address: str | None,
+        rpc: str,
+        requests: float,
+        nbytes: float,
+        *,
+        backoff_refuses: bool = True,
     ) -> bool:
         now = self.clock()
-        if self.in_backoff(peer):
+        if backoff_refuses and self.in_backoff(peer):
             self._refuse(rpc)
             return False
         if address:
