@@ -160,7 +160,6 @@ def load_running_job(store: Store, job_id: str) -> RunningJob:
         eos_id=eos_token_id(model),
         staleness=spec.staleness,
         current_version=row.current_version,
-        prompt_tokens=render.ids,
     )
     for v in store.versions(job_id):
         ctx.digests[v.version] = v.state_digest

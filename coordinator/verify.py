@@ -52,16 +52,13 @@ class JobContext:
     staleness: int
     current_version: int = -1
     digests: dict[int, str] = field(default_factory=dict)  # version -> published state digest
-    # The prompt's token ids as this coordinator renders them, which is what a group answers:
-    # its content hash covers them rather than the prompt id, so the same completions to the
-    # same dataset row cannot be replayed in a later epoch under a new id. None: the id.
-    prompt_tokens: Callable[[int], list[int]] | None = None
 
     def prompt_key(self, prompt_id: int) -> bytes:
-        """What a group's content hash binds it to (see ``prompt_tokens``)."""
-        if self.prompt_tokens is None:
-            return b"id:" + str(prompt_id).encode()
-        return b"tokens:" + ",".join(map(str, self.prompt_tokens(prompt_id))).encode()
+        """What a group's content hash binds it to: the task's row (``Task.row_id``), so the
+        same completions to the same dataset row cannot be replayed in a later epoch under a
+        new prompt id. Procedural prompts are each their own row, even where two ids render
+        the same text: a converged policy answers those alike, honestly."""
+        return b"row:" + self.task.row_id(prompt_id).encode()
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ accepted again for the same row under the id a later epoch gives it."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from echo.coordinator.rows import LeaseRow
 from echo.coordinator.verify import JobContext, check_submission
@@ -15,7 +16,7 @@ from echo.protocol import messages as m
 from echo.protocol import signing
 from echo.tasks.registry import make_task
 
-ROWS = 7  # a dataset of 7 rows: prompt id p is row p % 7, epoch p // 7
+DATA = Path(__file__).parent / "data" / "gsm8k_mini.jsonl"
 
 
 def _submit(node: Identity, prompt_id: int, ctx: JobContext) -> bytes:
@@ -51,11 +52,9 @@ def _submit(node: Identity, prompt_id: int, ctx: JobContext) -> bytes:
     ).content_hash
 
 
-def test_the_same_completions_for_the_same_row_in_a_later_epoch_hash_the_same() -> None:
-    node = Identity.generate()
-    task = make_task("addition", {"max_operand": 10})
+def _ctx(task) -> JobContext:
     spec = ModelSpec()
-    ctx = JobContext(
+    return JobContext(
         job_id="job",
         task=task,
         decode=lambda ids: decode_completion(spec, ids),
@@ -64,9 +63,28 @@ def test_the_same_completions_for_the_same_row_in_a_later_epoch_hash_the_same() 
         staleness=2,
         current_version=0,
         digests={0: "d"},
-        # What a dataset job renders: the row's prompt, whatever the epoch.
-        prompt_tokens=lambda pid: [1, 40 + pid % ROWS],
     )
-    first, later = _submit(node, 3, ctx), _submit(node, 3 + 2 * ROWS, ctx)
-    assert first == later  # the store's unique content hash refuses the second
-    assert _submit(node, 4, ctx) != first  # another row is other content
+
+
+def test_the_same_completions_for_the_same_row_in_a_later_epoch_hash_the_same() -> None:
+    node = Identity.generate()
+    task = make_task("dataset", {"path": str(DATA)})
+    ctx = _ctx(task)
+    rows = len(task.load().train)
+    pid = 3
+    later = next(p for p in range(rows, 3 * rows) if task.row_id(p) == task.row_id(pid))
+    first = _submit(node, pid, ctx)
+    assert _submit(node, later, ctx) == first  # the store's unique content hash refuses it
+    other = next(p for p in range(rows) if task.row_id(p) != task.row_id(pid))
+    assert _submit(node, other, ctx) != first  # another row is other content
+
+
+def test_procedural_prompts_with_the_same_text_are_distinct_rows() -> None:
+    """``1+2=`` leased twice is two problems: a converged policy's identical answers to both
+    are honest work, not a replay."""
+    node = Identity.generate()
+    task = make_task("addition", {"max_operand": 3})
+    same = [p for p in range(200) if task.prompt(p) == task.prompt(0)]
+    assert len(same) > 1
+    ctx = _ctx(task)
+    assert _submit(node, same[0], ctx) != _submit(node, same[1], ctx)
