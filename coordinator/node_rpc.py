@@ -398,7 +398,7 @@ class NodeRPC:
         Raises ProtocolError: UNKNOWN_NODE, or for a bad envelope or record.
         """
         (_, st), node_id = open_signed(data, m.NodeStatus, peer_id), str(peer_id)
-        self._registered(node_id)
+        row = self._registered(node_id)
         self.store.touch_node(
             node_id, version=st.version, digest=st.state_digest, tokens_per_s=st.tokens_per_s
         )
@@ -412,6 +412,8 @@ class NodeRPC:
             and job.ctx.digests.get(st.version) == st.state_digest
         ):
             self.store.record_node_version(st.job_id, node_id, st.version)
+            # Its receipt times the relays that fed it: uplinks as receivers measure them.
+            self.dissemination.delivered(node_id, st.job_id, st.version, accepted=row.accepted)
             active = [  # "every node holds v": every node serving this job
                 n
                 for n in active_nodes(self.store)
@@ -427,8 +429,11 @@ class NodeRPC:
         Raises ProtocolError: UNKNOWN_NODE, SchemaError for a self-report, or for a bad envelope.
         """
         (_, report), node_id = open_signed(data, b.BadPeerReport, peer_id), str(peer_id)
-        self._registered(node_id)
+        row = self._registered(node_id)
         if report.peer_id == node_id:
             raise SchemaError("a node cannot report itself")
-        self.dissemination.reported(node_id, report)
+        # Only reporters with accepted work count towards a demotion (issue 26, finding 3).
+        self.dissemination.reported(
+            node_id, report, accepted=0 if row.excluded else row.accepted
+        )
         return m.encode(m.StepAck(ok=True))

@@ -93,7 +93,11 @@ async def _probe(
     if link is None or link.addrs != addrs:  # re-registered meanwhile: judge the new ones
         return
     dissemination.set_reachable(
-        node, reply.reachable, verdict=reply.verdict, observed_ip=reply.observed_ip
+        node,
+        reply.reachable,
+        verdict=reply.verdict,
+        observed_ip=reply.observed_ip,
+        dialed=reply.dialed,  # plans then carry exactly the address that answered
     )
     log.info(
         "node %s %s (%s%s)",
