@@ -30,7 +30,7 @@ from typing import Any
 from pydantic import ConfigDict, Field, model_validator
 
 import echo.tasks.rewards as rw
-from echo.tasks import gym_guards
+from echo.tasks.gym_guards import install as install_guards
 from echo.tasks.base import Task, TaskParams, check_prompt_id
 
 # Items per generated dataset object: reasoning-gym's own default size.
@@ -93,7 +93,7 @@ class GymTask(Task):
         self._chunks: OrderedDict[int, Any] = OrderedDict()
         # Items handed in by the process that rendered the prompts (see ``scoring_context``).
         self._pinned: dict[int, dict[str, Any]] = {}
-        gym_guards.install(self.params.dataset)
+        install_guards(self.params.dataset)
         # Building one dataset object validates the config now, not at the first lease.
         self._chunk(0)
 

@@ -172,7 +172,7 @@ def test_skip_uniform_groups_trains_only_on_groups_with_an_advantage(tmp_path: P
     """Dynamic sampling through the real programs: groups whose samples all scored the same
     are accepted and credited but set aside, the lease budget replaces them, and every trained
     group has an advantage (unless its version set aside its cap of them)."""
-    from echo.coordinator.node_rpc import UNIFORM_BATCHES
+    from echo.coordinator.submissions import UNIFORM_BATCHES
 
     out = tmp_path / "ds"
     batch = 4

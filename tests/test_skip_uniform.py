@@ -8,7 +8,7 @@ import hashlib
 
 import pytest
 
-from echo.coordinator.node_rpc import UNIFORM_BATCHES, buffers
+from echo.coordinator.submissions import UNIFORM_BATCHES, buffers
 from echo.coordinator.rows import LeaseRow
 from echo.coordinator.store import Store
 from echo.protocol import messages as m
