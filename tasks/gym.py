@@ -30,8 +30,8 @@ from typing import Any
 from pydantic import ConfigDict, Field, model_validator
 
 import echo.tasks.rewards as rw
-from echo.tasks.gym_guards import install as install_guards
 from echo.tasks.base import Task, TaskParams, check_prompt_id
+from echo.tasks.gym_guards import install as install_guards
 
 # Items per generated dataset object: reasoning-gym's own default size.
 CHUNK = 500

@@ -8,9 +8,9 @@ import hashlib
 
 import pytest
 
-from echo.coordinator.submissions import UNIFORM_BATCHES, buffers
 from echo.coordinator.rows import LeaseRow
 from echo.coordinator.store import Store
+from echo.coordinator.submissions import UNIFORM_BATCHES, buffers
 from echo.protocol import messages as m
 from echo.protocol import reasons as R
 from echo.protocol.jobspec import SpecError, load_job_toml
