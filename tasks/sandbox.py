@@ -66,6 +66,10 @@ TASK_COMPONENT_S = 10.0
 START_TIMEOUT_S = 120.0
 # Answers to fork/kill commands come from our own zygote at once; a silent one is replaced.
 CONTROL_TIMEOUT_S = 10.0
+# The child's CPU limit is a backstop behind the caller's wall-clock deadline: a busy child's
+# CPU seconds pass as fast as wall seconds, so without slack SIGXCPU could win the race and a
+# timeout would read as a crash.
+CPU_SLACK_S = 2.0
 # A reply frame is two short fields.
 MAX_REPLY_BYTES = 256
 # A zygote holds its job's libraries in memory (reasoning-gym and sympy: ~200 MB); one unused
@@ -290,7 +294,7 @@ class Sandbox:
         z = self._get_zygote()
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            pid = self._fork(z, theirs, self.budget_s * len(texts))
+            pid = self._fork(z, theirs, self.budget_s * len(texts) + CPU_SLACK_S)
         finally:
             theirs.close()
         out: list[Score] = []
