@@ -41,7 +41,6 @@ from echo.coordinator.jobs import check_job
 from echo.coordinator.learners import tail
 from echo.coordinator.names import check_job_name
 from echo.coordinator.ports import ApiBackend
-from echo.coordinator.store_epochs import learner_epochs
 from echo.protocol.jobspec import JobSpec, SpecError, load_job_toml, parse_job
 from echo.tasks.dataset_io import DatasetError
 
@@ -321,8 +320,6 @@ def build_app(coord: ApiBackend) -> Starlette:
     async def cancel(job_id: str, request: Request) -> Response:
         return JSONResponse({"cancelled": coord.cancel_job(job_id)})
 
-    epochs = learner_epochs(coord.store)
-
     @job_route
     async def learner_epoch(job_id: str, request: Request) -> Response:
         """Issue the job a new learner epoch for an external learner (409 once it is over):
@@ -330,7 +327,7 @@ def build_app(coord: ApiBackend) -> Starlette:
         row = coord.store.job(job_id)
         if row is None or row.status in FINISHED:
             return JSONResponse({"error": "the job is over"}, status_code=409)
-        return JSONResponse({"epoch": epochs.issue_learner_epoch(job_id)})
+        return JSONResponse({"epoch": coord.store.issue_learner_epoch(job_id)})
 
     @job_route
     async def logs(job_id: str, request: Request) -> Response:

@@ -23,7 +23,6 @@ from echo.coordinator.learners import supervise_learner
 from echo.coordinator.metrics import Metrics
 from echo.coordinator.names import check_job_name
 from echo.coordinator.store import Store
-from echo.coordinator.store_epochs import learner_epochs
 from echo.p2p.identity import Identity
 from echo.protocol.jobspec import JobSpec
 
@@ -53,7 +52,6 @@ class JobControl:
         self._multiaddrs = multiaddrs
         self._nursery: trio.Nursery | None = None
         self._learner_scopes: dict[str, trio.CancelScope] = {}
-        self.epochs = learner_epochs(store)
 
     def resume(self, nursery: trio.Nursery) -> None:
         """Load every pending or running job, and start their learners in ``nursery``.
@@ -129,7 +127,7 @@ class JobControl:
         coordinator hears from then on, and any started before (an orphan of a killed
         coordinator, a copy run by hand) is refused. Call it once per process started.
         """
-        epoch = self.epochs.issue_learner_epoch(job_id)
+        epoch = self.store.issue_learner_epoch(job_id)
         cmd = [
             sys.executable,
             "-m",

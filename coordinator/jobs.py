@@ -120,8 +120,6 @@ def check_job(spec: JobSpec) -> None:
         ValueError too here).
     :raises OSError: an unreadable model folder.
     """
-    from echo.tasks.scoring import find_entry_point
-
     _, _, task, render = _build(spec.name, spec)
     render.ids(0)
     if spec.eval.every:
@@ -129,10 +127,7 @@ def check_job(spec: JobSpec) -> None:
         if not held_out:
             raise ValueError(f"task {task.name!r} has no held-out prompts (set eval.every = 0)")
         render.ids(held_out[0])
-    for r in spec.reward:
-        if r.kind == "python":
-            find_entry_point(r.entry_point or "")  # names the registered ones
-    try:
+    try:  # the sandbox builds the reward: a missing entry point names the registered ones
         with Sandbox(scoring_recipe(spec)) as sandbox:
             sandbox.start()
     except SandboxError as exc:

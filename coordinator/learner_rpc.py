@@ -27,7 +27,6 @@ from echo.coordinator.node_rpc import SMALL_REQUEST_BYTES, active_nodes, open_si
 from echo.coordinator.penalties import Penalties
 from echo.coordinator.sched_loop import Placement
 from echo.coordinator.store import Store, StoreError
-from echo.coordinator.store_epochs import learner_epochs
 from echo.p2p.host import EchoHost
 from echo.p2p.identity import Identity
 from echo.protocol import ids, limits, signing
@@ -65,7 +64,6 @@ class LearnerRPC:
         self.broadcast = broadcast
         self.penalties = penalties
         # Which learner of each job may speak (durable: a restart keeps refusing old ones).
-        self.epochs = learner_epochs(store)
         self._host: EchoHost | None = None
         # Bytes one batch reply may take; lowered only to exercise multi-reply batches.
         self.batch_reply_bytes = limits.MAX_BATCH_REPLY_BYTES
@@ -120,7 +118,7 @@ class LearnerRPC:
         :raises ProtocolError: code :data:`~echo.protocol.messages.LEARNER_EPOCH_REFUSED`, the
             message says whether ``epoch`` was superseded or never issued.
         """
-        current = self.epochs.learner_epoch(job_id)
+        current = self.store.learner_epoch(job_id)
         if epoch == current:
             return
         if epoch < current:

@@ -112,13 +112,10 @@ async def run_reachability(host: EchoHost, dissemination: Dissemination) -> None
     """Serve dial-backs on ``host``, judge every node :class:`Dissemination` learns of and
     punch between the nodes judged "nat"; runs until cancelled."""
     probes = ProbeQueue()
-    # Registrations feed the queue through Dissemination's hook; a Dissemination without one
-    # is scanned instead (every unprobed link, every POLL_S: what the queue replaces).
-    hooked = hasattr(dissemination, "on_new_addrs")
-    if hooked:
-        dissemination.on_new_addrs = probes.wanted
-        for node, _ in dissemination.unprobed():  # registered before the hook was set
-            probes.wanted(node)
+    # Registrations feed the queue through Dissemination's hook.
+    dissemination.on_new_addrs = probes.wanted
+    for node, _ in dissemination.unprobed():  # registered before the hook was set
+        probes.wanted(node)
 
     async with open_dialback() as dialback, trio.open_nursery() as nursery:
         serve_dialback(host, dialback)
@@ -141,9 +138,6 @@ async def run_reachability(host: EchoHost, dissemination: Dissemination) -> None
                 busy.discard(node)
 
         while True:
-            if not hooked:
-                for node, _ in dissemination.unprobed():
-                    probes.wanted(node)
             for node, addrs in probes.due(dissemination, ready):
                 busy.add(node)
                 nursery.start_soon(one, node, addrs)

@@ -27,6 +27,7 @@ from typing import Any
 
 import trio
 
+from echo.coordinator.metrics import Metrics
 from echo.p2p.budget import LruMap
 from echo.tasks.sandbox import OK, Sandbox, Score
 
@@ -59,11 +60,11 @@ class Scoring:
     """Groups scored in their job's sandbox, with slots and budgets per node (see the module
     doc). One per coordinator; the sandboxes belong to the running jobs."""
 
-    def __init__(self, trusted_slots: int | None = None) -> None:
+    def __init__(self, metrics: Metrics, trusted_slots: int | None = None) -> None:
+        self.metrics = metrics
         self.trusted = trio.CapacityLimiter(trusted_slots or max(2, os.cpu_count() or 2))
         self.new = trio.CapacityLimiter(NEW_NODE_SLOTS)
         self._budgets: LruMap[str, _Bucket] = LruMap(MAX_TRACKED_NODES)
-        self.failures: dict[str, int] = {}  # outcome -> texts, for metrics and tests
 
     def budget_left(self, node_id: str, now: float | None = None) -> float:
         """Seconds of scoring ``node_id`` may still spend (refilled at the per-minute rate)."""
@@ -103,22 +104,18 @@ class Scoring:
         # A group may spend what its node has left (at least one text's budget): a group of
         # texts that each stop just inside their own timeout costs its sender, not the slot.
         max_s = max(self.budget_left(node_id), sandbox.budget_s)
+        t0 = time.perf_counter()
         scores = await trio.to_thread.run_sync(
             sandbox.score, prompt_id, list(texts), context, max_s, limiter=limiter
         )
+        self.metrics.scoring_seconds.observe(time.perf_counter() - t0)
         self.charge(node_id, sum(s.seconds for s in scores))
         for s in scores:
             if s.outcome != OK:
-                self.failures[s.outcome] = self.failures.get(s.outcome, 0) + 1
-        bad = [s.outcome for s in scores if s.outcome != OK]
-        if bad:
-            log.info(
-                "group from %s: %d of %d texts scored 0 (%s)",
-                node_id[-8:],
-                len(bad),
-                len(scores),
-                ", ".join(sorted(set(bad))),
-            )
+                self.metrics.scoring_failures.labels(outcome=s.outcome).inc()
+        summary = outcome_summary(scores)
+        if summary:
+            log.info("group from %s: %s", node_id[-8:], summary)
         return scores
 
 

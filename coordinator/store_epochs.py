@@ -13,8 +13,7 @@ coordinator never issues a number an earlier learner already holds.
 
 :class:`LearnerEpochs` is one part of the store, in the manner of
 :mod:`~echo.coordinator.store_jobs`: ``class Store(..., LearnerEpochs)`` in
-:mod:`echo.coordinator.store`. Until the store mixes it in, :func:`learner_epochs` gives a view
-over the store's own connection, so callers work either way.
+:mod:`echo.coordinator.store`.
 """
 
 from __future__ import annotations
@@ -63,11 +62,3 @@ class LearnerEpochs(Database):
             "SELECT epoch FROM learner_epochs WHERE job_id=?", (job_id,)
         ).fetchone()
         return int(row[0]) if row else 0
-
-
-def learner_epochs(store: Database) -> LearnerEpochs:
-    """The epoch table of ``store``: the store itself once :class:`LearnerEpochs` is one of its
-    parts, else a view over the same connection (the same file and transactions)."""
-    if isinstance(store, LearnerEpochs):
-        return store
-    return LearnerEpochs(store._db)

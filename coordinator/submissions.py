@@ -87,7 +87,7 @@ class Submissions:
         self.penalties = penalties
         self.placement = placement
         # Rewards are recomputed in each job's sandbox, off the loop, charged to the sender.
-        self.scoring = scoring or Scoring()
+        self.scoring = scoring or Scoring(metrics)
         # Strangers' submissions put them in backoff at the gate.
         self.gate: Gate | None = None
         # Nodes with accepted work are protected from idle reaping.
@@ -142,12 +142,7 @@ class Submissions:
             )
             if checked.lease.node_id != node_id:
                 raise Rejected(R.LEASE_NOT_YOURS, "lease was issued to another node")
-            t_score = time.perf_counter()
             scores = await self._score(node, checked.lease, checked.texts)
-            self.metrics.scoring_seconds.observe(time.perf_counter() - t_score)
-            for s in scores:
-                if s.outcome != "ok":
-                    self.metrics.scoring_failures.labels(outcome=s.outcome).inc()
             detail = outcome_summary(scores)
             result = check_claimed_rewards(checked, [s.value for s in scores])
             self._store_accepted(node_id, data, result)

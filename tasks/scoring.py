@@ -12,8 +12,8 @@ Kinds (see :class:`~echo.protocol.jobspec.RewardSection` for the keys each reads
   ``echo_swarm.rewards``, called as ``fn(prompt=str, completion=str, answer=str,
   prompt_id=int) -> float``, ``timeout_s`` per call (default 5).
 
-A :class:`JobReward` calls every scorer in its own thread and process: it is what runs *inside*
-the scoring sandbox (:class:`echo.tasks.sandbox.Sandbox`), which confines the process and
+A :class:`JobReward` calls every scorer in the calling thread and process: it is what runs
+*inside* the scoring sandbox (:class:`echo.tasks.sandbox.Sandbox`), which confines the process and
 enforces the time limits. Code that holds completions from the network never calls it directly.
 A component that fails (raises, or returns a non-number) scores 0.0 for that completion, and
 :meth:`JobReward.detailed` says so with the outcome ``scorer_error``.

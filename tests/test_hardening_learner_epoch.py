@@ -20,7 +20,6 @@ import trio
 
 from echo.coordinator import learners
 from echo.coordinator.store import Store
-from echo.coordinator.store_epochs import learner_epochs
 from echo.learner.service import EXIT_SUPERSEDED, Learner, Superseded
 from echo.p2p.identity import Identity
 from echo.p2p.rpc import RemoteError
@@ -219,13 +218,12 @@ def test_a_superseded_learner_is_not_restarted(tmp_path: Path, monkeypatch) -> N
 
 def test_epochs_are_issued_in_order_and_kept_per_job(tmp_path: Path) -> None:
     store = Store.open(tmp_path / "c.db")
-    epochs = learner_epochs(store)
-    assert epochs.learner_epoch("a") == 0
-    assert [epochs.issue_learner_epoch("a") for _ in range(3)] == [1, 2, 3]
-    assert epochs.issue_learner_epoch("b") == 1 and epochs.learner_epoch("a") == 3
+    assert store.learner_epoch("a") == 0
+    assert [store.issue_learner_epoch("a") for _ in range(3)] == [1, 2, 3]
+    assert store.issue_learner_epoch("b") == 1 and store.learner_epoch("a") == 3
     store.close()
     store = Store.open(tmp_path / "c.db")
-    assert learner_epochs(store).learner_epoch("a") == 3
+    assert store.learner_epoch("a") == 3
     store.close()
     # The learner's own flag, as the coordinator passes it.
     out = subprocess.run(

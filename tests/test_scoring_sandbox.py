@@ -17,6 +17,7 @@ import pytest
 import trio
 
 from echo.coordinator.config import JobsSection
+from echo.coordinator.metrics import Metrics
 from echo.coordinator.scoring import NEW_NODE_SLOTS, Scoring
 from echo.protocol.jobspec import SpecError
 from echo.tasks import gym_guards, jail, make_task
@@ -137,7 +138,8 @@ def test_math_verify_and_regex_meet_hostile_answers(trap: Path) -> None:
 def test_the_loop_answers_while_a_group_is_scored() -> None:
     """A group that takes its whole budget holds one slot, not the event loop."""
     recipe = Recipe("addition", {}, (RewardTerm("regex", pattern="(a+)+$"),))
-    scoring = Scoring(trusted_slots=1)
+    metrics = Metrics()
+    scoring = Scoring(metrics, trusted_slots=1)
     ticks = 0
 
     async def main(sandbox: Sandbox) -> list:
@@ -159,7 +161,12 @@ def test_the_loop_answers_while_a_group_is_scored() -> None:
     assert scores[0].outcome == "scorer_timeout"
     assert ticks > 100  # the loop ran through the ~2 s the group took
     assert scoring.budget_left("bomber") < scoring.budget_left("someone else") - 1.5
-    assert NEW_NODE_SLOTS == 1 and scoring.failures == {"scorer_timeout": 1}
+    failures = {
+        s.labels["outcome"]: s.value
+        for s in metrics.scoring_failures.collect()[0].samples
+        if s.name.endswith("_total")
+    }
+    assert NEW_NODE_SLOTS == 1 and failures == {"scorer_timeout": 1}
 
 
 def test_gym_datasets_with_unguarded_interpreters_need_the_operators_leave() -> None:
