@@ -1,8 +1,8 @@
 """Attacks against a live swarm (issues 13 and 26, "Measure it"): honest work with and without.
 
-A local swarm (scripts/local_swarm.py: coordinator, learner and honest nodes, each its own
+A local swarm (tools/local_swarm.py: coordinator, learner and honest nodes, each its own
 process on loopback) trains a small job. Three phases: nobody attacks; every attacker below
-runs beside the swarm at once, each a real process (scripts/attackers.py); nobody attacks
+runs beside the swarm at once, each a real process (tools/attackers.py); nobody attacks
 again:
 
 - ``hoard``: 16 fresh identities hoarding leases;
@@ -95,14 +95,12 @@ from pathlib import Path
 
 import psutil
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from _common import emit, parse_args, say  # noqa: E402
-from local_swarm import Swarm, exit_on_sigterm, job_toml, new_run_dir  # noqa: E402
+from echo.p2p.identity import Identity
+from echo.protocol import ids
+from echo.tools.bench import emit, parse_args, say
+from echo.tools.local_swarm import Swarm, exit_on_sigterm, job_toml, new_run_dir
 
-from echo.p2p.identity import Identity  # noqa: E402
-from echo.protocol import ids  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 ATTACKERS = (
     "hoard",
@@ -213,7 +211,7 @@ WARMUP_CACHE = Path(tempfile.gettempdir()) / "echo-attack-warmup-cache"
 TIMED_NODE = "--timed-node"
 RPC_TIMES_ENV = "ECHO_RPC_TIMES_DIR"
 TIMED_RPCS = {ids.PROTO_LEASE: "lease", ids.PROTO_SUBMIT: "submit"}
-# A relay demoted for bad-chunk reports (coordinator/dissemination.py logs it).
+# A relay demoted for bad-chunk reports (coordinator/dissemination/planning.py logs it).
 DEMOTED_LINE = re.compile(r"relay \S+ reported .*planned as a leaf")
 
 
@@ -439,7 +437,7 @@ class Bench:
                 *pin,
                 *self.attacker_prefix,
                 sys.executable,
-                str(ROOT / "scripts" / "attackers.py"),
+                "-m", "echo.tools.attackers",
                 kind,
                 "--coordinator",
                 self.swarm.maddr,
@@ -522,7 +520,7 @@ class Bench:
             return 0
 
     def stop_attackers(self) -> None:
-        from local_swarm import stop
+        from echo.tools.local_swarm import stop
 
         stop(self.attackers)
 

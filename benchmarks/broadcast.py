@@ -1,13 +1,13 @@
 """Benchmark weight dissemination: time until every node holds a version, star vs chain vs tree.
 
 Every host is a real process -- one EchoHost (TCP + Noise + yamux) and one Relay
-(``echo.p2p.relay``) -- in its own network namespace from ``scripts/netem.py``, its upload
+(``echo.p2p.relay``) -- in its own network namespace from ``tools/netem.py``, its upload
 and download shaped by tc: by default htb with ACK priority and one FIFO per peer served
 round-robin, as a router with per-flow fair queueing (fq_codel, cake) does (``--shaper htb``:
 one shared drop-tail FIFO; ``--shaper tbf``: a plain token bucket). For each node count N and
 payload size M the source publishes a fresh signed version (chunked as the learner does,
 ``chunk_size_for``: 128 KiB up to 64 MB, 512 KiB at 256 MB; ``--chunk-kb`` fixes it) and pushes it
-along three plans from ``echo.p2p.tree``:
+along three plans from ``echo.coordinator.dissemination.planner.best``:
 
 - ``star``: the source sends to every node itself (time grows linearly with N);
 - ``chain``: source -> fastest -> ... -> slowest;
@@ -60,21 +60,19 @@ from typing import Any
 import psutil
 import trio
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "scripts"))
-import netem  # noqa: E402
-from _common import emit, parse_args, say  # noqa: E402
+import echo.tools.netem as netem
+from echo.coordinator.dissemination.planner.best import best_plan, chain_plan, route_for, star_plan
+from echo.coordinator.dissemination.planner.plan import TreePlan, lower_bound_s
+from echo.p2p.chunkstore import ChunkStore, chunk_size_for, split_chunks
+from echo.p2p.host import open_host
+from echo.p2p.identity import Identity
+from echo.p2p.relay import Relay, RelayConfig
+from echo.protocol import broadcast as b
+from echo.protocol import messages as m
+from echo.protocol import signing
+from echo.tools.bench import emit, parse_args, say
 
-from echo.p2p.chunkstore import ChunkStore, chunk_size_for, split_chunks  # noqa: E402
-from echo.p2p.host import open_host  # noqa: E402
-from echo.p2p.identity import Identity  # noqa: E402
-from echo.p2p.relay import Relay, RelayConfig  # noqa: E402
-from echo.p2p.tree import best_plan, chain_plan, route_for, star_plan  # noqa: E402
-from echo.p2p.tree_plan import TreePlan, lower_bound_s  # noqa: E402
-from echo.protocol import broadcast as b  # noqa: E402
-from echo.protocol import messages as m  # noqa: E402
-from echo.protocol import signing  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 JOB = "bench"
 MB = 1e6
@@ -387,7 +385,7 @@ class Bench:
         return specs
 
     def build_network(self, specs: list[netem.HostSpec]) -> dict[str, str]:
-        """Build one namespace per host (scripts/netem.py); each host's address by name.
+        """Build one namespace per host (tools/netem.py); each host's address by name.
         benchmarks/nat.py builds an internet with NAT routers instead."""
         return {i.name: i.ip for i in netem.up(specs, prefix=self.args.prefix, quiet=True,
                                                sysctls=self.args.sysctl,

@@ -27,27 +27,23 @@ with 2 heads of 32.
 from __future__ import annotations
 
 import importlib.util
-import os
-import sys
 import time
 from typing import Any
 
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import emit, median, parse_args, say  # noqa: E402
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey  # noqa: E402
-
-from echo.models.spec import ModelSpec, build_model, encode_prompt  # noqa: E402
-from echo.models.weights import export_state, to_bits  # noqa: E402
-from echo.node.engines.base import Engine, GenRequest  # noqa: E402
-from echo.node.engines.factory import make_engine  # noqa: E402
-from echo.node.worker import lease_prompt, lease_request  # noqa: E402
-from echo.protocol import codec, signing  # noqa: E402
-from echo.protocol import messages as m  # noqa: E402
-from echo.protocol.patch import encode_patch  # noqa: E402
-from echo.protocol.patch_apply import apply_patch  # noqa: E402
-from echo.tasks.registry import make_task  # noqa: E402
+from echo.models.spec import ModelSpec, build_model, encode_prompt
+from echo.models.weights import export_state, to_bits
+from echo.node.engines.base import Engine, GenRequest
+from echo.node.engines.factory import make_engine
+from echo.node.worker import lease_prompt, lease_request
+from echo.protocol import codec, signing
+from echo.protocol import messages as m
+from echo.protocol.patch import encode_patch
+from echo.protocol.patch_apply import apply_patch
+from echo.tasks.registry import make_task
+from echo.tools.bench import emit, median, parse_args, say
 
 # The first AdamW step moves every weight by about lr; 1e-6 is an RL-sized learning rate.
 LR = 1e-6

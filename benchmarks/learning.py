@@ -3,7 +3,7 @@
 One recipe (the tiny model, ``a+b=`` with operands below 5, 16 groups of 16 per step, the job's
 default GRPO settings, the same number of versions and so the same rollouts trained) runs as:
 
-- ``sync``: on-policy GRPO in one process (``scripts/grpo_local.py``'s loop), the baseline;
+- ``sync``: on-policy GRPO in one process (``tools/grpo_local.py``'s loop), the baseline;
 - ``torch/S``: a real local swarm (coordinator, learner and three node processes on loopback,
   as ``scripts/demo`` runs them) of torch nodes at staleness S;
 - ``mixed/S``: the same with llama.cpp nodes beside the torch ones (and a vLLM node with
@@ -19,7 +19,7 @@ way: the same experiment as S = 1). So each swarm at S may keep S + 1 batches ah
 the staleness each configuration reached (the mean and the most of the learner's per-version
 figures); ``--default-buffer`` keeps the default. On 2 cores, where the learner and the nodes
 share the CPU, the buffer rarely fills: groups at S = 4 were 0.7-0.9 versions old on average.
-``scripts/grpo_local.py --lag N`` trains at a fixed staleness N.
+``tools/grpo_local.py --lag N`` trains at a fixed staleness N.
 
 Per configuration, over seeds (model initialisation and warm-up; the swarm's sampling seeds are
 random by design): the held-out greedy accuracy at the end (``echo.learner.evaluate``, the same
@@ -69,13 +69,11 @@ import sys
 import time
 from pathlib import Path
 
+from echo.protocol.jobspec import GRPOParams
+from echo.tools.bench import emit, parse_args, say
+from echo.tools.curves import DIP_DEPTH, EVAL_EVERY, LATE_FROM
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from _common import emit, parse_args, say  # noqa: E402
-
-from echo.protocol.jobspec import GRPOParams  # noqa: E402
 
 # A collapse: this many versions in a row under COLLAPSE_REWARD once the reward has passed
 # COLLAPSE_AFTER (before that, a low reward is a slow start, not a collapse).
@@ -85,14 +83,6 @@ COLLAPSE_AFTER = 0.1
 # Bootstrap resamples for the intervals of the ratios (a second at most) and their coverage.
 BOOTSTRAP_DRAWS = 4000
 INTERVAL = 0.90
-# Held-out greedy accuracy every this many versions, in the baseline as in the swarms (the
-# demo job's [job.eval] every).
-EVAL_EVERY = 10
-# Late dips: an evaluation from LATE_FROM of the run on that reads more than DIP_DEPTH under the
-# best accuracy reached before it. How often a run is caught in one is what decides, by chance,
-# where its final evaluation lands; the swarm and the baseline are compared on it.
-LATE_FROM = 2 / 3
-DIP_DEPTH = 0.05
 # The recipe's learning rate (the job's default, GRPOParams.lr), unless --lr says otherwise.
 LR = GRPOParams.model_fields["lr"].default
 # What folders made before recipe.json recorded the lr ran at: the default until 2026-12-05.
@@ -141,10 +131,9 @@ def run_sync(
     kept = json.loads(out.read_text()) if out.exists() else None
     if kept is not None and "eval_curve" in kept:  # runs made before the curve was kept: again
         return kept
-    from grpo_local import LocalConfig, run
-
     from echo.learner.grpo import GRPOConfig
     from echo.models.spec import ModelSpec
+    from echo.tools.grpo_local import LocalConfig, run
 
     t0 = time.perf_counter()
     # Greedy evaluation draws no random numbers: the curve leaves the run as it was.
@@ -173,7 +162,7 @@ def run_swarm(
     kl_coef: float = 0.0,
     lr: float = LR,
 ) -> dict:
-    """One local swarm (real processes) through scripts/local_swarm.py; its summary, read back
+    """One local swarm (real processes) through tools/local_swarm.py; its summary, read back
     from ``out`` when a finished run is kept there (a run cut short is made again, afresh)."""
     summary_path = out / "summary.json"
     kept = json.loads(summary_path.read_text()) if summary_path.exists() else None
@@ -181,7 +170,7 @@ def run_swarm(
         return _swarm_result(kept, kept["bench_wall_s"])
     if out.exists():
         shutil.rmtree(out)
-    cmd = [sys.executable, str(ROOT / "scripts" / "local_swarm.py"), "--quiet",
+    cmd = [sys.executable, "-m", "echo.tools.local_swarm", "--quiet",
            "--engines", engines, "--staleness", str(staleness), "--steps", str(steps),
            "--seed", str(seed), "--out", str(out), "--timeout", str(max(600, 6 * steps))]
     cmd += ["--skip-uniform"] if skip_uniform else []

@@ -11,7 +11,7 @@ alone behind routers of their own, eim and sym in turn.
    (its own listen address: a LAN address behind NAT), 5 s per dial: a node behind NAT can dial
    out, nothing dials in, so a plain dial connects a pair when one side is public or both are
    behind one router. Then every pair whose two dials both failed punches a hole
-   (:func:`echo.p2p.holepunch.punch`: both sides, at one start time, dial each other's router
+   (:func:`echo.p2p.nat.holepunch.punch`: both sides, at one start time, dial each other's router
    WAN address and listen port from their own listen port; 10 s timeout; all pairs at once).
    A pair has a direct connection when either plain dial succeeded or both ends of its punch
    came up. Shares per pair kind (``public-public``, ``eim-public``, ``eim-eim``, ...), and
@@ -23,19 +23,19 @@ alone behind routers of their own, eim and sym in turn.
    the eim share there says nothing about punching; N = 16 has five eim-eim pairs across
    routers. ``--direct-only`` stops after this part.
 2. **Time-to-all.** :mod:`broadcast`'s agents and tree runs (``Bench``) at N nodes (16), with
-   the planner's view of reachability (``echo.p2p.tree_reach.Reach``, as ``Dissemination``
-   plans): a node behind NAT is announced without addresses, dials its parents itself so they
-   push over that connection, and relays only to public nodes, dialling them (no punched paths
-   here: the agents do not punch). The same swarm with every host public is the baseline.
-   Links are shaped by ``tc`` htb (one drop-tail FIFO per link, as netem_nat shapes); relays
-   pace at ``--pace`` (0.92) of their uplink, which keeps that FIFO from overflowing.
+   the planner's view of reachability (``echo.coordinator.dissemination.planner.reach.Reach``, as
+   ``Dissemination`` plans): a node behind NAT is announced without addresses, dials its parents
+   itself so they push over that connection, and relays only to public nodes, dialling them (no
+   punched paths here: the agents do not punch). The same swarm with every host public is the
+   baseline. Links are shaped by ``tc`` htb (one drop-tail FIFO per link, as netem_nat shapes);
+   relays pace at ``--pace`` (0.92) of their uplink, which keeps that FIFO from overflowing.
    ``time_to_all_nat_vs_public`` = median NAT time / median public time.
 3. **Bytes relays carried.** Circuit relays carry nothing (none is integrated), so
    ``relay_circuit_bytes`` is 0; the bytes nodes forwarded down the tree are split into public
    and NAT'd nodes.
 
 Run (root): ``python benchmarks/nat.py [--quick] [--direct-only] [--swarm]``; ``--swarm`` also
-runs ``scripts/nat_swarm.py`` (6 nodes, 30 versions, ~1.5 min) and reports ``swarm_trained``.
+runs ``tools/nat_swarm.py`` (6 nodes, 30 versions, ~1.5 min) and reports ``swarm_trained``.
 The last line is one JSON object.
 """
 
@@ -56,17 +56,15 @@ from pathlib import Path
 from typing import Any
 
 import trio
+from broadcast import SOURCE, AgentProc, Bench, _setup
+
+import echo.tools.netem_nat as netem_nat
+from echo.coordinator.dissemination.planner.best import best_plan
+from echo.coordinator.dissemination.planner.plan import TreePlan
+from echo.coordinator.dissemination.planner.reach import Reach
+from echo.tools.bench import emit, parse_args, say
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "scripts"))
-import netem_nat  # noqa: E402
-from _common import emit, parse_args, say  # noqa: E402
-from broadcast import SOURCE, AgentProc, Bench, _setup  # noqa: E402
-
-from echo.p2p.tree import best_plan  # noqa: E402
-from echo.p2p.tree_plan import TreePlan  # noqa: E402
-from echo.p2p.tree_reach import Reach  # noqa: E402
 
 PROBE_PORT = 4002
 DIAL_TIMEOUT_S = 5.0
@@ -98,7 +96,7 @@ def nat_layout(n: int) -> tuple[list[netem_nat.RouterSpec], dict[str, str]]:
 
 PROBE = """
 import json, sys, time, trio
-from echo.p2p.holepunch import HolePunchFailed, punch
+from echo.p2p.nat.holepunch import HolePunchFailed, punch
 from echo.p2p.host import open_host
 from echo.p2p.identity import Identity
 async def main():
@@ -379,10 +377,10 @@ async def time_to_all(
 
 
 def run_swarm() -> dict[str, Any]:
-    """scripts/nat_swarm.py at its defaults; whether it trained, and its figures."""
+    """tools/nat_swarm.py at its defaults; whether it trained, and its figures."""
     out = Path(tempfile.mkdtemp(prefix="echo-natswarm-"))
     proc = subprocess.run(
-        [sys.executable, str(HERE.parent / "scripts" / "nat_swarm.py"), "--out", str(out)],
+        [sys.executable, "-m", "echo.tools.nat_swarm", "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=900,
@@ -409,7 +407,7 @@ def _extra(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n", type=int, default=None, help="nodes (default 16; --quick 8)")
     parser.add_argument("--size-mb", type=float, default=None, help="payload (16; --quick 4)")
     parser.add_argument("--repeats", type=int, default=3, help="tree runs per configuration")
-    parser.add_argument("--swarm", action="store_true", help="also run scripts/nat_swarm.py")
+    parser.add_argument("--swarm", action="store_true", help="also run tools/nat_swarm.py")
     parser.add_argument(
         "--direct-only", action="store_true", help="only part 1 (direct connections, punching)"
     )

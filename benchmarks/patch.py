@@ -15,19 +15,16 @@ Run: ``python benchmarks/patch.py [--quick]``. The last line printed is one JSON
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Mapping
 
 import numpy as np
 import torch
 import zstandard
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import emit, median, parse_args, say, timed  # noqa: E402
-
-from echo.protocol.patch import encode_patch  # noqa: E402
-from echo.protocol.patch_apply import apply_patch, apply_patch_inplace  # noqa: E402
-from echo.protocol.patch_format import patch_stats  # noqa: E402
+from echo.protocol.patch import encode_patch
+from echo.protocol.patch_apply import apply_patch, apply_patch_inplace
+from echo.protocol.patch_format import patch_stats
+from echo.tools.bench import emit, median, parse_args, say, timed
 
 LEVEL = 3  # the codec's default zstd level; the baseline uses the same one
 # Encode and apply are timed best-of-N: the first call in a process pays page faults for fresh

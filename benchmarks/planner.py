@@ -1,11 +1,12 @@
 """Broadcast planning on the learner's report path, against the full plan, as the swarm grows.
 
 For N registered nodes (every one with an address and a measured uplink) the coordinator's
-:class:`~echo.coordinator.dissemination.Dissemination` plans version after version while 2% of
-the nodes leave and as many join between versions. Per N it prints:
+:class:`~echo.coordinator.dissemination.planning.Dissemination` plans version after version while 2%
+of the nodes leave and as many join between versions. Per N it prints:
 
 - the report path: what :meth:`Dissemination.plan` costs a version (a patch of the last plan);
-- the baseline measured in the same run: the full search (:func:`echo.p2p.tree.best_plan`),
+- the baseline measured in the same run: the full search
+(:func:`echo.coordinator.dissemination.planner.best.best_plan`),
   which the report used to wait for and which now runs in a background task;
 - the signed announcement's size against the gossip message cap (nodes drop larger ones).
 
@@ -15,18 +16,13 @@ the nodes leave and as many join between versions. Per N it prints:
 from __future__ import annotations
 
 import random
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _common import emit, median, parse_args, say  # noqa: E402
-
-from echo.coordinator.dissemination import Dissemination  # noqa: E402
-from echo.p2p.identity import Identity  # noqa: E402
-from echo.p2p.pubsub import MAX_PUBSUB_MESSAGE_BYTES  # noqa: E402
-from echo.protocol import signing  # noqa: E402
+from echo.coordinator.dissemination.planning import Dissemination
+from echo.p2p.identity import Identity
+from echo.p2p.pubsub import MAX_PUBSUB_MESSAGE_BYTES
+from echo.protocol import signing
+from echo.tools.bench import emit, median, parse_args, say
 
 MB = 1_000_000
 TOTAL_BYTES = 64 << 20

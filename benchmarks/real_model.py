@@ -25,29 +25,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import torch  # noqa: E402
-from _common import emit, median, parse_args, say  # noqa: E402
-from engines import NodePath, build_engine, close, out_threads  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
+import torch
+from engines import NodePath, build_engine, close, out_threads
+from safetensors.torch import load_file, save_file
 
-from echo.models.prompts import PromptRenderer  # noqa: E402
-from echo.models.spec import ModelSpec, decode_completion, load_tokenizer  # noqa: E402
-from echo.models.weights import to_bits  # noqa: E402
-from echo.node.engines.base import Engine, GenRequest, SamplingParams  # noqa: E402
-from echo.node.worker import lease_prompt, lease_request  # noqa: E402
-from echo.protocol import messages as m  # noqa: E402
-from echo.protocol import signing  # noqa: E402
-from echo.protocol.patch import encode_patch  # noqa: E402
-from echo.tasks.registry import make_task  # noqa: E402
+from echo.models.prompts import PromptRenderer
+from echo.models.spec import ModelSpec, decode_completion, load_tokenizer
+from echo.models.weights import to_bits
+from echo.node.engines.base import Engine, GenRequest, SamplingParams
+from echo.node.worker import lease_prompt, lease_request
+from echo.protocol import messages as m
+from echo.protocol import signing
+from echo.protocol.patch import encode_patch
+from echo.tasks.registry import make_task
+from echo.tools.bench import emit, median, parse_args, say
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"

@@ -18,25 +18,21 @@ learner machine has installed (no libp2p).
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import torch
 
-import torch  # noqa: E402
-from _common import emit, median, parse_args, say  # noqa: E402
-
-from echo.learner.grpo import GRPOConfig, GRPOLearner, TrainGroup  # noqa: E402
-from echo.learner.rescore import Rescorer, token_stats  # noqa: E402
-from echo.models.device import resolve_device  # noqa: E402
-from echo.models.spec import ModelSpec, build_model, decode_completion, encode_prompt  # noqa: E402
-from echo.models.tokenizer import EOS_ID  # noqa: E402
-from echo.models.weights import export_state  # noqa: E402
-from echo.node.engines.base import GenRequest, SamplingParams  # noqa: E402
-from echo.node.engines.torch_engine import TorchEngine  # noqa: E402
-from echo.protocol import messages as m  # noqa: E402
-from echo.tasks.registry import make_task  # noqa: E402
+from echo.learner.grpo import GRPOConfig, GRPOLearner, TrainGroup
+from echo.learner.rescore import Rescorer, token_stats
+from echo.models.device import resolve_device
+from echo.models.spec import ModelSpec, build_model, decode_completion, encode_prompt
+from echo.models.tokenizer import EOS_ID
+from echo.models.weights import export_state
+from echo.node.engines.base import GenRequest, SamplingParams
+from echo.node.engines.torch_engine import TorchEngine
+from echo.protocol import messages as m
+from echo.tasks.registry import make_task
+from echo.tools.bench import emit, median, parse_args, say
 
 GROUP = 16
 MAX_NEW = 8

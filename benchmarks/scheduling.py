@@ -1,7 +1,7 @@
 """Scheduling several jobs on one swarm: learner utilization against the capacity model, node
 switches, time to a job's first trained version.
 
-Real processes on loopback as ``scripts/local_swarm.py`` runs them (its :class:`Swarm`): one
+Real processes on loopback as ``tools/local_swarm.py`` runs them (its :class:`Swarm`): one
 coordinator (its ``[scheduler]`` with a short minimum stay, so that a run of a few minutes sees
 moves), jobs with different model sizes and step times, nodes of different speeds (token caps),
 one job that finishes early and one submitted mid-run. Every second the run reads ``/v1/jobs``
@@ -13,8 +13,8 @@ end, from each job's published versions:
   version), i.e. not waiting for rollouts (the wait for nodes to start or switch in before v1 is
   reported as the time to the first trained version; see :func:`steady`);
 - the capacity model's prediction for the same job: ``T_train / period``
-  (:func:`echo.coordinator.capacity.step_period`) with the job's measured terms over the same
-  versions, at the throughput the scheduler planned with (its estimate of the job's nodes, from
+  (:func:`echo.coordinator.scheduling.capacity.step_period`) with the job's measured terms over the
+  same versions, at the throughput the scheduler planned with (its estimate of the job's nodes, from
   what the coordinator accepted from each: ``have_rollouts_per_s``, sampled every second between
   the job's first and last version); and, as a secondary figure, at the throughput its nodes
   delivered (completions trained per second over the same span -- nearly circular: in a
@@ -38,12 +38,11 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-import local_swarm  # noqa: E402
-from local_swarm import Swarm  # noqa: E402
+import echo.tools.local_swarm as local_swarm
+from echo.coordinator.scheduling.capacity import overlapped_period, step_period
+from echo.tools.local_swarm import Swarm
 
-from echo.coordinator.capacity import overlapped_period, step_period  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 SCHED_TOML = """
 [scheduler]

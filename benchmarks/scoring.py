@@ -18,16 +18,13 @@ JSON: ``sandbox_vs_inprocess_<workload>`` (seconds per group in the sandbox over
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit, median, parse_args, say  # noqa: E402
-
-from echo.tasks.registry import make_task  # noqa: E402
-from echo.tasks.sandbox import Recipe, Sandbox  # noqa: E402
-from echo.tasks.scoring import JobReward, RewardTerm  # noqa: E402
+from echo.tasks.registry import make_task
+from echo.tasks.sandbox import Recipe, Sandbox
+from echo.tasks.scoring import JobReward, RewardTerm
+from echo.tools.bench import emit, median, parse_args, say
 
 ROOT = Path(__file__).resolve().parent.parent
 GROUP = 16

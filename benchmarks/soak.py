@@ -1,7 +1,7 @@
 """Soak (issue 13): a live swarm under churning identities; does the coordinator level off?
 
 A local swarm (coordinator, learner, one honest node: real processes on loopback) trains a
-small job while ``scripts/attackers.py churn`` brings ``--rate`` new identities a second, each
+small job while ``tools/attackers.py churn`` brings ``--rate`` new identities a second, each
 registering, taking a lease it lets expire and sending one junk submission, never to return.
 Every ``--every-s`` the coordinator's resident memory (psutil), its database's size on disk
 (with the WAL) and its row counts are sampled.
@@ -28,11 +28,10 @@ from pathlib import Path
 
 import psutil
 
+from echo.tools.bench import emit, parse_args, say
+from echo.tools.local_swarm import DEMO_COORDINATOR_TOML, Swarm, job_toml, new_run_dir, stop
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from _common import emit, parse_args, say  # noqa: E402
-from local_swarm import DEMO_COORDINATOR_TOML, Swarm, job_toml, new_run_dir, stop  # noqa: E402
 
 TABLES = ("nodes", "leases", "rollouts", "rejections", "versions")
 
@@ -101,7 +100,7 @@ def main() -> int:
                     "-n",
                     "19",
                     sys.executable,
-                    str(ROOT / "scripts" / "attackers.py"),
+                    "-m", "echo.tools.attackers",
                     "churn",
                     "--coordinator",
                     swarm.maddr,
@@ -172,7 +171,7 @@ def main() -> int:
 
 def _start_configured(swarm: Swarm, retain: float) -> subprocess.Popen:
     """The coordinator under the soak's configuration (Swarm writes the demo's own)."""
-    from local_swarm import start, wait_for
+    from echo.tools.local_swarm import start, wait_for
 
     out = swarm.out
     (out / "coordinator.json").unlink(missing_ok=True)

@@ -5,7 +5,7 @@ not speed: one version of lag multiplies how often the policy's probability of t
 to one of the 25 ``a+b=`` problems moves by more than SWING in a single step, and a swing the
 last evaluation catches is a run that ends short of where it was (the README's "Answers lost
 late in a run"). This benchmark measures it in one process, deterministically, without the
-swarm: ``scripts/grpo_local.py``'s loop at a fixed lag (the engine samples from the weights of
+swarm: ``tools/grpo_local.py``'s loop at a fixed lag (the engine samples from the weights of
 ``lag`` versions ago, as a node that has not caught up does), with the learning benchmark's
 recipe (dynamic sampling, ``kl_coef`` 0.2).
 
@@ -32,18 +32,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from echo.learner.grpo import GRPOConfig
+from echo.tools.bench import emit, parse_args, say
+from echo.tools.curves import DIP_DEPTH, EVAL_EVERY
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "scripts"))
-
-from _common import emit, parse_args, say  # noqa: E402
-from learning import DIP_DEPTH, EVAL_EVERY  # noqa: E402  (a dip, and how often runs are evaluated)
 
 # A move of an answer's probability this large in one step: the right answer going from
 # certain to one sample in seven wrong, or back.
@@ -59,11 +55,10 @@ KL_COEF = 0.2
 
 def run_one(seed: int, lag: int, steps: int, grpo: GRPOConfig) -> dict:
     """One grpo_local run at ``lag``; its per-step answer probabilities and evaluations."""
-    from grpo_local import LocalConfig, run
-
     from echo.learner.grpo import GRPOLearner, TrainGroup
     from echo.models.spec import ModelSpec, encode_prompt
     from echo.models.tokenizer import EOS_ID, encode
+    from echo.tools.grpo_local import LocalConfig, run
 
     spec = ModelSpec(hidden=64, layers=2, heads=4)
     cfg = LocalConfig(seed=seed, steps=steps, threads=1, eval_every=EVAL_EVERY, spec=spec,

@@ -2,10 +2,10 @@
 
 Steps 1-4 (size limits, envelope + Ed25519 signature, strict schema, lease and version window,
 group shape, token/log-prob checks, termination, reward recomputed from the lease's prompt) run
-through ``echo.coordinator.verify.check_submission`` on one core, over real signed submissions;
-the baseline in the same run is the bare Ed25519 verification of the same bytes, the floor any
-design must pay. Re-scoring is timed as a fraction of the learner's own step on the same batch
-(``benchmarks/rescore.py``, which also runs alone).
+through ``echo.coordinator.submissions.verify.check_submission`` on one core, over real signed
+submissions; the baseline in the same run is the bare Ed25519 verification of the same bytes, the
+floor any design must pay. Re-scoring is timed as a fraction of the learner's own step on the same
+batch (``benchmarks/rescore.py``, which also runs alone).
 
     python benchmarks/verify.py [--quick] [--device cuda]
 """
@@ -14,25 +14,21 @@ from __future__ import annotations
 
 import os
 import random
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import rescore
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-import rescore  # noqa: E402
-from _common import emit, parse_args, say  # noqa: E402
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey  # noqa: E402
-
-from echo.coordinator.rows import LeaseRow  # noqa: E402
-from echo.coordinator.verify import JobContext, check_submission  # noqa: E402
-from echo.models.device import resolve_device  # noqa: E402
-from echo.models.spec import ModelSpec, decode_completion  # noqa: E402
-from echo.models.tokenizer import EOS_ID, VOCAB_SIZE  # noqa: E402
-from echo.p2p.identity import Identity  # noqa: E402
-from echo.protocol import messages as m  # noqa: E402
-from echo.protocol import signing  # noqa: E402
-from echo.tasks.registry import make_task  # noqa: E402
+from echo.coordinator.store.rows import LeaseRow
+from echo.coordinator.submissions.verify import JobContext, check_submission
+from echo.models.device import resolve_device
+from echo.models.spec import ModelSpec, decode_completion
+from echo.models.tokenizer import EOS_ID, VOCAB_SIZE
+from echo.p2p.identity import Identity
+from echo.protocol import messages as m
+from echo.protocol import signing
+from echo.tasks.registry import make_task
+from echo.tools.bench import emit, parse_args, say
 
 GROUP = rescore.GROUP
 MAX_NEW = rescore.MAX_NEW

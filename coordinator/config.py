@@ -71,7 +71,7 @@ class AdmissionSection(BaseModel):
     """``[admission]``: what one peer (and one network prefix) may ask of the coordinator.
 
     Every node RPC is charged per (peer, rpc) and per (/24 or /48 prefix, rpc) before its request
-    is read (see :mod:`echo.coordinator.budgets`); a peer over budget has its stream closed and
+    is read (see :mod:`echo.coordinator.rpc.budgets`); a peer over budget has its stream closed and
     serves a backoff.
     """
 
@@ -115,7 +115,7 @@ class AdmissionSection(BaseModel):
 
 class RetentionSection(BaseModel):
     """``[retention]``: how long the coordinator keeps what it no longer needs (see
-    :meth:`Store.prune <echo.coordinator.store_prune.Pruning.prune>`)."""
+    :meth:`Store.prune <echo.coordinator.store.prune.Pruning.prune>`)."""
 
     model_config = ConfigDict(extra="forbid")
     closed_leases_s: float = Field(
@@ -185,7 +185,7 @@ class BroadcastSection(BaseModel):
 
 
 class SchedulerSection(BaseModel):
-    """``[scheduler]``: how nodes are placed on jobs (``echo.coordinator.scheduler``)."""
+    """``[scheduler]``: how nodes are placed on jobs (``echo.coordinator.scheduling.assign``)."""
 
     model_config = ConfigDict(extra="forbid")
     every_s: float = Field(default=2.0, gt=0, le=3600, description="seconds between passes")

@@ -1,14 +1,15 @@
 """The coordinator daemon: one libp2p host and one HTTP server over the SQLite store.
 
 :class:`Coordinator` owns the store, the identity and the parts that share them:
-:class:`~echo.coordinator.job_control.JobControl` (jobs and their learner processes),
-:class:`~echo.coordinator.node_rpc.NodeRPC` and :class:`~echo.coordinator.learner_rpc.LearnerRPC`
-(the libp2p handlers), :class:`~echo.coordinator.leases.Leases` (lease minting) and
-:class:`~echo.coordinator.penalties.Penalties` (rate limits, exclusion). :meth:`Coordinator.run`
-owns the libp2p host, the HTTP server, the circuit relay it offers its registered nodes
-(:data:`RELAY_LIMITS`; nodes behind NAT keep a reservation there) and every background task in
-one nursery; cancelling it (Ctrl-C) stops the learners, closes the host and returns. The HTTP
-API sees the coordinator through :class:`~echo.coordinator.ports.ApiBackend` only.
+:class:`~echo.coordinator.jobs.control.JobControl` (jobs and their learner processes),
+:class:`~echo.coordinator.rpc.node.NodeRPC` and :class:`~echo.coordinator.rpc.learner.LearnerRPC`
+(the libp2p handlers), :class:`~echo.coordinator.scheduling.leases.Leases` (lease minting) and
+:class:`~echo.coordinator.submissions.penalties.Penalties` (rate limits, exclusion).
+:meth:`Coordinator.run` owns the libp2p host, the HTTP server, the circuit relay it offers its
+registered nodes (:data:`RELAY_LIMITS`; nodes behind NAT keep a reservation there) and every
+background task in one nursery; cancelling it (Ctrl-C) stops the learners, closes the host and
+returns. The HTTP API sees the coordinator through :class:`~echo.coordinator.api.ports.ApiBackend`
+only.
 """
 
 from __future__ import annotations
@@ -21,28 +22,28 @@ from typing import Any
 import trio
 from libp2p.peer.id import ID
 
-from echo.coordinator.api import serve_http
+from echo.coordinator.api.app import serve_http
 from echo.coordinator.config import CoordinatorConfig
-from echo.coordinator.dissemination import Dissemination
-from echo.coordinator.job_control import JobControl
-from echo.coordinator.learner_rpc import LearnerRPC
-from echo.coordinator.leases import Leases
+from echo.coordinator.dissemination.dialbacks import run_reachability
+from echo.coordinator.dissemination.planning import Dissemination
+from echo.coordinator.jobs.control import JobControl
 from echo.coordinator.metrics import Metrics
-from echo.coordinator.node_rpc import NodeRPC, active_nodes
-from echo.coordinator.penalties import Penalties
-from echo.coordinator.reachability import run_reachability
-from echo.coordinator.sched_loop import Placement
-from echo.coordinator.scheduler import SchedulerParams
+from echo.coordinator.rpc.learner import LearnerRPC
+from echo.coordinator.rpc.node import NodeRPC, active_nodes
+from echo.coordinator.scheduling.assign import SchedulerParams
+from echo.coordinator.scheduling.leases import Leases
+from echo.coordinator.scheduling.placement import Placement
 from echo.coordinator.store import Store
-from echo.p2p.circuit_relay import RelayLimits, offer_relay
+from echo.coordinator.submissions.penalties import Penalties
 from echo.p2p.conn_guard import PUBLIC_PREFIX_CAP, GuardPolicy
 from echo.p2p.host import INBOUND_CONNECTION_CAP, EchoHost, open_host
 from echo.p2p.identity import Identity
+from echo.p2p.nat.circuit_relay import RelayLimits, offer_relay
 from echo.protocol.jobspec import JobSpec
 
 # How often leases past their deadline go back to the pool (and the active-node gauge updates).
 HOUSEKEEPING_S = 1.0
-# How often the store forgets what [retention] lets go (see echo.coordinator.store_prune).
+# How often the store forgets what [retention] lets go (see echo.coordinator.store.prune).
 PRUNE_EVERY_S = 60.0
 # The circuit relay (v2) the coordinator offers its registered nodes (issue 14): a node behind
 # NAT keeps a reservation here so that peers can reach it. Only control messages may cross it
@@ -119,7 +120,7 @@ class Coordinator:
             penalties,
         )
         self.learner_rpc.placement = self.placement
-        self.relay = None  # the circuit relay, while run() serves it (echo.p2p.circuit_relay)
+        self.relay = None  # the circuit relay, while run() serves it (echo.p2p.nat.circuit_relay)
 
     async def run(
         self, *, task_status: trio.TaskStatus[Coordinator] = trio.TASK_STATUS_IGNORED

@@ -9,7 +9,7 @@ stream and the same on every run of a task. Prompts are rendered as the coordina
 training prompts (:class:`echo.models.prompts.PromptRenderer`, the same chat setting), and scored
 with the task's own scorer (a job's extra reward components, such as a format bonus or a
 researcher's function that runs on the coordinator only, do not count towards accuracy).
-The synchronous baseline (``scripts/grpo_local.py``) and the swarm's learner both call
+The synchronous baseline (``tools/grpo_local.py``) and the swarm's learner both call
 :func:`greedy_accuracy`, so their figures are comparable.
 """
 

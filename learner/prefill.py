@@ -5,9 +5,9 @@ the model once per completion (as a padded batch of whole sequences does): one p
 groups' prompts fills a KV cache, each completion row takes its group's cache, and a second pass
 runs the completion tokens only. The log-probs are those of the whole-sequence forward up to
 float rounding (the same attention over the same keys): at most 2.4e-6 nats apart on the tiny
-test checkpoint of every architecture in ``tests/test_prefill.py``, against per-engine mismatch
-thresholds of 1e-4 and up. What it saves grows with the prompt: a third of the tokens for the
-tiny ``a+b=`` task, most of them for chat-templated prompts of a real model.
+test checkpoint of every architecture in ``tests/learner/test_prefill.py``, against per-engine
+mismatch thresholds of 1e-4 and up. What it saves grows with the prompt: a third of the tokens for
+the tiny ``a+b=`` task, most of them for chat-templated prompts of a real model.
 
 Only a cache of plain key/value layers can be shared out by row; a model whose cache holds
 anything else (the recurrent state of a linear-attention hybrid) is scored with the

@@ -64,12 +64,12 @@ STRANGER_SHARE = 0.25
 
 
 # The exit status that tells the coordinator's supervisor not to restart us: restarting cannot
-# help (coordinator/learners.py, LEARNER_CANNOT_RESUME).
+# help (coordinator/jobs/learners.py, LEARNER_CANNOT_RESUME).
 EXIT_CANNOT_RESUME = 3
 
 
 # The exit status that tells the coordinator's supervisor a newer learner holds the job: do not
-# restart us (coordinator/learners.py, LEARNER_SUPERSEDED).
+# restart us (coordinator/jobs/learners.py, LEARNER_SUPERSEDED).
 EXIT_SUPERSEDED = 4
 
 

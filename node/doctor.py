@@ -11,7 +11,7 @@ from rich.console import Console
 
 from echo.node.config import NodeConfig
 from echo.node.probe import choose_engine, probe
-from echo.protocol.reachability import DialBackReply
+from echo.protocol.nat import DialBackReply
 
 MIN_FREE_DISK = 2 << 30
 MIN_RAM = 2 << 30
@@ -168,7 +168,7 @@ async def relay_offered(host, coordinator) -> str | None:
     the hop protocol), or None (no answer). Doctor's throwaway identity is no registered node,
     so a relay that admits only its nodes answers PERMISSION_DENIED -- which says it is
     offered."""
-    from echo.p2p.circuit import RelayRefused, reserve
+    from echo.p2p.nat.circuit import RelayRefused, reserve
     from echo.p2p.rpc import RpcError, RpcTimeout
 
     try:
@@ -185,7 +185,7 @@ async def relay_offered(host, coordinator) -> str | None:
 async def network_checks(cfg: NodeConfig) -> list[Check]:
     from echo.p2p.host import open_host
     from echo.p2p.identity import Identity
-    from echo.p2p.reachability import ask_dialback
+    from echo.p2p.nat.dialback import ask_dialback
     from echo.p2p.rpc import RpcError
     from echo.protocol.errors import SchemaError
 

@@ -1,14 +1,14 @@
 """The node's side of a coordinated hole punch: answer the coordinator's go signal.
 
 The coordinator (connected to both) sends each of two nodes that no dial-back reached a
-:class:`~echo.protocol.reachability.PunchRequest` at the same moment; :class:`Punches` answers it
-by opening the direct connection -- :func:`echo.p2p.holepunch.punch` across two routers, a plain
+:class:`~echo.protocol.nat.PunchRequest` at the same moment; :class:`Punches` answers it
+by opening the direct connection -- :func:`echo.p2p.nat.holepunch.punch` across two routers, a plain
 dial of the peer's LAN addresses behind one -- and replies with a
-:class:`~echo.protocol.reachability.PunchReply` once the connection is up or the attempt is over.
+:class:`~echo.protocol.nat.PunchReply` once the connection is up or the attempt is over.
 The coordinator plans the pair's edge only after both sides said ok; the connection is what the
 relay then pushes over (its parents and children behind NAT are announced without addresses).
 
-Owns: the handler of :data:`~echo.protocol.reachability.PROTO_PUNCH` on the node's host and the
+Owns: the handler of :data:`~echo.protocol.nat.PROTO_PUNCH` on the node's host and the
 set of peers it has a punched connection to (:attr:`Punches.peers`). The connection itself
 belongs to the host (closed with it). A request from anyone but the coordinator is refused (a
 go signal makes the node dial: a stranger must not be able to aim it); failures of the punch
@@ -23,13 +23,13 @@ import time
 import trio
 from libp2p.peer.id import ID
 
-from echo.p2p.holepunch import HolePunchFailed, is_initiator, punch
 from echo.p2p.host import EchoHost
+from echo.p2p.nat.holepunch import HolePunchFailed, is_initiator, punch
 from echo.p2p.rpc import RpcError
 from echo.protocol import messages as m
 from echo.protocol import reasons as R
 from echo.protocol.errors import ProtocolError
-from echo.protocol.reachability import (
+from echo.protocol.nat import (
     MAX_PUNCH_DELAY_S,
     MAX_PUNCH_TIMEOUT_S,
     PROTO_PUNCH,

@@ -11,7 +11,7 @@ addresses. Once connected it also answers the coordinator's hole-punch go signal
 coordinator pairs it with, over which the relay can then push. And while it runs,
 :meth:`CoordinatorSession.keep_relay_slot` asks the coordinator's dial-back whether the node can
 be dialled; one that cannot keeps a circuit relay v2 reservation on the coordinator
-(:func:`~echo.p2p.circuit.keep_reservation`), so that peers can reach it for control messages
+(:func:`~echo.p2p.nat.circuit.keep_reservation`), so that peers can reach it for control messages
 (bulk chunks never cross a relay). A refused reservation is said once; the node works on
 without one (peers then cannot reach it for control messages).
 """
@@ -26,15 +26,15 @@ from echo.node.display import Display
 from echo.node.errors import NodeError
 from echo.node.pacing import Pacer
 from echo.node.punching import Punches
-from echo.p2p.circuit import RelayRefused, keep_reservation
 from echo.p2p.host import EchoHost
 from echo.p2p.identity import Identity, public_key_from_peer_id
-from echo.p2p.reachability import ask_dialback
+from echo.p2p.nat.circuit import RelayRefused, keep_reservation
+from echo.p2p.nat.dialback import ask_dialback
 from echo.p2p.rpc import RpcError
 from echo.protocol import ids, signing
 from echo.protocol import messages as m
 from echo.protocol.errors import ProtocolError
-from echo.protocol.reachability import DialBackReply
+from echo.protocol.nat import DialBackReply
 
 RPC_TIMEOUT_S = 30.0
 # An idle node registers again this often to learn of work: 10 a minute, inside the
@@ -196,7 +196,7 @@ class CoordinatorSession:
         the first registration (the relay admits registered nodes only). Says once what it
         got; a refused reservation ends it (the node works on without one), an unanswered one is
         asked again. Runs until cancelled (the reservation is refreshed meanwhile, see
-        :func:`~echo.p2p.circuit.keep_reservation`); raises nothing else."""
+        :func:`~echo.p2p.nat.circuit.keep_reservation`); raises nothing else."""
         assert self.host is not None and self.registered is not None
         await self.registered.wait()
         reply = self.reachability = await self._ask_reachability()

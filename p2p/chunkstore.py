@@ -194,7 +194,7 @@ def serve_chunks(
     bucket (over it: ``rate_limited``, no backoff -- it is not that peer's doing). Then the
     chunk waits on the host's upload cap (:attr:`EchoHost.upload_limiter`), which relay pushes
     share. A request that came through a circuit relay is answered ``relayed`` (bulk data
-    travels on direct connections only; see :mod:`echo.p2p.circuit`).
+    travels on direct connections only; see :mod:`echo.p2p.nat.circuit`).
     """
     if ids.PROTO_CHUNK not in host.gate.prefix_factors:
         host.gate.set_prefix_factor(ids.PROTO_CHUNK, CHUNK_PREFIX_FACTOR)

@@ -38,7 +38,7 @@ in a nursery the host owns). Closes: refused inbound sockets, and reaped connect
 ``SwarmConn`` each, not the peer's other connections); a reaped peer left with no connection
 also loses its peerstore addresses (so py-libp2p's AutoConnector does not dial it back).
 Raises: ``ValueError`` for a bad policy; the wrapped upgrade raises ``SwarmException`` for a
-refused connection (py-libp2p's inbound handler, and :mod:`echo.p2p.holepunch`, handle it).
+refused connection (py-libp2p's inbound handler, and :mod:`echo.p2p.nat.holepunch`, handle it).
 Closing errors are logged, never raised.
 """
 

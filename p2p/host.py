@@ -132,7 +132,7 @@ class EchoHost:
     @property
     def tcp_listen_endpoint(self) -> tuple[str, int]:
         """(ip, port) of our first IPv4 TCP listen socket, as bound (``0.0.0.0`` for a wildcard
-        listen). A hole punch (:mod:`echo.p2p.holepunch`) dials from it: the SYN must leave from
+        listen). A hole punch (:mod:`echo.p2p.nat.holepunch`) dials from it: the SYN must leave from
         the port the NAT maps to our public port.
 
         :raises ValueError: no IPv4 TCP listener.

@@ -7,7 +7,7 @@ Wire format (all frames per :mod:`echo.protocol.framing`):
   payload) or ``1`` = error (the rest is a UTF-8 message). Then the server closes the stream.
 
 A handler may be *direct only* (:attr:`HandlerSpec.direct_only`; ``EchoHost.set_handler``'s flag):
-bulk data (chunks) never crosses a circuit relay (:mod:`echo.p2p.circuit`), so a request that
+bulk data (chunks) never crosses a circuit relay (:mod:`echo.p2p.nat.circuit`), so a request that
 arrived over a relayed connection (:func:`is_relayed`) is answered with a ``relayed`` error
 instead of running the handler.
 
@@ -138,7 +138,7 @@ class HandlerSpec:
 
 def is_relayed(conn_or_stream: object) -> bool:
     """Whether a stream or connection (swarm connection, muxed connection) runs through a
-    circuit relay (:mod:`echo.p2p.circuit`).
+    circuit relay (:mod:`echo.p2p.nat.circuit`).
 
     Looks at the connection type py-libp2p records on the raw connection under Noise and yamux
     (both ends mark a circuit RELAYED), not at peerstore addresses."""

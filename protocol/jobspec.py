@@ -245,7 +245,7 @@ class EvalSection(BaseModel):
 
 class ScheduleSection(BaseModel):
     """``[job.schedule]``: the operator's say in where the coordinator's scheduler puts nodes
-    (``echo.coordinator.scheduler``)."""
+    (``echo.coordinator.scheduling.assign``)."""
 
     model_config = ConfigDict(extra="forbid")
     priority: int = Field(

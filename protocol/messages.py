@@ -278,7 +278,7 @@ class ChunkRequest(Record):
 LEARNER_EPOCH_REFUSED = "learner_epoch"
 # The learner epoch a request carries (protocol 8): the number the coordinator issued when it
 # started this learner, or when its operator handed the job to an external one
-# (coordinator/store_epochs.py). 0: none issued, accepted only while the job has never issued one.
+# (coordinator/store/epochs.py). 0: none issued, accepted only while the job has never issued one.
 LearnerEpoch = Annotated[int, Field(ge=0, le=2**40)]
 
 
@@ -331,7 +331,7 @@ class TrainingGroup(Record):
 
 # Encoded size of a TrainingGroup beyond its token and log-prob bytes: field names, its strings
 # at their longest (UTF-8, 4 bytes a character), headers, and per completion its reward and the
-# map around its arrays. tests/test_protocol.py checks the bound against real encodings.
+# map around its arrays. tests/protocol/test_protocol.py checks the bound against real encodings.
 _GROUP_OVERHEAD = 4096
 _COMPLETION_OVERHEAD = 96
 

@@ -11,13 +11,13 @@
 # Steps, each with a time limit (together under 9 minutes), each logged to its own file, each
 # adding its lines to summary.txt as it ends (a run cut short still says how far it got):
 #   env.txt          the GPU and the versions
-#   tests.txt        tests/test_devices.py on the device: a step against the CPU's, the prefill,
+#   tests.txt        tests/models/test_devices.py on the device: a step against the CPU's, the prefill,
 #                    a learner re-scoring CPU nodes and restarting on the CPU (and back), the
 #                    torch engine
-#   learn_gpu.txt    scripts/grpo_local.py --device cuda (the recipe that learns on the CPU)
+#   learn_gpu.txt    tools/grpo_local.py --device cuda (the recipe that learns on the CPU)
 #   learn_cpu.txt    the same on this machine's CPU, the baseline of the same run
 #   rescore.txt      benchmarks/rescore.py --quick --device cuda (its JSON line is its last line)
-#   vllm.txt         tests/test_vllm_engine.py, only where vllm imports
+#   vllm.txt         tests/node/test_vllm_engine.py, only where vllm imports
 # Exit status: non-zero if a step failed.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -62,17 +62,17 @@ fi
 tee -a "$SUMMARY" <"$RES/env.txt"
 
 # The project's conftest starts coordinators and hosts (libp2p): not needed here, not installed.
-timeout 150 "$PY" -m pytest tests/test_devices.py -q -rA -s -p no:cacheprovider --noconftest \
+timeout 150 "$PY" -m pytest tests/models/test_devices.py -q -rA -s -p no:cacheprovider --noconftest \
     >"$RES/tests.txt" 2>&1
 tests_rc=$?
 say "tests rc=$tests_rc: $(grep -E "[0-9]+ (passed|failed|error)" "$RES/tests.txt" | tail -n 1)"
 grep -E "log-prob gap|^(FAILED|ERROR)" "$RES/tests.txt" | tee -a "$SUMMARY"
 
-timeout 120 "$PY" scripts/grpo_local.py --device "$DEV" --steps 200 --no-cache \
+timeout 120 "$PY" -m echo.tools.grpo_local --device "$DEV" --steps 200 --no-cache \
     >"$RES/learn_gpu.txt" 2>&1
 gpu_rc=$?
 say "learn $DEV rc=$gpu_rc: $(grep -E "^(warm-up|done)" "$RES/learn_gpu.txt" | tr '\n' ' ')"
-timeout 90 "$PY" scripts/grpo_local.py --device cpu --steps 200 --no-cache --threads 4 \
+timeout 90 "$PY" -m echo.tools.grpo_local --device cpu --steps 200 --no-cache --threads 4 \
     >"$RES/learn_cpu.txt" 2>&1
 cpu_rc=$?
 say "learn cpu rc=$cpu_rc: $(grep -E "^(warm-up|done)" "$RES/learn_cpu.txt" | tr '\n' ' ')"
@@ -85,7 +85,7 @@ tail -n 1 "$RES/rescore.txt" >>"$SUMMARY"
 
 vllm_rc=0
 if "$PY" -c "import vllm" 2>/dev/null; then
-    timeout 300 "$PY" -m pytest tests/test_vllm_engine.py -q -rA -s -p no:cacheprovider \
+    timeout 300 "$PY" -m pytest tests/node/test_vllm_engine.py -q -rA -s -p no:cacheprovider \
         >"$RES/vllm.txt" 2>&1
     vllm_rc=$?
     say "vllm rc=$vllm_rc: $(tail -n 1 "$RES/vllm.txt")"

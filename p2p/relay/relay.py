@@ -26,11 +26,11 @@ from echo.p2p.relay.peers import BadPeerCallback, Peers, peer_str
 from echo.p2p.relay.pull import Puller
 from echo.p2p.relay.push import Pusher
 from echo.p2p.relay.receive import Receiver
+from echo.p2p.relay.routes import parents_in, route_from_announcement
 from echo.p2p.relay.transfer import Transfer
 from echo.p2p.relay.watchdog import Watchdog
 from echo.p2p.rpc import is_relayed, remote_ip
 from echo.p2p.streams import end_stream
-from echo.p2p.tree import parents_in, route_from_announcement
 from echo.protocol import broadcast as b
 from echo.protocol import messages as m
 from echo.protocol import reasons as R

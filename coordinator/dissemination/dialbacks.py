@@ -1,0 +1,147 @@
+"""The coordinator's dial-backs: which registered nodes can be dialled, for the planner.
+
+:func:`run_reachability` serves :data:`~echo.protocol.nat.PROTO_DIALBACK` on the
+coordinator's host (nodes and ``echo-node doctor`` ask it "can you dial me?") and probes every
+node whose addresses no dial-back has judged yet (after each registration that brings new
+addresses), from a prober host of its own, on a fresh connection (:mod:`echo.p2p.nat.dialback`).
+The verdict goes to :meth:`Dissemination.set_reachable`: a node that cannot be dialled relays only
+to peers it can reach; two behind NAT may be connected by a punch
+(:func:`echo.coordinator.dissemination.punching.run_punching`, run here beside the dial-backs).
+
+The nodes to probe come from a :class:`ProbeQueue` that registrations feed
+(``Dissemination.on_new_addrs``), not from a scan of every link ever registered: a churn of
+identities that register and leave left thousands of unprobed links, each looked up (a base58
+decode and a connection lookup) every :data:`POLL_S`. A node that is not connected when its turn
+comes waits at most :data:`PENDING_S`.
+
+Owns the prober host, its probe tasks, the queue and the punching loop; runs until cancelled and
+raises nothing else (a failed probe is logged and retried at the next registration).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import trio
+
+from echo.coordinator.dissemination.planning import Dissemination
+from echo.coordinator.dissemination.punching import run_punching
+from echo.p2p.host import EchoHost
+from echo.p2p.nat.dialback import DialBack, observed_ip, open_dialback, serve_dialback
+
+log = logging.getLogger("echo.coordinator.dissemination.dialbacks")
+
+# How often the prober looks for nodes to judge, and how many it dials back at once.
+POLL_S = 0.2
+PARALLEL = 8
+# A node waiting for its dial-back is only probed while connected (the observed address is the
+# connection's); one that stays away this long is dropped until it registers again. A node dials
+# the coordinator to register, so an honest one is connected at once.
+PENDING_S = 30.0
+# Nodes waiting at once, at most (oldest dropped): registrations are admission-limited per peer
+# and per network, so this is only a backstop against a churn of identities from many networks.
+MAX_PENDING = 10_000
+
+
+class ProbeQueue:
+    """The nodes whose addresses await a dial-back, in the order they asked; fed by
+    registrations (:meth:`wanted`), drained by :func:`run_reachability` (:meth:`due`). Work per
+    poll is proportional to the nodes waiting, never to every node ever registered. Raises
+    nothing."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._pending: dict[str, float] = {}  # node -> when it (last) asked, oldest first
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def wanted(self, node_id: str) -> None:
+        """The node registered addresses no dial-back has judged: probe it (again)."""
+        self._pending.pop(node_id, None)  # re-inserted last: the newest
+        self._pending[node_id] = self._clock()
+        while len(self._pending) > MAX_PENDING:
+            del self._pending[next(iter(self._pending))]
+
+    def due(
+        self, dissemination: Dissemination, ready: Callable[[str], bool]
+    ) -> list[tuple[str, list[str]]]:
+        """(node, addresses) to probe now, taken off the queue: those still unjudged and
+        ``ready`` (connected, and no probe of theirs running). Nodes judged meanwhile, without
+        addresses or gone are dropped; the others stay until :data:`PENDING_S` after they
+        asked."""
+        now, out = self._clock(), []
+        for node, at in list(self._pending.items()):
+            link = dissemination.links.get(node)
+            if link is None or link.reachable is not None or not link.addrs:
+                del self._pending[node]
+            elif ready(node):
+                del self._pending[node]
+                out.append((node, list(link.addrs)))
+            elif now - at > PENDING_S:
+                del self._pending[node]
+        return out
+
+
+async def _probe(
+    host: EchoHost, dialback: DialBack, dissemination: Dissemination, node: str, addrs: list[str]
+) -> None:
+    reply = await dialback.probe(node, addrs, observed_ip(host, node))
+    link = dissemination.links.get(node)
+    if link is None or link.addrs != addrs:  # re-registered meanwhile: judge the new ones
+        return
+    dissemination.set_reachable(
+        node,
+        reply.reachable,
+        verdict=reply.verdict,
+        observed_ip=reply.observed_ip,
+        dialed=reply.dialed,  # plans then carry exactly the address that answered
+    )
+    log.info(
+        "node %s %s (%s%s)",
+        node[-8:],
+        "can be dialled" if reply.reachable else "cannot be dialled: relays to dialable peers",
+        reply.verdict,
+        f", seen from {reply.observed_ip}" if reply.observed_ip else "",
+    )
+
+
+async def run_reachability(host: EchoHost, dissemination: Dissemination) -> None:
+    """Serve dial-backs on ``host``, judge every node :class:`Dissemination` learns of and
+    punch between the nodes judged "nat"; runs until cancelled."""
+    probes = ProbeQueue()
+    # Registrations feed the queue through Dissemination's hook.
+    dissemination.on_new_addrs = probes.wanted
+    for node, _ in dissemination.unprobed():  # registered before the hook was set
+        probes.wanted(node)
+
+    async with open_dialback() as dialback, trio.open_nursery() as nursery:
+        serve_dialback(host, dialback)
+        nursery.start_soon(run_punching, host, dissemination)
+        limiter = trio.CapacityLimiter(PARALLEL)
+        busy: set[str] = set()
+
+        def ready(node: str) -> bool:
+            # A node re-registered during its probe waits for it: that probe's verdict is
+            # about its old addresses and is dropped (_probe).
+            return node not in busy and observed_ip(host, node) is not None
+
+        async def one(node: str, addrs: list[str]) -> None:
+            try:
+                async with limiter:
+                    await _probe(host, dialback, dissemination, node, addrs)
+            except Exception:  # a probe must not take the coordinator down
+                log.exception("dial-back of %s failed", node[-8:])
+            finally:
+                busy.discard(node)
+
+        while True:
+            for node, addrs in probes.due(dissemination, ready):
+                busy.add(node)
+                nursery.start_soon(one, node, addrs)
+            await trio.sleep(POLL_S)
+
+
+__all__ = ["PENDING_S", "ProbeQueue", "run_reachability"]

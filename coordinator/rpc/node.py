@@ -1,0 +1,244 @@
+"""The node-facing libp2p handlers: register, lease, submit, status, manifest, relay reports.
+
+:class:`NodeRPC` owns what a node may ask of the coordinator. Every handler treats its request as
+hostile: it verifies the envelope against the Noise-authenticated peer before it decodes further,
+answers with a clear reason, and never lets one peer's bad input stop the daemon. A
+:class:`~echo.protocol.errors.ProtocolError` raised in a handler goes back to the peer as a
+status-1 reply with its reason code; a rejected submission is a normal reply that says why
+(the submit path is :class:`~echo.coordinator.submissions.submit.Submissions`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from libp2p.peer.id import ID
+
+from echo.coordinator.config import AdmissionSection
+from echo.coordinator.dissemination.planning import Dissemination
+from echo.coordinator.jobs.context import RunningJob
+from echo.coordinator.metrics import Metrics
+from echo.coordinator.rpc.budgets import configure_gate
+from echo.coordinator.scheduling.leases import Leases
+from echo.coordinator.scheduling.placement import Placement
+from echo.coordinator.store import Store
+from echo.coordinator.store.rows import NodeRow
+from echo.coordinator.submissions.penalties import Penalties
+from echo.coordinator.submissions.scoring import Scoring
+from echo.coordinator.submissions.submit import Submissions
+from echo.p2p.budget import Gate
+from echo.p2p.conn_guard import ConnectionGuard
+from echo.p2p.host import EchoHost
+from echo.p2p.identity import public_key_from_peer_id
+from echo.protocol import broadcast as b
+from echo.protocol import ids, limits, signing
+from echo.protocol import messages as m
+from echo.protocol import reasons as R
+from echo.protocol.errors import ProtocolError, SchemaError, VersionError
+from echo.protocol.signing import RecordT
+
+log = logging.getLogger("echo.coordinator")
+
+# A node that has not been heard from for this long no longer counts towards "all nodes hold v".
+NODE_ACTIVE_S = 60.0
+# Requests other than submissions and step reports are a few hundred bytes.
+SMALL_REQUEST_BYTES = 64 * 1024
+SOFTWARE = "echo-swarm/0.1.0"
+
+
+def active_nodes(store: Store) -> list[NodeRow]:
+    """Nodes heard from within NODE_ACTIVE_S and not excluded (one range of an index, however
+    many identities have come and gone)."""
+    return store.active_nodes(time.time() - NODE_ACTIVE_S)
+
+
+def open_signed(data: bytes, cls: type[RecordT], peer_id: ID) -> tuple[signing.Envelope, RecordT]:
+    """Open a ``cls`` record that the authenticated peer ``peer_id`` must have signed.
+
+    Raises ProtocolError (a SignatureError for another signer or a bad signature, a SchemaError
+    for another kind or a bad record).
+    """
+    return signing.open_record(data, cls, expected_signer=public_key_from_peer_id(peer_id))
+
+
+class NodeRPC:
+    """The node protocols over the store; ``jobs`` is the live jobs of :class:`JobControl`."""
+
+    def __init__(
+        self,
+        store: Store,
+        jobs: dict[str, RunningJob],
+        metrics: Metrics,
+        dissemination: Dissemination,
+        leases: Leases,
+        penalties: Penalties,
+        placement: Placement | None = None,
+        scoring: Scoring | None = None,
+    ) -> None:
+        self.store = store
+        self.jobs = jobs
+        # Which job each node serves (None: every node may serve every job).
+        self.placement = placement
+        self.metrics = metrics
+        self.dissemination = dissemination
+        self.leases = leases
+        self.penalties = penalties
+        # The host's admission gate (set by install): strangers' submissions put them in backoff.
+        self.gate: Gate | None = None
+        # The host's connection guard (set by install): nodes with accepted work are protected
+        # from idle reaping; registering alone is free, so it protects nothing.
+        self.guard: ConnectionGuard | None = None
+        # The submit path: verification, scoring in the job's sandbox, booking.
+        self.submissions = Submissions(store, jobs, metrics, penalties, placement, scoring)
+
+    def install(self, host: EchoHost, admission: AdmissionSection | None = None) -> None:
+        """Serve the node protocols on ``host``, budget them per peer and per network prefix
+        (``admission``, else its defaults), and book the host's framing violations."""
+        self.gate = configure_gate(host.gate, admission or AdmissionSection())
+        self.guard = self.penalties.guard = host.guard
+        self.submissions.gate, self.submissions.guard = self.gate, self.guard
+        small = SMALL_REQUEST_BYTES
+        host.set_handler(ids.PROTO_REGISTER, self.handle_register, max_request=small)
+        host.set_handler(ids.PROTO_LEASE, self.handle_lease, max_request=small)
+        host.set_handler(
+            ids.PROTO_SUBMIT, self.submissions.handle, max_request=limits.MAX_MESSAGE_BYTES
+        )
+        host.set_handler(ids.PROTO_MANIFEST, self.handle_manifest, max_request=small)
+        host.set_handler(ids.PROTO_STATUS, self.handle_status, max_request=small)
+        host.set_handler(ids.PROTO_BAD_PEER, self.handle_bad_peer, max_request=small)
+        host.add_violation_listener(self.penalties.on_violation)
+
+    def _registered(self, node_id: str) -> NodeRow:
+        node = self.store.node(node_id)
+        if node is None:
+            raise ProtocolError("register first", code=R.UNKNOWN_NODE)
+        return node
+
+    async def handle_register(self, peer_id: ID, data: bytes) -> bytes:
+        """Register (or re-register) the node; replies with the jobs it can serve.
+
+        Raises VersionError for another protocol version, ProtocolError (NODE_EXCLUDED) for an
+        excluded node, and ProtocolError for a bad envelope or record.
+        """
+        (env, reg), node_id = open_signed(data, m.Register, peer_id), str(peer_id)
+        if reg.protocol_version != ids.PROTOCOL_VERSION:
+            raise VersionError(
+                f"node speaks protocol {reg.protocol_version}, coordinator speaks "
+                f"{ids.PROTOCOL_VERSION}: upgrade echo-swarm"
+            )
+        row = self.store.upsert_node(
+            node_id,
+            env.signer,
+            reg.engine,
+            reg.hardware.to_obj(),
+            reg.tokens_per_s,
+            reg.upload_bps,
+            reg.download_bps,
+        )
+        if row.excluded:
+            raise ProtocolError(
+                "this node is excluded after repeated verification failures", code=R.NODE_EXCLUDED
+            )
+        if row.accepted and self.guard is not None:  # also after a coordinator restart
+            self.guard.protect(peer_id)
+        self.dissemination.registered(node_id, reg.addrs, reg.upload_bps)
+        log.info("node %s registered (%s, %.0f tok/s)", node_id[-8:], reg.engine, reg.tokens_per_s)
+        jobs = self._job_infos()
+        # Registrations that need a scheduling pass share one (a churn of identities is not a
+        # pass each).
+        placed, why = await self.placement.place(node_id, reg) if self.placement else ("", "")
+        placed = placed if placed in {j.job_id for j in jobs} else ""  # the job it serves
+        return m.encode(
+            m.RegisterReply(
+                node_id=node_id,
+                jobs=jobs,
+                message=why or f"welcome to {SOFTWARE}",
+                assigned_job=placed,
+            )
+        )
+
+    def _job_infos(self) -> list[m.JobInfo]:
+        out = []
+        for job_id, job in self.jobs.items():
+            row = self.store.job(job_id)
+            if row is not None and row.status == "running" and row.current_version >= 0:
+                out.append(job.info(row))
+        return out
+
+    async def handle_lease(self, peer_id: ID, data: bytes) -> bytes:
+        """Leases for a registered node (see :meth:`Leases.grant`).
+
+        Raises ProtocolError: UNKNOWN_NODE, NODE_EXCLUDED, JOB_MISMATCH (unknown job), or for a
+        bad envelope or record.
+        """
+        (_, req), node_id = open_signed(data, m.LeaseRequest, peer_id), str(peer_id)
+        node = self._registered(node_id)
+        if node.excluded:
+            raise ProtocolError("this node is excluded", code=R.NODE_EXCLUDED)
+        job = self.jobs.get(req.job_id)
+        row = self.store.job(req.job_id)
+        if job is None or row is None:
+            raise ProtocolError(f"unknown job {req.job_id}", code=R.JOB_MISMATCH)
+        self.store.touch_node(node_id)
+        moved = self.placement.moved(node_id, row) if self.placement else None
+        return m.encode(moved or self.leases.grant(node, job, row, req))
+
+    async def handle_manifest(self, peer_id: ID, data: bytes) -> bytes:
+        """The learner-signed manifest of a job's version (``-1``: the current one).
+
+        Raises ProtocolError: ``unknown_job``, ``no_version``, or for a bad record.
+        """
+        req = m.decode(m.ManifestRequest, data)
+        row = self.store.job(req.job_id)
+        if row is None:
+            raise ProtocolError(f"unknown job {req.job_id}", code="unknown_job")
+        version = row.current_version if req.version < 0 else req.version
+        vrow = self.store.version(req.job_id, version)
+        if vrow is None:
+            raise ProtocolError(f"job {req.job_id} has no version {version}", code="no_version")
+        return vrow.manifest
+
+    async def handle_status(self, peer_id: ID, data: bytes) -> bytes:
+        """A node's heartbeat: the version it holds (checked against the published digest).
+
+        Raises ProtocolError: UNKNOWN_NODE, or for a bad envelope or record.
+        """
+        (_, st), node_id = open_signed(data, m.NodeStatus, peer_id), str(peer_id)
+        row = self._registered(node_id)
+        self.store.touch_node(
+            node_id, version=st.version, digest=st.state_digest, tokens_per_s=st.tokens_per_s
+        )
+        self.dissemination.measured(node_id, st.upload_bps)
+        if self.placement is not None:
+            self.placement.observed(node_id, st.job_id, st.tokens_per_s, st.version)
+        job = self.jobs.get(st.job_id)
+        if (
+            job is not None
+            and st.version >= 0
+            and job.ctx.digests.get(st.version) == st.state_digest
+        ):
+            self.store.record_node_version(st.job_id, node_id, st.version)
+            # Its receipt times the relays that fed it: uplinks as receivers measure them.
+            self.dissemination.delivered(node_id, st.job_id, st.version, accepted=row.accepted)
+            active = [  # "every node holds v": every node serving this job
+                n
+                for n in active_nodes(self.store)
+                if self.placement is None or self.placement.serves(n.node_id, st.job_id)
+            ]
+            if active and all(n.version >= st.version for n in active):
+                self.store.mark_all_nodes(st.job_id, st.version, time.time())
+        return m.encode(m.StepAck(ok=True))
+
+    async def handle_bad_peer(self, peer_id: ID, data: bytes) -> bytes:
+        """A node's report of a relay that sent it a bad chunk (see :class:`Dissemination`).
+
+        Raises ProtocolError: UNKNOWN_NODE, SchemaError for a self-report, or for a bad envelope.
+        """
+        (_, report), node_id = open_signed(data, b.BadPeerReport, peer_id), str(peer_id)
+        row = self._registered(node_id)
+        if report.peer_id == node_id:
+            raise SchemaError("a node cannot report itself")
+        # Only reporters with accepted work count towards a demotion (issue 26, finding 3).
+        self.dissemination.reported(node_id, report, accepted=0 if row.excluded else row.accepted)
+        return m.encode(m.StepAck(ok=True))

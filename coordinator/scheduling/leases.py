@@ -1,0 +1,174 @@
+"""Minting leases: how much work a node gets, and the signed leases that carry it.
+
+:class:`Leases` owns the answer to a node's lease request once the node and the job are known to
+be valid (:meth:`NodeRPC.handle_lease <echo.coordinator.rpc.node.NodeRPC.handle_lease>` checks
+that): nothing while the job is not running or the node's weights are too old; otherwise as many
+leases as keep the job's buffer near its target without letting one node, especially a new one,
+tie up more than its quota. Each lease carries its prompt's token ids, computed here from the
+coordinator's own copy of the task (nodes need no dataset), and is stored before its signed copy
+leaves.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+
+from echo.coordinator.config import VerificationSection
+from echo.coordinator.jobs.context import RunningJob
+from echo.coordinator.metrics import Metrics
+from echo.coordinator.store import Store
+from echo.coordinator.store.rows import JobRow, LeaseRow, NodeRow
+from echo.p2p.identity import Identity
+from echo.protocol import messages as m
+from echo.protocol import signing
+
+log = logging.getLogger("echo.coordinator")
+
+# Leases ask the node to come back this soon when there is no work (the learner is busy).
+IDLE_RETRY_S = 0.5
+# ... when the job is not running (yet): it changes at a learner's pace, not a lease's.
+NOT_RUNNING_RETRY_S = 2.0
+# ... when the node must first fetch a newer version: soon, it is probably arriving.
+UPDATE_FIRST_RETRY_S = 0.2
+
+
+class Leases:
+    """Answers lease requests of validated nodes; see the module docstring."""
+
+    def __init__(
+        self,
+        store: Store,
+        metrics: Metrics,
+        identity: Identity,
+        verification: VerificationSection,
+    ) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.identity = identity
+        self.verification = verification
+
+    def grant(
+        self, node: NodeRow, job: RunningJob, row: JobRow, req: m.LeaseRequest
+    ) -> m.LeaseReply:
+        """The reply to ``req``: signed new leases (stored first), or none and when to retry."""
+        current = row.current_version
+        if row.status != "running" or current < 0:
+            return m.LeaseReply(
+                leases=[],
+                current_version=current,
+                retry_after_s=NOT_RUNNING_RETRY_S,
+                message=f"job is {row.status}",
+            )
+        # S = 0 (synchronous) and S = 1 both sample from the newest version only.
+        min_version = max(0, current - max(1, job.spec.staleness) + 1)
+        if req.have_version < min_version:
+            return m.LeaseReply(
+                leases=[],
+                current_version=current,
+                retry_after_s=UPDATE_FIRST_RETRY_S,
+                message=f"update to v{current} first",
+            )
+        n = self._budget(
+            row.job_id, node.node_id, job, req.max_leases, node.streak, fresh=node.accepted == 0
+        )
+        if n <= 0:
+            return m.LeaseReply(
+                leases=[],
+                current_version=current,
+                retry_after_s=IDLE_RETRY_S,
+                message="buffer full",
+            )
+        now = time.time()
+        rows, sealed = [], []
+        for prompt_id in self.store.next_prompt_ids(row.job_id, n):
+            prompt = job.prompt_tokens(prompt_id)
+            if not 0 < len(prompt) <= m.MAX_PROMPT_TOKENS:
+                # A lease cannot carry it; skipping it costs one prompt, not the job.
+                log.warning(
+                    "job %s: prompt %d has %d tokens (a lease carries 1 to %d): skipped",
+                    row.job_id,
+                    prompt_id,
+                    len(prompt),
+                    m.MAX_PROMPT_TOKENS,
+                )
+                continue
+            lease = m.Lease(
+                lease_id=secrets.token_hex(12),
+                job_id=row.job_id,
+                node_id=node.node_id,
+                prompt_id=prompt_id,
+                prompt_tokens=m.pack_tokens(prompt),
+                group_size=job.spec.group_size,
+                sampling=m.SamplingSpec(
+                    max_new_tokens=job.max_new_tokens,
+                    temperature=job.spec.sampling.temperature,
+                    top_p=job.spec.sampling.top_p,
+                    seed=secrets.randbits(63),
+                ),
+                min_version=min_version,
+                issued_at=now,
+                deadline=now + self.verification.lease_timeout_s,
+            )
+            rows.append(
+                LeaseRow(
+                    lease_id=lease.lease_id,
+                    job_id=lease.job_id,
+                    node_id=lease.node_id,
+                    prompt_id=prompt_id,
+                    group_size=lease.group_size,
+                    max_new_tokens=lease.sampling.max_new_tokens,
+                    seed=lease.sampling.seed,
+                    min_version=min_version,
+                    issued_at=now,
+                    deadline=lease.deadline,
+                    status="open",
+                )
+            )
+            sealed.append(signing.seal_record(self.identity.private_key, lease))
+        if not rows:  # every prompt drawn was too long
+            return m.LeaseReply(
+                leases=[],
+                current_version=current,
+                retry_after_s=IDLE_RETRY_S,
+                message="no prompt fits a lease",
+            )
+        self.store.add_leases(rows)
+        self.metrics.leases_issued.inc(len(rows))
+        return m.LeaseReply(leases=sealed, current_version=current, retry_after_s=0.0)
+
+    def _budget(
+        self, job_id: str, node_id: str, job: RunningJob, wanted: int, streak: int, *, fresh: bool
+    ) -> int:
+        """How many new leases keep the buffer near its target without starving other nodes.
+
+        A node's quota grows with its run of valid results (one more open lease per
+        ``lease_quota_ramp`` valid groups): identities are free, so a fresh one, honest or not,
+        cannot tie up more than one lease of the buffer before it has proven itself. Each lease
+        the node took and did not deliver within ``expired_lease_window_s`` (let expire, or had
+        its submission rejected, a stale version's included) takes one off its quota (then it
+        gets none until they age out; only a group accepted after them forgives them, see
+        :meth:`~echo.coordinator.store.leases.LeaseTables.undelivered_lease_count`), and nodes
+        without an accepted group (``fresh``) share ``fresh_lease_share`` of the window (unless
+        ``lease_quota_ramp`` is 0): however many identities hoard, the rest of the window stays
+        with nodes that have delivered.
+        """
+        cfg = self.verification
+        # Synchronously (S = 0) every group still unsampled when the learner steps is wasted:
+        # lease one batch per version. Asynchronously, two keep the learner from waiting.
+        per_version = 1 if job.spec.staleness == 0 else 2
+        target = cfg.buffer_groups or per_version * job.spec.batch_groups
+        in_flight = self.store.open_lease_count(job_id) + self.store.buffered_count(job_id)
+        quota = cfg.max_open_leases_per_node
+        if cfg.lease_quota_ramp:
+            quota = min(quota, 1 + streak // cfg.lease_quota_ramp)
+        quota -= self.store.undelivered_lease_count(
+            node_id, time.time() - cfg.expired_lease_window_s
+        )
+        per_node = quota - self.store.open_lease_count(job_id, node_id)
+        room = target - in_flight
+        if fresh and cfg.lease_quota_ramp:  # ramp 0: the operator trusts identities at once
+            allowance = max(1, int(target * cfg.fresh_lease_share))
+            room = min(room, allowance - self.store.open_lease_count_fresh(job_id))
+        return max(0, min(wanted, per_node, room))

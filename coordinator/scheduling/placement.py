@@ -1,0 +1,464 @@
+"""Applying the scheduler: where each node works, kept current as jobs and nodes come and go.
+
+:class:`Placement` owns the coordinator's in-memory placement of nodes on jobs (soft state: a
+restarted coordinator places nodes afresh as they register, ask for leases or report). It
+gathers the scheduler's inputs (runnable jobs with their measured terms and operator settings,
+active nodes with their declared cost, memory and engine, the throughput each delivered on each
+job -- counted here, from the groups the coordinator accepted from it
+(:meth:`Placement.accepted`) -- and the tokens/s each reports), runs
+:func:`~echo.coordinator.scheduling.assign.schedule` every ``every_s`` and soon after a node
+registers unplaced, and answers the node RPCs: the job a registering node is placed on, and whether
+a node asking for leases has been moved. Nodes learn of a move from their next lease
+reply (``LeaseReply.assigned_job``) or, when idle, their next registration.
+
+Identities are free, so nothing a stranger sends buys a pass of its own: registrations that need
+one wait for the next, at most every :data:`PASS_COALESCE_S` (:meth:`Placement.place`), and what
+is kept per node is bounded -- per-job entries only for the live jobs, and a node not heard from
+for :data:`FORGET_S` is forgotten (:meth:`Placement.refresh`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections import Counter, deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from echo.coordinator.jobs.context import RunningJob
+from echo.coordinator.scheduling.assign import (
+    Decision,
+    JobDemand,
+    JobView,
+    NodeSupply,
+    SchedulerParams,
+    schedule,
+)
+from echo.coordinator.scheduling.fit import (
+    DELIVERY_WINDOW_S,
+    delivered_rate,
+    estimate_rate,
+    misfit,
+    param_count,
+)
+from echo.coordinator.scheduling.measure import JobTerms, job_terms
+from echo.coordinator.store import Store
+from echo.coordinator.store.rows import JobRow, NodeRow
+from echo.protocol import messages as m
+
+log = logging.getLogger("echo.coordinator.scheduling.assign")
+
+# Nodes heard from within this long are scheduled (an idle node registers every few seconds).
+ACTIVE_S = 60.0
+# Rollouts/s assumed for a node nothing is known of (only ranks matter until it reports).
+UNKNOWN_RATE = 1.0
+# The share of its estimated rate a node without an accepted group counts for: a thousand
+# fresh identities weigh as one proven node.
+UNPROVEN_SHARE = 1e-3
+# A node's lifetime delivered rate (the cap on its report before it has a windowed delivered rate
+# on the job) is averaged over at least this long, so its first accepted groups do not read as a
+# burst (an underestimate only activates more nodes; an overestimate benches them).
+DELIVERY_MIN_AGE_S = 60.0
+# Accepted groups kept per node and job for its delivered rate: far more than a window holds at
+# the submission rate limit's pace is not needed (older ones leave the window anyway).
+DELIVERY_KEPT = 512
+# Passes that registrations (or a standby node's lease request) ask for run at most this often:
+# a pass costs O(active nodes x jobs) per node placed, and a churn of identities registered 5
+# per second, each with a pass of its own. A registering node waits at most this long.
+PASS_COALESCE_S = 0.25
+# A node not heard from (registration, status, lease, accepted group) for this long is forgotten:
+# far past ACTIVE_S, so a node that pauses keeps its measured rates, while a churn of identities
+# leaves at most FORGET_S of them behind. Placement is soft state: a node that comes back later
+# is placed afresh, as after a coordinator restart.
+FORGET_S = 10 * ACTIVE_S
+
+
+@dataclass
+class _Node:
+    """What the placement knows of one node."""
+
+    cost: float = 1.0
+    engine: str = ""
+    hardware: dict[str, Any] = field(default_factory=dict)
+    declared_tps: float = 0.0
+    measured: dict[str, float] = field(default_factory=dict)  # job -> reported tok/s, newest last
+    # job -> completions/s the coordinator accepted from it there (newest last), and the
+    # (accepted_at, completions) of its recent accepted groups per job.
+    delivered: dict[str, float] = field(default_factory=dict)
+    accepted: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
+    held: dict[str, int] = field(default_factory=dict)  # job -> version it reported holding
+    job: str | None = None
+    since: float = 0.0
+    decided: bool = False  # placed by a scheduling pass (else: never, or adopted)
+    switches: int = 0
+    proven: bool = False  # has at least one accepted group (any job)
+    seen: float = field(default_factory=time.time)  # last heard from (see FORGET_S)
+
+    def update_delivered(self, now: float) -> None:
+        """Update the delivered rate on the job the node serves (rates on jobs it left stay as
+        they were when it left: what it delivered there)."""
+        if self.job is None:
+            return
+        rate = delivered_rate(self.accepted.get(self.job, ()), self.since, now)
+        if rate is None:
+            return
+        self.delivered.pop(self.job, None)  # re-inserted last: the newest measure
+        if rate > 0:
+            self.delivered[self.job] = rate
+        # else nothing delivered for a whole window: no measure, and the node's report counts for
+        # no more than its lifetime delivery (see refresh) -- not 0, which would bench it for good
+
+
+class Placement:
+    """The placement of nodes on jobs (see the module docstring).
+
+    ``jobs`` is the live jobs of :class:`~echo.coordinator.jobs.control.JobControl`.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        jobs: Mapping[str, RunningJob],
+        params: SchedulerParams | None = None,
+        every_s: float = 2.0,
+    ) -> None:
+        self.store = store
+        self.jobs = jobs
+        self.params = params or SchedulerParams()
+        self.every_s = every_s
+        self.nodes: dict[str, _Node] = {}
+        self.views: dict[str, JobView] = {}
+        self.switches_into: Counter[str] = Counter()
+        self._terms: dict[str, tuple[int, JobTerms]] = {}
+        self._params_count: dict[str, int] = {}
+        self._misfits: dict[str, str] = {}  # node -> why no running job fits it
+        self._rates: dict[str, dict[str, float]] = {}  # node -> job -> rollouts/s, last pass
+        self.passes = 0  # scheduling passes run so far
+        self._last_pass = -math.inf  # time.monotonic() of the last one
+
+    # ------------------------------------------------------------------ node RPC hooks
+
+    def registered(self, node_id: str, reg: m.Register) -> tuple[str, str]:
+        """Book a node's registration; its job ("" for none) and what to tell it. Runs a pass
+        of its own when the node needs one: the registration handler calls :meth:`place`,
+        which coalesces them."""
+        node = self._book(node_id, reg)
+        if self._needs_pass(node):
+            self.refresh()
+        return node.job or "", self._idle_reason(node_id)
+
+    async def place(self, node_id: str, reg: m.Register) -> tuple[str, str]:
+        """Book a node's registration; its job ("" for none) and what to tell it, as
+        :meth:`registered`, except that a node which needs a pass waits for the next one
+        (at most :data:`PASS_COALESCE_S`) and every registration waiting then shares it."""
+        node = self._book(node_id, reg)
+        if self._needs_pass(node):
+            await self._next_pass()
+        return node.job or "", self._idle_reason(node_id)
+
+    def _book(self, node_id: str, reg: m.Register) -> _Node:
+        node = self.nodes.setdefault(node_id, _Node())
+        node.cost, node.engine = reg.cost, reg.engine
+        node.hardware, node.declared_tps = reg.hardware.to_obj(), reg.tokens_per_s
+        node.seen = time.time()
+        return node
+
+    def _needs_pass(self, node: _Node) -> bool:
+        return not node.decided or node.job not in self._runnable()
+
+    async def _next_pass(self) -> None:
+        """Return once a pass that started after this call has run: the first waiter to reach
+        :data:`PASS_COALESCE_S` after the last pass runs it, for every waiter."""
+        want = self.passes + 1
+        while self.passes < want:
+            wait = self._last_pass + PASS_COALESCE_S - time.monotonic()
+            if wait <= 0:
+                self.refresh()
+            else:
+                await trio.sleep(wait)
+
+    def _refresh_if_due(self) -> None:
+        """A pass, unless one ran within :data:`PASS_COALESCE_S` (the periodic pass follows)."""
+        if time.monotonic() - self._last_pass >= PASS_COALESCE_S:
+            self.refresh()
+
+    def observed(self, node_id: str, job_id: str, tokens_per_s: float, version: int) -> None:
+        """A node's status: its delivered tokens/s on ``job_id`` and the version it holds. A
+        status naming a job that is not live is only a sign of life: the per-job entries are
+        keyed by the live jobs alone, whatever ``job_id`` a node writes."""
+        live = job_id in self.jobs
+        node = self.nodes.get(node_id)
+        if node is None:  # a node from before a coordinator restart: it works where it says
+            if not live:
+                return
+            node = self.nodes[node_id] = _Node(job=job_id, since=time.time())
+        node.seen = time.time()
+        if not live:
+            return
+        if tokens_per_s > 0:
+            node.measured.pop(job_id, None)  # re-inserted last: the newest measure
+            node.measured[job_id] = tokens_per_s
+        if version >= 0:
+            node.held[job_id] = version
+
+    def accepted(
+        self, node_id: str, job_id: str, completions: int, at: float | None = None
+    ) -> None:
+        """The coordinator accepted a group of ``completions`` from the node for ``job_id``: the
+        node's delivered throughput is counted from these (see :meth:`refresh`), never from its
+        own report."""
+        node = self.nodes.setdefault(node_id, _Node())
+        at = time.time() if at is None else at
+        node.seen = max(node.seen, at)
+        times = node.accepted.setdefault(job_id, deque(maxlen=DELIVERY_KEPT))
+        times.append((at, completions))
+        while times and times[0][0] < at - DELIVERY_WINDOW_S:
+            times.popleft()
+
+    def redirect(self, node_id: str, job_id: str) -> str | None:
+        """None when the node should keep working for ``job_id``; else where the scheduler put
+        it (a job id, or "" for standby). A node not placed yet is adopted on ``job_id``."""
+        node = self.nodes.get(node_id)
+        if node is None:
+            node = self.nodes[node_id] = _Node(job=job_id, since=time.time())
+            return None
+        node.seen = time.time()
+        if node.job is None and not node.decided:
+            node.job, node.since = job_id, time.time()
+            return None
+        if node.job is None and job_id in self._runnable():
+            # Placed on standby while nothing ran, say: look again. Not a pass per request,
+            # though: a standby identity may ask for leases 20 times a second.
+            self._refresh_if_due()
+        if node.job == job_id or job_id not in self._runnable():
+            return None  # a job that ended says so itself ("job is done")
+        return node.job or ""
+
+    def moved(self, node_id: str, row: JobRow) -> m.LeaseReply | None:
+        """The lease reply that tells a node asking for leases of ``row``'s job where the
+        scheduler moved it (no leases); None when it stays (see :meth:`redirect`)."""
+        dst = self.redirect(node_id, row.job_id)
+        if dst is None:
+            return None
+        return m.LeaseReply(
+            leases=[],
+            current_version=row.current_version,
+            retry_after_s=0.0,
+            message=f"moved to job {dst}" if dst else "moved to standby",
+            assigned_job=dst,
+        )
+
+    def plannable(self, node_id: str, job_id: str, anchor: bool) -> bool:
+        """Whether a version of ``job_id`` may be planned through the node: it serves the job
+        and holds one of its versions, or the version is an anchor (which needs no base). A
+        job new since the last pass is scheduled first, so its first version reaches the nodes
+        placed on it."""
+        if job_id not in self.views:
+            self.refresh()
+        node = self.nodes.get(node_id)
+        if node is None or node.job != job_id:
+            return False
+        return anchor or node.held.get(job_id, -1) >= 0
+
+    def proven(self, node_id: str) -> bool:
+        """The node has had a group accepted (as of the last scheduling pass). Identities are
+        free: planned as relays before they had delivered anything, 16 lease hoarders (no relay
+        at all) sat in anchors' trees and stalled their subtrees (benchmarks/attack.py), so an
+        unproven node is planned as a leaf. Left out of plans instead, a new node had to pull
+        whole versions and, on a fast job, never caught up to earn its first acceptance."""
+        node = self.nodes.get(node_id)
+        return node is not None and node.proven
+
+    def serves(self, node_id: str, job_id: str) -> bool:
+        """The node is placed on ``job_id``."""
+        node = self.nodes.get(node_id)
+        return node is not None and node.job == job_id
+
+    # ------------------------------------------------------------------ scheduling
+
+    def _runnable(self) -> dict[str, RunningJob]:
+        out = {}
+        for job_id, job in self.jobs.items():
+            row = self.store.job(job_id)
+            if row is not None and row.status == "running" and row.current_version >= 0:
+                out[job_id] = job
+        return out
+
+    def _job_terms(self, job_id: str, job: RunningJob, version: int) -> JobTerms:
+        cached = self._terms.get(job_id)
+        if cached is None or cached[0] != version:
+            row = self.store.job(job_id)
+            spec = row.spec if row is not None else job.spec.model_dump(mode="json")
+            cached = (version, job_terms(self.store, job_id, spec, job.max_new_tokens))
+            self._terms[job_id] = cached
+        return cached[1]
+
+    def _params_of(self, job_id: str, job: RunningJob) -> int:
+        if job_id not in self._params_count:
+            self._params_count[job_id] = param_count(job.spec.model_spec_dict())
+        return self._params_count[job_id]
+
+    def _active_rows(self, now: float) -> list[NodeRow]:
+        return self.store.active_nodes(now - ACTIVE_S)
+
+    def _forget(self, now: float) -> None:
+        """Drop the nodes not heard from for :data:`FORGET_S` (see the module docstring)."""
+        gone = [nid for nid, n in self.nodes.items() if n.seen < now - FORGET_S]
+        for nid in gone:
+            del self.nodes[nid]
+            self._misfits.pop(nid, None)
+
+    def refresh(self, now: float | None = None) -> Decision:
+        """Run one scheduling pass over the runnable jobs and active nodes, and apply it; forget
+        the nodes gone for :data:`FORGET_S`."""
+        now = time.time() if now is None else now
+        self.passes += 1
+        self._last_pass = time.monotonic()
+        runnable = self._runnable()
+        demands = []
+        # Jobs that ended keep their terms and sizes: a node's rates there still calibrate it.
+        tpr = {job_id: t.tokens_per_rollout for job_id, (_, t) in self._terms.items()}
+        sizes = dict(self._params_count)
+        for job_id, job in runnable.items():
+            row = self.store.job(job_id)
+            assert row is not None  # runnable
+            terms = self._job_terms(job_id, job, row.current_version)
+            tpr[job_id], sizes[job_id] = terms.tokens_per_rollout, self._params_of(job_id, job)
+            sched = job.spec.schedule
+            demands.append(
+                JobDemand(job_id, terms.need_rps, sched.priority, sched.max_share, row.created_at)
+            )
+        supplies, self._rates = [], {}
+        for row in self._active_rows(now):
+            node = self.nodes.setdefault(row.node_id, _Node(engine=row.engine))
+            node.seen = max(node.seen, row.last_seen)
+            node.proven = row.accepted > 0
+            node.update_delivered(now)
+            if not node.hardware:
+                node.hardware, node.declared_tps = dict(row.hardware), row.tokens_per_s
+            rates, why_not = {}, []
+            for job_id, job in runnable.items():
+                reason = misfit(
+                    job.spec.model_spec_dict(), job.spec.publish_dtype, node.hardware, node.engine
+                )
+                if reason is not None:
+                    why_not.append(reason)
+                    continue
+                rate = estimate_rate(
+                    node.measured, sizes, tpr, job_id, node.declared_tps, node.delivered
+                )
+                rate = rate if rate is not None else self._typical_rate(job_id, tpr)
+                # Identities are free: a node with no verified work counts for next to nothing
+                # towards a job's need (it is still placed, and measured, where a job lacks
+                # throughput), or a swarm of fresh ones "meets" the need and benches the
+                # nodes that do the work (found by benchmarks/attack.py).
+                # A node counts for no more than it has delivered: a reported rate is the node's
+                # word, and counting it let nodes that had stopped working keep the need "met"
+                # while honest nodes were put on standby (tests/e2e/test_adversaries.py: 44 of 150
+                # versions in 330 s). Its delivered rate on a job is the estimate itself; without
+                # one, its estimate is capped by its accepted rollouts over its time in the swarm.
+                if row.accepted <= 0:
+                    rates[job_id] = rate * UNPROVEN_SHARE
+                elif job_id in node.delivered:
+                    rates[job_id] = rate
+                else:
+                    lifetime = (
+                        row.accepted
+                        * job.spec.group_size
+                        / max(now - row.first_seen, DELIVERY_MIN_AGE_S)
+                    )
+                    rates[job_id] = min(rate, lifetime)
+            if why_not and not rates:
+                self._misfits[row.node_id] = why_not[0]
+            else:
+                self._misfits.pop(row.node_id, None)
+            supplies.append(NodeSupply(row.node_id, rates, node.cost, node.job, node.since))
+            self._rates[row.node_id] = rates
+        decision = schedule(demands, supplies, now, self.params)
+        self._apply(decision, now)
+        self._forget(now)
+        return decision
+
+    def _typical_rate(self, job_id: str, tpr: Mapping[str, float]) -> float:
+        """The median rate the job's nodes delivered (else reported), for a node of which
+        nothing is known."""
+        delivered = [n.delivered[job_id] for n in self.nodes.values() if n.delivered.get(job_id)]
+        if delivered:
+            return statistics.median(delivered)
+        seen = [n.measured[job_id] for n in self.nodes.values() if n.measured.get(job_id)]
+        if not seen:
+            return UNKNOWN_RATE
+        return statistics.median(seen) / max(tpr.get(job_id, 1.0), 1e-9)
+
+    def _apply(self, decision: Decision, now: float) -> None:
+        for move in decision.moves:
+            node = self.nodes[move.node_id]
+            if move.src is not None and move.dst is not None:  # another model to download
+                node.switches += 1
+                self.switches_into[move.dst] += 1
+            node.job, node.since = move.dst, now
+            log.info(
+                "node %s: %s -> %s (%s)",
+                move.node_id[-8:],
+                move.src or "standby",
+                move.dst or "standby",
+                move.why,
+            )
+        for node_id in decision.assignment:
+            self.nodes[node_id].decided = True
+        self.views = decision.jobs
+
+    def _idle_reason(self, node_id: str) -> str:
+        node = self.nodes[node_id]
+        if node.job is not None:
+            return ""
+        if not self._runnable():
+            return "no running job"
+        if node_id in self._misfits:
+            return f"no running job fits this node: {self._misfits[node_id]}"
+        return "standby: the running jobs have the throughput they need"
+
+    async def run_forever(self) -> None:
+        """Refresh every ``every_s`` until cancelled; a failing pass is logged, not fatal."""
+        while True:
+            await trio.sleep(self.every_s)
+            try:
+                self.refresh()
+            except Exception:  # one bad pass must not stop the coordinator's scheduling
+                log.exception("scheduling pass failed")
+
+    # ------------------------------------------------------------------ operator view
+
+    def job_view(self, job_id: str) -> dict[str, Any]:
+        """A job's placement for the API: its nodes, measured need, throughput they deliver,
+        the learner's state (per the capacity model) and measured utilization."""
+        view = self.views.get(job_id)
+        terms = self._terms.get(job_id)
+        busy = terms[1].busy if terms is not None else None
+        if view is None:
+            nodes = sorted(nid for nid, n in self.nodes.items() if n.job == job_id)
+            return {
+                "nodes": nodes,
+                "need_rollouts_per_s": None,
+                "have_rollouts_per_s": None,
+                "learner": "not running",
+                "learner_busy": busy,
+                "switches_in": self.switches_into[job_id],
+            }
+        return {
+            "nodes": view.nodes,
+            "need_rollouts_per_s": view.need_rps,
+            "have_rollouts_per_s": view.have_rps,
+            # Each node's share of it: the rollouts/s the scheduler counts it for on this job.
+            "node_rollouts_per_s": {
+                nid: self._rates.get(nid, {}).get(job_id, 0.0) for nid in view.nodes
+            },
+            "learner": view.state,
+            "learner_busy": busy,
+            "switches_in": self.switches_into[job_id],
+        }

