@@ -98,7 +98,8 @@ import psutil
 from echo.p2p.identity import Identity
 from echo.protocol import ids
 from echo.tools.bench import emit, parse_args, say
-from echo.tools.local_swarm import Swarm, exit_on_sigterm, job_toml, new_run_dir
+from echo.tools.local_swarm import Swarm, job_toml
+from echo.tools.processes import exit_on_sigterm, new_run_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -520,7 +521,7 @@ class Bench:
             return 0
 
     def stop_attackers(self) -> None:
-        from echo.tools.local_swarm import stop
+        from echo.tools.processes import stop
 
         stop(self.attackers)
 

@@ -29,7 +29,8 @@ from pathlib import Path
 import psutil
 
 from echo.tools.bench import emit, parse_args, say
-from echo.tools.local_swarm import DEMO_COORDINATOR_TOML, Swarm, job_toml, new_run_dir, stop
+from echo.tools.local_swarm import DEMO_COORDINATOR_TOML, Swarm, job_toml
+from echo.tools.processes import new_run_dir, stop
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -171,7 +172,7 @@ def main() -> int:
 
 def _start_configured(swarm: Swarm, retain: float) -> subprocess.Popen:
     """The coordinator under the soak's configuration (Swarm writes the demo's own)."""
-    from echo.tools.local_swarm import start, wait_for
+    from echo.tools.processes import start, wait_for
 
     out = swarm.out
     (out / "coordinator.json").unlink(missing_ok=True)

@@ -39,7 +39,9 @@ import time
 from pathlib import Path
 
 import echo.tools.netem_nat as netem_nat
-from echo.tools.local_swarm import HEADS, Swarm, exit_on_sigterm, job_toml, summarize
+from echo.tools.local_swarm import HEADS, Swarm, job_toml
+from echo.tools.processes import exit_on_sigterm
+from echo.tools.swarm_report import summarize
 
 PORT = 4001
 COORD = "coord"

@@ -225,6 +225,11 @@ class _Inputs:
 class Dissemination:
     """Plans one version's broadcast at a time; see the module docstring.
 
+    One class because a plan is only as good as what it believes of each node, and each belief
+    (verified addresses, uplinks receivers confirmed, demotions, punched paths) exists to be read
+    by the planner and is kept only for nodes it may plan: forgetting a node, or a job, must
+    drop both at once.
+
     ``local_addrs``: hand out loopback/private/link-local addresses (True), never (False), or
     only when every announced address of a plan is one (None, the default: a local swarm).
     ``clock``: monotonic seconds (injectable for tests).

@@ -117,6 +117,11 @@ class _Node:
 class Placement:
     """The placement of nodes on jobs (see the module docstring).
 
+    One class because one fact, where each node works, is read and written by every method: the
+    node RPC hooks (registration, status, lease, accepted group) both update what is known of a
+    node and answer from the current placement, and a pass replaces that placement as a whole.
+    Split, the hooks would have to reach across to decide whether a node needs a pass.
+
     ``jobs`` is the live jobs of :class:`~echo.coordinator.jobs.control.JobControl`.
     """
 

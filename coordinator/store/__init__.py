@@ -33,6 +33,10 @@ from echo.coordinator.store.prune import Pruning
 class Store(JobTables, NodeTables, LeaseTables, Ledger, Pruning, LearnerEpochs):
     """One SQLite database file; open with :meth:`open`, close with :meth:`close`.
 
+    One class over one connection: every write is one transaction on it, and the transitions of
+    a rollout cross tables (a lease closes as its group is accepted; a version is recorded as its
+    batch is marked trained). Its methods live with the tables they own, one mixin per module.
+
     Write methods raise :class:`StoreError` for a transition the stored state does not allow
     (each says which); nothing is changed then.
     """
