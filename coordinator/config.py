@@ -6,7 +6,7 @@ import os
 import secrets
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import platformdirs
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -182,6 +182,16 @@ class BroadcastSection(BaseModel):
     )
     max_fanout: int = Field(default=32, ge=1, description="children per relay, at most")
     max_stripes: int = Field(default=16, ge=1, le=64, description="striped trees, at most")
+    local_addrs: Literal["auto", "always", "never"] = Field(
+        default="auto",
+        description="hand out loopback, private and link-local node addresses in plans: "
+        "'always' (a swarm on one LAN), 'never', or 'auto': only when every address a plan "
+        "announces is one (a swarm on one machine)",
+    )
+
+    def local_addrs_policy(self) -> bool | None:
+        """:class:`~echo.coordinator.dissemination.planning.Dissemination`'s ``local_addrs``."""
+        return {"auto": None, "always": True, "never": False}[self.local_addrs]
 
 
 class SchedulerSection(BaseModel):

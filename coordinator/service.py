@@ -88,6 +88,7 @@ class Coordinator:
             default_node_upload_bps=bc.default_node_upload_bps,
             max_fanout=bc.max_fanout,
             max_stripes=bc.max_stripes,
+            local_addrs=bc.local_addrs_policy(),
         )
         self.host: EchoHost | None = None
         self.http_addrs: list[str] = []

@@ -240,3 +240,31 @@ def test_lan_punches_hand_out_only_lan_addresses() -> None:
     assert ab.addrs_for_b == ("/ip4/192.168.0.2/tcp/4001/p2p/a",)
     assert ab.addrs_for_a == ("/ip4/192.168.0.3/tcp/4001/p2p/b",)
     assert frozenset(("c", "d")) not in pairs
+
+
+def test_the_operator_sets_the_local_address_policy_in_coordinator_toml(tmp_path) -> None:
+    """``[broadcast] local_addrs`` reaches the planner of the running coordinator: 'never' keeps
+    even an all-loopback swarm's addresses out of plans; a bad value names the key."""
+    import pytest
+
+    from echo.coordinator.config import load_config
+    from echo.coordinator.service import Coordinator
+    from echo.coordinator.store import Store
+    from echo.p2p.identity import Identity
+    from echo.protocol.jobspec import SpecError
+
+    policies = {}
+    for value in ("auto", "always", "never"):
+        toml = tmp_path / f"{value}.toml"
+        toml.write_text(f'data_dir = "{tmp_path / value}"\n[broadcast]\nlocal_addrs = "{value}"\n')
+        cfg = load_config(toml)
+        store = Store.open(tmp_path / f"{value}.sqlite")
+        try:
+            policies[value] = Coordinator(cfg, store, Identity.generate()).dissemination.local_addrs
+        finally:
+            store.close()
+    assert policies == {"auto": None, "always": True, "never": False}
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[broadcast]\nlocal_addrs = "sometimes"\n')
+    with pytest.raises(SpecError, match="broadcast.local_addrs"):
+        load_config(bad)
