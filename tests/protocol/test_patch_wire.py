@@ -17,9 +17,7 @@ import numpy as np
 import pytest
 import zstandard
 
-from echo.protocol.patch import encode_patch
-from echo.protocol.patch_apply import apply_patch
-from echo.protocol.patch_format import patch_stats
+from echo.protocol.patch import apply_patch, encode_patch, patch_stats
 
 # Recorded with zstandard 0.25.0 on libzstd 1.5.7, numpy 2.4.6, before the codec was split into
 # format/encode/decode/apply modules.
