@@ -14,7 +14,6 @@ for a base state that is not a supported bit view (a caller error).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import NamedTuple
 
 import numpy as np
 import zstandard
@@ -210,19 +209,19 @@ def _decode_values(e: TensorEntry, cur: list[_Cursor], ov: np.ndarray) -> np.nda
     return v
 
 
-class Change(NamedTuple):
-    """One tensor's decoded change, in patch order."""
-
-    name: str
-    base: np.ndarray  # the caller's array viewed as unsigned bits (shares its memory)
-    positions: np.ndarray | None  # sorted changed positions; None when every element changed
-    values: np.ndarray | None  # the new bits at ``positions``; None when nothing changed
+# One tensor's decoded change, in patch order: (name, the caller's array viewed as unsigned bits
+# (sharing its memory), the sorted changed positions or None when every element changed, the new
+# bits at those positions or None when nothing changed). A plain tuple: a model can have
+# thousands of tiny tensors, and a NamedTuple costs a microsecond more for each.
+Change = tuple[str, np.ndarray, np.ndarray | None, np.ndarray | None]
 
 
 def decode_changes(
     old: Mapping[str, np.ndarray], patch: bytes, max_output_bytes: int
 ) -> list[Change]:
     """Decode and validate every change in ``patch`` against ``old`` without writing anything.
+
+    Returns one :data:`Change` per tensor, in patch order.
 
     Every limit (tensor count, element counts, output bytes <= ``max_output_bytes``, each
     stream's decompressed size) is checked before the memory it governs is allocated.
@@ -237,7 +236,9 @@ def decode_changes(
     off = layout.payload_start
     cursors: list[_Cursor] = []
     plane_len: list[int] = []
-    for sid, sname, (method, raw, stored) in zip(Stream, STREAM_NAMES, layout.streams, strict=True):
+    for sid, (sname, (method, raw, stored)) in enumerate(
+        zip(STREAM_NAMES, layout.streams, strict=True)
+    ):
         if sid == Stream.GAP_X:
             # Its exact length depends on gap_q (decoded just before): one u64 per escape byte.
             escapes = int(np.count_nonzero(cursors[Stream.GAP_Q].data == ESCAPE))
@@ -252,13 +253,13 @@ def decode_changes(
             )
         cursors.append(_Cursor(_decompress(buf[off : off + stored], raw, method, sname)))
         off += stored
-    changes = []
+    changes: list[Change] = []
     for e in layout.entries:
         o = views[e.name]
         if e.pos == POS_NONE:
-            changes.append(Change(e.name, o, None, None))
+            changes.append((e.name, o, None, None))
             continue
         pos = _decode_positions(e, cursors)
         values = _decode_values(e, cursors, o if pos is None else o[pos])
-        changes.append(Change(e.name, o, pos, values))
+        changes.append((e.name, o, pos, values))
     return changes

@@ -6,7 +6,8 @@ coding: NEW (the new bits) or DIFF (RL steps move most changed bf16 values by on
 last place, so a sign bit, a "moved further" bit and the rare larger distances cost about 2 bits
 per change, against about 11 for the new bits). It picks from cheap entropy estimates and, for
 bitmap against gaps, a small trial compression, then writes the layout of
-:mod:`echo.protocol.patch.format`. The decoder needs none of this: any choice decodes the same.
+:mod:`echo.protocol.patch.format`. The decoder needs none of this: it reads whatever codings
+the table names.
 
 Errors: ``ValueError`` for arguments it cannot encode (see :func:`encode_patch`), nothing else.
 """

@@ -11,8 +11,8 @@ Layout (all integers little-endian)::
     header     magic b"ECHP" | u16 format version | u16 flags (0) | u32 tensor count
     table      per tensor: u16 name length | UTF-8 name | u8 width (2 or 4 bytes per element)
                | u8 position coding | u8 value coding | u8 parameter | u64 elements | u64 changed
-    directory  per stream (10, in :class:`Stream` order): u8 method (0 stored, 1 zstd)
-               | u64 raw length | u64 stored length
+    directory  per stream (10, in the order below; ids in :class:`Stream`): u8 method
+               (0 stored, 1 zstd) | u64 raw length | u64 stored length
     payload    the stored bytes of each stream, in order, and nothing after them
 
 A zstd stream is one frame that declares its content size. Each stream concatenates one kind of
@@ -31,8 +31,7 @@ frame overhead:
                of every ``big`` change (DIFF; differences are taken modulo 2**bits as signed
                integers); 16-bit tensors use planes 0-1, 32-bit tensors planes 0-3
 
-Every bit field is padded with zero bits, and a decoder refuses non-zero padding, so each state
-change has exactly one encoding per choice of codings.
+Every bit field is padded with zero bits; a decoder refuses non-zero padding.
 
 Position codings: NONE (nothing changed: no changes, value coding NEW), ALL (every element
 changed, at least one: values only), BITMAP (some but not all changed) and GAPS (some but not
@@ -49,7 +48,6 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from enum import IntEnum
 from typing import NamedTuple
 
 import numpy as np
@@ -79,8 +77,12 @@ POS_NAMES = {POS_NONE: "none", POS_ALL: "all", POS_BITMAP: "bitmap", POS_GAPS: "
 VAL_NAMES = {VAL_NEW: "new", VAL_DIFF: "diff"}
 
 
-class Stream(IntEnum):
-    """The payload streams, in directory and payload order."""
+class Stream:
+    """Stream ids: each stream's index in the directory and in the payload.
+
+    Plain ints rather than an enum: the decoder indexes its streams with these for every tensor,
+    and an enum member lookup costs several times as much.
+    """
 
     BITMAP = 0
     GAP_Q = 1
@@ -94,8 +96,19 @@ class Stream(IntEnum):
     PLANE3 = 9
 
 
-STREAM_NAMES = tuple(s.name.lower() for s in Stream)
-N_STREAMS = len(Stream)
+STREAM_NAMES = (
+    "bitmap",
+    "gap_q",
+    "gap_r",
+    "gap_x",
+    "sign",
+    "big",
+    "plane0",
+    "plane1",
+    "plane2",
+    "plane3",
+)
+N_STREAMS = len(STREAM_NAMES)
 # The most value planes a tensor uses (one per byte of its widest elements).
 N_PLANES = N_STREAMS - Stream.PLANE0
 

@@ -122,7 +122,7 @@ def read_layout(patch: bytes | bytearray | memoryview) -> PatchLayout:
         if s.method == METHOD_STORED and s.stored != s.raw:
             raise DecodeError(f"stream {sname}: stored length {s.stored} != raw length {s.raw}")
     expected = expected_raw_lengths(entries)
-    for sid, sname, s in zip(Stream, STREAM_NAMES, streams, strict=True):
+    for sid, (sname, s) in enumerate(zip(STREAM_NAMES, streams, strict=True)):
         if sid == Stream.GAP_X:
             if s.raw % 8 or s.raw // 8 > expected[sid]:
                 raise DecodeError(f"stream gap_x: {s.raw} bytes is not 8 x at most {expected[sid]}")
