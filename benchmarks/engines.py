@@ -40,8 +40,7 @@ from echo.node.engines.factory import make_engine
 from echo.node.worker import lease_prompt, lease_request
 from echo.protocol import codec, signing
 from echo.protocol import messages as m
-from echo.protocol.patch import encode_patch
-from echo.protocol.patch_apply import apply_patch
+from echo.protocol.patch import apply_patch, encode_patch
 from echo.tasks.registry import make_task
 from echo.tools.bench import emit, median, parse_args, say
 

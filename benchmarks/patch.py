@@ -21,9 +21,7 @@ import numpy as np
 import torch
 import zstandard
 
-from echo.protocol.patch import encode_patch
-from echo.protocol.patch_apply import apply_patch, apply_patch_inplace
-from echo.protocol.patch_format import patch_stats
+from echo.protocol.patch import apply_patch, apply_patch_inplace, encode_patch, patch_stats
 from echo.tools.bench import emit, median, parse_args, say, timed
 
 LEVEL = 3  # the codec's default zstd level; the baseline uses the same one

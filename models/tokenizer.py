@@ -37,7 +37,7 @@ def decode(ids: list[int]) -> str:
     return data.decode("utf-8", errors="replace")
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map, the alphabet ByteLevel works in."""
     bs = (
         list(range(ord("!"), ord("~") + 1))
@@ -58,7 +58,7 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     """The transformers tokenizer of the byte vocabulary (adds BOS by default; pads left)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
-    b2u = _bytes_to_unicode()
+    b2u = bytes_to_unicode()
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     vocab.update({b2u[b]: b + NUM_SPECIAL for b in range(256)})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))

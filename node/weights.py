@@ -29,7 +29,7 @@ from echo.protocol import messages as m
 from echo.protocol.errors import ProtocolError
 from echo.protocol.limits import MAX_STATE_BYTES
 from echo.protocol.manifest import verify_manifest
-from echo.protocol.patch_apply import apply_patch
+from echo.protocol.patch import apply_patch
 
 log = logging.getLogger("echo.node.weights")
 

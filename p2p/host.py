@@ -80,7 +80,11 @@ INBOUND_CONNECTION_CAP = 250
 _STATUS_LEN = 1
 
 
-def _as_peer_id(peer_id: ID | str) -> ID:
+def as_peer_id(peer_id: ID | str) -> ID:
+    """``peer_id`` as a libp2p ``ID`` (the host's calls take either form).
+
+    :raises ValueError: if a string is not a base58 peer id.
+    """
     if isinstance(peer_id, ID):
         return peer_id
     try:
@@ -173,7 +177,7 @@ class EchoHost:
         return info.peer_id
 
     async def disconnect(self, peer_id: ID | str) -> None:
-        await self.libp2p.disconnect(_as_peer_id(peer_id))
+        await self.libp2p.disconnect(as_peer_id(peer_id))
 
     # -- request / response ---------------------------------------------------------------------
 
@@ -226,7 +230,7 @@ class EchoHost:
         self._check_open()
         return await call(
             self.libp2p,
-            _as_peer_id(peer_id),
+            as_peer_id(peer_id),
             protocol_id,
             payload,
             timeout=timeout,
@@ -242,7 +246,7 @@ class EchoHost:
         turn a few seconds of restart into a minute of idling, so such callers clear it and pace
         their retries themselves.
         """
-        self.libp2p.get_network().unblock_peer(_as_peer_id(peer_id))
+        self.libp2p.get_network().unblock_peer(as_peer_id(peer_id))
 
     # -- violations ---------------------------------------------------------------------------
 

@@ -1,9 +1,10 @@
-"""Exact reads and length-prefixed frames over a libp2p stream, and closing one quietly.
+"""Exact reads and length-prefixed frames over a libp2p stream, closing one quietly, and who is
+at its other end.
 
 Owns no stream: callers open the streams they pass in and decide when to close or reset them,
 and wrap reads and writes in their own ``trio`` deadlines (nothing here waits without the
 caller's timeout around it, except :func:`close_quietly` / :func:`reset_quietly`, which bound
-themselves by :data:`STREAM_CLOSE_TIMEOUT`).
+themselves by their ``timeout``, :data:`STREAM_CLOSE_TIMEOUT` unless the caller gives one).
 
 py-libp2p quirks handled here: yamux ``read(n)`` returns *up to* n bytes (partial reads are
 normal), and a read at end of stream may either return ``b""`` or raise ``StreamEOF``; both mean
@@ -22,6 +23,7 @@ from collections.abc import Callable
 import trio
 from libp2p.abc import INetStream
 from libp2p.network.stream.exceptions import StreamEOF
+from libp2p.peer.id import ID
 
 from echo.protocol.errors import FrameError
 from echo.protocol.framing import HEADER_LEN, decode_length, encode_frame
@@ -99,20 +101,24 @@ async def write_frame(stream: INetStream, payload: bytes, max_len: int) -> None:
     await stream.write(encode_frame(payload, max_len))
 
 
-async def reset_quietly(stream: INetStream) -> None:
-    """Reset ``stream`` (the peer sees an error), within :data:`STREAM_CLOSE_TIMEOUT`, even when
-    cancelled. Never raises: the stream is being dropped anyway."""
-    with trio.CancelScope(shield=True), trio.move_on_after(STREAM_CLOSE_TIMEOUT):
+async def reset_quietly(
+    stream: INetStream | None, timeout: float = STREAM_CLOSE_TIMEOUT
+) -> None:
+    """Reset ``stream`` (the peer sees an error; None: nothing to do), within ``timeout``, even
+    when cancelled. Never raises: the stream is being dropped anyway."""
+    if stream is None:
+        return
+    with trio.CancelScope(shield=True), trio.move_on_after(timeout):
         try:
             await stream.reset()
         except Exception:
             log.debug("stream reset failed", exc_info=True)
 
 
-async def close_quietly(stream: INetStream) -> None:
-    """Close ``stream`` cleanly, within :data:`STREAM_CLOSE_TIMEOUT`, even when cancelled. Never
-    raises: the stream is being dropped anyway."""
-    with trio.CancelScope(shield=True), trio.move_on_after(STREAM_CLOSE_TIMEOUT):
+async def close_quietly(stream: INetStream, timeout: float = STREAM_CLOSE_TIMEOUT) -> None:
+    """Close ``stream`` cleanly, within ``timeout``, even when cancelled. Never raises: the
+    stream is being dropped anyway."""
+    with trio.CancelScope(shield=True), trio.move_on_after(timeout):
         try:
             await stream.close()
         except Exception:
@@ -126,3 +132,8 @@ async def end_stream(stream: INetStream, *, clean: bool) -> None:
         await close_quietly(stream)
     else:
         await reset_quietly(stream)
+
+
+def stream_peer(stream: INetStream) -> ID:
+    """The peer at the other end of ``stream`` (as its connection authenticated it)."""
+    return stream.muxed_conn.peer_id

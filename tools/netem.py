@@ -117,7 +117,11 @@ def _state_path(prefix: str) -> Path:
     return Path(f"/tmp/echo-netem-{prefix}.json")
 
 
-def _run(argv: Sequence[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
+def run_command(argv: Sequence[str], *, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` (an ``ip``/``tc``/``iptables`` call), bounded by a timeout; output captured.
+
+    :raises NetemError: if it cannot start, times out, or (with ``check``) exits non-zero.
+    """
     try:
         proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=_CMD_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -153,47 +157,47 @@ def _shape(tc: list[str], dev: str, rate_bps: float, shaper: str, delay_ms: floa
     rate = f"{int(rate_bps * 8)}bit"
     if shaper == "tbf":
         if delay_ms > 0:
-            _run([*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay",
-                  f"{delay_ms}ms"])
-            _run([*tc, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
-                  *_tbf(rate_bps)])
+            run_command([*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay",
+                         f"{delay_ms}ms"])
+            run_command([*tc, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
+                         *_tbf(rate_bps)])
         else:
-            _run([*tc, "qdisc", "add", "dev", dev, "root", *_tbf(rate_bps)])
+            run_command([*tc, "qdisc", "add", "dev", dev, "root", *_tbf(rate_bps)])
         return
     queue = max(_HTB_MIN_QUEUE, int(rate_bps * queue_s))
     small, bulk = f"{max(8, int(rate_bps * 0.1 * 8))}bit", f"{int(rate_bps * 0.9 * 8)}bit"
-    _run([*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "20"])
-    _run([*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
-          "rate", rate, "ceil", rate])
-    _run([*tc, "class", "add", "dev", dev, "parent", "1:1", "classid", "1:10", "htb",
-          "rate", small, "ceil", rate, "prio", "0"])
+    run_command([*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "20"])
+    run_command([*tc, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb",
+                 "rate", rate, "ceil", rate])
+    run_command([*tc, "class", "add", "dev", dev, "parent", "1:1", "classid", "1:10", "htb",
+                 "rate", small, "ceil", rate, "prio", "0"])
     leaves = [("1:10", "10:", None), ("1:20", "20:", None)]
-    _run([*tc, "class", "add", "dev", dev, "parent", "1:1", "classid", "1:20", "htb",
-          "rate", bulk, "ceil", rate, "prio", "1"])
+    run_command([*tc, "class", "add", "dev", dev, "parent", "1:1", "classid", "1:20", "htb",
+                 "rate", bulk, "ceil", rate, "prio", "1"])
     if shaper == "htb-fq":
         share = f"{max(8, int(rate_bps * 0.9 * 8 / max(1, len(peers))))}bit"
         for j, (field_, ip) in enumerate(peers):
             cls = f"1:{0x100 + j:x}"
-            _run([*tc, "class", "add", "dev", dev, "parent", "1:1", "classid", cls, "htb",
-                  "rate", share, "ceil", rate, "prio", "1", "quantum", str(_FQ_QUANTUM)])
+            run_command([*tc, "class", "add", "dev", dev, "parent", "1:1", "classid", cls, "htb",
+                         "rate", share, "ceil", rate, "prio", "1", "quantum", str(_FQ_QUANTUM)])
             leaves.append((cls, f"{0x100 + j:x}:", (field_, ip)))
     for cls, handle, _ in leaves:
         limit = "1000" if handle == "10:" else str(max(64, queue // 1500))
         if delay_ms > 0:
-            _run([*tc, "qdisc", "add", "dev", dev, "parent", cls, "handle", handle,
-                  "netem", "delay", f"{delay_ms}ms", "limit", limit])
+            run_command([*tc, "qdisc", "add", "dev", dev, "parent", cls, "handle", handle,
+                         "netem", "delay", f"{delay_ms}ms", "limit", limit])
         elif handle == "10:":
-            _run([*tc, "qdisc", "add", "dev", dev, "parent", cls, "handle", handle, "pfifo",
-                  "limit", "1000"])
+            run_command([*tc, "qdisc", "add", "dev", dev, "parent", cls, "handle", handle, "pfifo",
+                         "limit", "1000"])
         else:
-            _run([*tc, "qdisc", "add", "dev", dev, "parent", cls, "handle", handle, "bfifo",
-                  "limit", str(queue)])
-    _run([*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
-          "u32", *_SMALL_TCP, "flowid", "1:10"])
+            run_command([*tc, "qdisc", "add", "dev", dev, "parent", cls, "handle", handle, "bfifo",
+                         "limit", str(queue)])
+    run_command([*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
+                 "u32", *_SMALL_TCP, "flowid", "1:10"])
     for cls, _, match in leaves:
         if match is not None:
-            _run([*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio",
-                  "2", "u32", "match", "ip", match[0], f"{match[1]}/32", "flowid", cls])
+            run_command([*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio",
+                         "2", "u32", "match", "ip", match[0], f"{match[1]}/32", "flowid", cls])
 
 
 def available(prefix: str = "echk") -> tuple[bool, str]:
@@ -256,28 +260,29 @@ def up(
     delay_ok = netem_supported()
     infos: list[HostInfo] = []
     try:
-        _run(["ip", "link", "add", bridge, "type", "bridge"])
+        run_command(["ip", "link", "add", bridge, "type", "bridge"])
         _sysctl_quiet(f"/proc/sys/net/ipv6/conf/{bridge}/disable_ipv6", "1")
-        _run(["ip", "link", "set", bridge, "up"])
+        run_command(["ip", "link", "set", bridge, "up"])
         for i, h in enumerate(hosts):
             ns = _ns(prefix, h.name)
             outer, inner = _ifnames(prefix, i)
             ip = str(net.network_address + i + 2)
-            _run(["ip", "netns", "add", ns])
-            _run(["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1"],
-                 check=False)
-            _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+            run_command(["ip", "netns", "add", ns])
+            no_v6 = "net.ipv6.conf.all.disable_ipv6=1"
+            run_command(["ip", "netns", "exec", ns, "sysctl", "-qw", no_v6], check=False)
+            run_command(["ip", "-n", ns, "link", "set", "lo", "up"])
             for kv in sysctls:
-                _run(["ip", "netns", "exec", ns, "sysctl", "-qw", kv])
-            _run(["ip", "link", "add", outer, "type", "veth", "peer", "name", inner])
-            _run(["ip", "link", "set", inner, "netns", ns])
-            _run(["ip", "link", "set", outer, "master", bridge])
-            _run(["ip", "link", "set", outer, "up"])
-            _run(["ip", "-n", ns, "addr", "add", f"{ip}/{net.prefixlen}", "dev", inner])
-            _run(["ip", "-n", ns, "link", "set", inner, "up"])
+                run_command(["ip", "netns", "exec", ns, "sysctl", "-qw", kv])
+            run_command(["ip", "link", "add", outer, "type", "veth", "peer", "name", inner])
+            run_command(["ip", "link", "set", inner, "netns", ns])
+            run_command(["ip", "link", "set", outer, "master", bridge])
+            run_command(["ip", "link", "set", outer, "up"])
+            run_command(["ip", "-n", ns, "addr", "add", f"{ip}/{net.prefixlen}", "dev", inner])
+            run_command(["ip", "-n", ns, "link", "set", inner, "up"])
             for ipn, dev in ((["ip", "-n", ns], inner), (["ip"], outer)):
-                _run([*ipn, "link", "set", "dev", dev, "gso_max_size", str(gso_max)],
-                     check=False)
+                run_command(
+                    [*ipn, "link", "set", "dev", dev, "gso_max_size", str(gso_max)], check=False
+                )
             delay: float | str = h.delay_ms
             if h.delay_ms > 0 and not delay_ok:
                 delay = "unsupported"
@@ -309,12 +314,12 @@ def _sysctl_quiet(path: str, value: str) -> None:
 
 def down(prefix: str = DEFAULT_PREFIX, *, quiet: bool = False) -> None:
     """Remove every namespace, veth and bridge this prefix made (idempotent)."""
-    listing = _run(["ip", "netns", "list"], check=False).stdout
+    listing = run_command(["ip", "netns", "list"], check=False).stdout
     for line in listing.splitlines():
         ns = line.split()[0] if line.strip() else ""
         if ns.startswith(f"{prefix}-"):
-            _run(["ip", "netns", "del", ns], check=False)
-    links = _run(["ip", "-o", "link", "show"], check=False).stdout
+            run_command(["ip", "netns", "del", ns], check=False)
+    links = run_command(["ip", "-o", "link", "show"], check=False).stdout
     for line in links.splitlines():
         parts = line.split(":")
         if len(parts) < 2:
@@ -322,7 +327,7 @@ def down(prefix: str = DEFAULT_PREFIX, *, quiet: bool = False) -> None:
         name = parts[1].strip().split("@")[0]
         if name == f"{prefix}br" or (name.startswith(f"{prefix}v") and name[len(prefix) + 1:]
                                      .isdigit()):
-            _run(["ip", "link", "del", name], check=False)
+            run_command(["ip", "link", "del", name], check=False)
     _state_path(prefix).unlink(missing_ok=True)
     if not quiet:
         print(f"netem: removed hosts with prefix {prefix!r}", file=sys.stderr)
@@ -347,7 +352,7 @@ def status(prefix: str = DEFAULT_PREFIX) -> str:
                      f"down {info.down_bps / 1e6:.2f} MB/s delay {info.delay_ms}")
         for label, tc, dev in (("up", ["tc", "-n", info.netns], info.dev),
                                ("down", ["tc"], info.bridge_dev)):
-            out = _run([*tc, "-s", "qdisc", "show", "dev", dev], check=False).stdout.strip()
+            out = run_command([*tc, "-s", "qdisc", "show", "dev", dev], check=False).stdout.strip()
             lines += [f"  {label}: " + ln.strip() for ln in out.splitlines() if ln.strip()]
     return "\n".join(lines) or f"no hosts with prefix {prefix!r}"
 

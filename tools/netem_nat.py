@@ -56,7 +56,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import echo.tools.netem as netem
-from echo.tools.netem import NetemError, _run
+from echo.tools.netem import NetemError, run_command
 
 DEFAULT_PREFIX = "ecn"
 DEFAULT_PUBLIC = "10.78.0.0/24"
@@ -163,7 +163,7 @@ def available(prefix: str = "ecnk") -> tuple[bool, str]:
         )
         target = net.hosts["p"].ip
         probe = f"import socket; s = socket.create_connection(('{target}', 9), timeout=2)"
-        proc = _run(exec_argv("n", [sys.executable, "-c", probe], prefix), check=False)
+        proc = run_command(exec_argv("n", [sys.executable, "-c", probe], prefix), check=False)
         if "ConnectionRefused" not in proc.stderr:  # refused = the SYN crossed the NAT
             return False, f"no TCP through the emulated NAT: {proc.stderr.strip()[-200:]}"
     except (NetemError, OSError, ValueError) as exc:
@@ -183,20 +183,20 @@ def _veth_pair(outer: str, inner: str, ns_inner: str, ns_outer: str | None) -> N
     """A veth pair made in the root namespace under temporary names (the root may have an
     ``eth0`` of its own), the inner end moved into ``ns_inner`` and renamed ``inner``."""
     tmp = outer + "x"
-    _run(["ip", "link", "add", outer, "type", "veth", "peer", "name", tmp])
-    _run(["ip", "link", "set", tmp, "netns", ns_inner])
-    _run(["ip", "-n", ns_inner, "link", "set", tmp, "name", inner])
+    run_command(["ip", "link", "add", outer, "type", "veth", "peer", "name", tmp])
+    run_command(["ip", "link", "set", tmp, "netns", ns_inner])
+    run_command(["ip", "-n", ns_inner, "link", "set", tmp, "name", inner])
     if ns_outer:
-        _run(["ip", "link", "set", outer, "netns", ns_outer])
+        run_command(["ip", "link", "set", outer, "netns", ns_outer])
 
 
 def _new_ns(ns: str) -> None:
-    _run(["ip", "netns", "add", ns])
-    _run(
+    run_command(["ip", "netns", "add", ns])
+    run_command(
         ["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1"],
         check=False,
     )
-    _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+    run_command(["ip", "-n", ns, "link", "set", "lo", "up"])
 
 
 def _router(
@@ -208,22 +208,22 @@ def _router(
     _new_ns(ns)
     outer, wan = _ifname(prefix, "w", k), "wan"
     _veth_pair(outer, wan, ns, None)
-    _run(["ip", "link", "set", outer, "master", bridge])
-    _run(["ip", "link", "set", outer, "up"])
-    _run(["ip", "-n", ns, "addr", "add", f"{wan_ip}/{plen}", "dev", wan])
-    _run(["ip", "-n", ns, "link", "set", wan, "up"])
-    _run(["ip", "-n", ns, "link", "add", "lan", "type", "bridge"])
-    _run(["ip", "-n", ns, "addr", "add", f"192.168.{lan_base + k}.1/24", "dev", "lan"])
-    _run(["ip", "-n", ns, "link", "set", "lan", "up"])
+    run_command(["ip", "link", "set", outer, "master", bridge])
+    run_command(["ip", "link", "set", outer, "up"])
+    run_command(["ip", "-n", ns, "addr", "add", f"{wan_ip}/{plen}", "dev", wan])
+    run_command(["ip", "-n", ns, "link", "set", wan, "up"])
+    run_command(["ip", "-n", ns, "link", "add", "lan", "type", "bridge"])
+    run_command(["ip", "-n", ns, "addr", "add", f"192.168.{lan_base + k}.1/24", "dev", "lan"])
+    run_command(["ip", "-n", ns, "link", "set", "lan", "up"])
     ipt = ["ip", "netns", "exec", ns, "iptables"]
-    _run(["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
+    run_command(["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
     masq = ["-j", "MASQUERADE"] + (["--random-fully"] if spec.kind == "sym" else [])
-    _run([*ipt, "-t", "nat", "-A", "POSTROUTING", "-o", wan, *masq])
-    _run([*ipt, "-P", "FORWARD", "DROP"])
-    _run([*ipt, "-A", "FORWARD", "-i", "lan", "-o", wan, "-j", "ACCEPT"])
+    run_command([*ipt, "-t", "nat", "-A", "POSTROUTING", "-o", wan, *masq])
+    run_command([*ipt, "-P", "FORWARD", "DROP"])
+    run_command([*ipt, "-A", "FORWARD", "-i", "lan", "-o", wan, "-j", "ACCEPT"])
     # Between two nodes on the LAN (bridged frames pass FORWARD when br_netfilter is loaded).
-    _run([*ipt, "-A", "FORWARD", "-i", "lan", "-o", "lan", "-j", "ACCEPT"])
-    _run(
+    run_command([*ipt, "-A", "FORWARD", "-i", "lan", "-o", "lan", "-j", "ACCEPT"])
+    run_command(
         [
             *ipt,
             "-A",
@@ -241,7 +241,7 @@ def _router(
         ]
     )
     # Nothing from the public side may reach the router itself except replies (no open ports).
-    _run(
+    run_command(
         [
             *ipt,
             "-A",
@@ -256,7 +256,7 @@ def _router(
             "ACCEPT",
         ]
     )
-    _run([*ipt, "-A", "INPUT", "-i", wan, "-j", "DROP"])
+    run_command([*ipt, "-A", "INPUT", "-i", wan, "-j", "DROP"])
     return NatHost(spec.name, ns, f"192.168.{lan_base + k}.1", "", spec.kind, wan_ip)
 
 
@@ -295,8 +295,8 @@ def up(
     inet = Internet(prefix)
     bridge = f"{prefix}pub"
     try:
-        _run(["ip", "link", "add", bridge, "type", "bridge"])
-        _run(["ip", "link", "set", bridge, "up"])
+        run_command(["ip", "link", "add", bridge, "type", "bridge"])
+        run_command(["ip", "link", "set", bridge, "up"])
         addr = iter(net.network_address + 2 + i for i in range(net.num_addresses - 3))
         for k, r in enumerate(routers):
             inet.routers[r.name] = _router(
@@ -309,24 +309,24 @@ def up(
             if not h.router:
                 outer = _ifname(prefix, "p", i)
                 _veth_pair(outer, "eth0", ns, None)
-                _run(["ip", "link", "set", outer, "master", bridge])
-                _run(["ip", "link", "set", outer, "up"])
+                run_command(["ip", "link", "set", outer, "master", bridge])
+                run_command(["ip", "link", "set", outer, "up"])
                 ip, plen, far_ns = str(next(addr)), net.prefixlen, None
                 inet.hosts[h.name] = NatHost(h.name, ns, ip, "", "public", ip)
             else:
                 rt = inet.routers[h.router]
                 outer = _ifname(prefix, "l", i)
                 _veth_pair(outer, "eth0", ns, rt.netns)
-                _run(["ip", "-n", rt.netns, "link", "set", outer, "master", "lan"])
-                _run(["ip", "-n", rt.netns, "link", "set", outer, "up"])
+                run_command(["ip", "-n", rt.netns, "link", "set", outer, "master", "lan"])
+                run_command(["ip", "-n", rt.netns, "link", "set", outer, "up"])
                 lan = rt.ip.rsplit(".", 1)[0]
                 ip, plen, far_ns = f"{lan}.{lan_next[h.router]}", 24, rt.netns
                 lan_next[h.router] += 1
                 inet.hosts[h.name] = NatHost(h.name, ns, ip, h.router, rt.nat, rt.public_ip)
-            _run(["ip", "-n", ns, "addr", "add", f"{ip}/{plen}", "dev", "eth0"])
-            _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+            run_command(["ip", "-n", ns, "addr", "add", f"{ip}/{plen}", "dev", "eth0"])
+            run_command(["ip", "-n", ns, "link", "set", "eth0", "up"])
             if h.router:
-                _run(["ip", "-n", ns, "route", "add", "default", "via", rt.ip])
+                run_command(["ip", "-n", ns, "route", "add", "default", "via", rt.ip])
             _shape(ns, "eth0", h.up_bps, h.delay_ms)
             _shape(far_ns, outer, h.down_bps)
         for r in routers:
@@ -355,7 +355,7 @@ def _forward(inet: Internet, r: RouterSpec) -> None:
     if not inside:
         raise ValueError(f"router {r.name!r} forwards port {r.forward_port} but has no host")
     ipt = ["ip", "netns", "exec", inet.routers[r.name].netns, "iptables"]
-    _run(
+    run_command(
         [
             *ipt,
             "-t",
@@ -380,12 +380,12 @@ def down(prefix: str = DEFAULT_PREFIX, *, quiet: bool = False) -> None:
     """Remove every namespace, veth and bridge this prefix made (idempotent). Deleting a
     namespace deletes the veths and LAN bridge inside it; the public bridge and the root-side
     veth ends go by name."""
-    listing = _run(["ip", "netns", "list"], check=False).stdout
+    listing = run_command(["ip", "netns", "list"], check=False).stdout
     for line in listing.splitlines():
         ns = line.split()[0] if line.strip() else ""
         if ns.startswith(f"{prefix}-"):
-            _run(["ip", "netns", "del", ns], check=False)
-    links = _run(["ip", "-o", "link", "show"], check=False).stdout
+            run_command(["ip", "netns", "del", ns], check=False)
+    links = run_command(["ip", "-o", "link", "show"], check=False).stdout
     for line in links.splitlines():
         parts = line.split(":")
         if len(parts) < 2:
@@ -397,7 +397,7 @@ def down(prefix: str = DEFAULT_PREFIX, *, quiet: bool = False) -> None:
             and name[len(prefix) :][:1] in ("w", "p", "l")
             and tail.isdigit()
         ):
-            _run(["ip", "link", "del", name], check=False)
+            run_command(["ip", "link", "del", name], check=False)
     _state_path(prefix).unlink(missing_ok=True)
     if not quiet:
         print(f"netem_nat: removed the internet with prefix {prefix!r}", file=sys.stderr)

@@ -44,10 +44,10 @@ def byte_vocab() -> GGUFVocab:
         NUM_SPECIAL,
         PAD_ID,
         SPECIAL_TOKENS,
-        _bytes_to_unicode,
+        bytes_to_unicode,
     )
 
-    b2u = _bytes_to_unicode()
+    b2u = bytes_to_unicode()
     tokens = list(SPECIAL_TOKENS) + [b2u[b] for b in range(256)]
     types = [TOKEN_CONTROL] * NUM_SPECIAL + [TOKEN_NORMAL] * 256
     # llama.cpp refuses a gpt2 vocabulary without merges; this one never fires (specials are

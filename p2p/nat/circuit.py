@@ -9,7 +9,7 @@ CONNECT, the relay opens a STOP stream to the node over the node's own connectio
 then on the relay copies bytes between the two streams. Noise and yamux run end to end inside
 that pipe, so the relay sees ciphertext and cannot forge the node's identity. The relay's side
 (the hop handler a public host runs: ``RelayLimits``, ``offer_relay``) is
-:mod:`echo.p2p.nat.circuit_relay`, which imports its stream helpers from here.
+:mod:`echo.p2p.nat.circuit_relay`.
 
 Relayed connections carry control messages only. Bulk chunks travel on direct connections:
 :func:`is_relayed` tells a chunk server (or any handler given the stream) that a stream or
@@ -77,8 +77,9 @@ from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 from multiaddr import Multiaddr
 
-from echo.p2p.host import EchoHost, _as_peer_id
+from echo.p2p.host import EchoHost, as_peer_id
 from echo.p2p.rpc import RpcConnectionError, RpcTimeout, is_relayed
+from echo.p2p.streams import close_quietly, reset_quietly, stream_peer
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ def circuit_addr(relay_addr: str, peer_id: ID | str) -> str:
 
     :raises ValueError: malformed address or peer id, or a relay address without ``/p2p/``.
     """
-    pid = _as_peer_id(peer_id)
+    pid = as_peer_id(peer_id)
     try:
         info = info_from_p2p_addr(Multiaddr(relay_addr))
     except Exception as exc:
@@ -152,33 +153,8 @@ def parse_circuit_addr(addr: str) -> tuple[str, ID, ID]:
 
 def has_direct_connection(host: EchoHost, peer_id: ID | str) -> bool:
     """Whether ``host`` holds a connection to ``peer_id`` that does not run through a relay."""
-    conns = host.libp2p.get_network().connections.get(_as_peer_id(peer_id), [])
+    conns = host.libp2p.get_network().connections.get(as_peer_id(peer_id), [])
     return any(not is_relayed(c) for c in conns)
-
-
-# -- stream helpers (also used by echo.p2p.nat.circuit_relay)
-# ---------------------------------------- Not echo.p2p.streams' close_quietly / reset_quietly:
-# those wait STREAM_CLOSE_TIMEOUT (1 s), these CLOSE_TIMEOUT_S (2 s), and _reset_quietly takes None.
-
-
-async def _reset_quietly(stream: INetStream | None) -> None:
-    if stream is None:
-        return
-    with trio.move_on_after(CLOSE_TIMEOUT_S) as scope:
-        scope.shield = True
-        with suppress(Exception):  # already reset, or its connection is gone
-            await stream.reset()
-
-
-async def _close_quietly(stream: INetStream) -> None:
-    with trio.move_on_after(CLOSE_TIMEOUT_S) as scope:
-        scope.shield = True
-        with suppress(Exception):
-            await stream.close()
-
-
-def _stream_peer(stream: INetStream) -> ID:
-    return stream.muxed_conn.peer_id
 
 
 # -- client side: reserve, keep, dial ------------------------------------------------------------
@@ -210,7 +186,7 @@ async def reserve(
     :raises RpcTimeout: no answer within ``timeout``.
     :raises RpcConnectionError: no stream, or the stream broke.
     """
-    rid = _as_peer_id(relay_id)
+    rid = as_peer_id(relay_id)
     try:
         with trio.fail_after(timeout):
             stream = await _open_hop(host, rid)
@@ -222,7 +198,7 @@ async def reserve(
             except Exception as exc:
                 raise RpcConnectionError(f"reserving on {rid}: {exc!r}") from exc
             finally:
-                await _close_quietly(stream)
+                await close_quietly(stream, CLOSE_TIMEOUT_S)
     except trio.TooSlowError:
         raise RpcTimeout(f"reserving on relay {rid} timed out after {timeout} s") from None
     status = StatusCode(resp.status) if resp.HasField("status") else StatusCode.UNUSED
@@ -256,17 +232,17 @@ class _StopAcceptor:
         self.refused = 0
 
     async def handle(self, stream: INetStream) -> None:
-        relay = _stream_peer(stream)
+        relay = stream_peer(stream)
         if self.relays[relay] <= 0 or is_relayed(stream):
             self.refused += 1
             log.debug("circuit: STOP from %s refused (no reservation with it)", relay)
-            await _reset_quietly(stream)
+            await reset_quietly(stream, CLOSE_TIMEOUT_S)
             return
         with trio.move_on_after(STOP_UPGRADE_TIMEOUT_S) as scope:
             await self._proto._handle_stop_stream(stream)
             self.accepted += 1
         if scope.cancelled_caught:
-            await _reset_quietly(stream)
+            await reset_quietly(stream, CLOSE_TIMEOUT_S)
 
 
 _acceptors: weakref.WeakKeyDictionary[IHost, _StopAcceptor] = weakref.WeakKeyDictionary()
@@ -427,7 +403,7 @@ async def dial_circuit(
                 )
                 conn = await network.upgrade_outbound_raw_conn(raw, peer)  # type: ignore[attr-defined]
             except BaseException:
-                await _reset_quietly(stream)
+                await reset_quietly(stream, CLOSE_TIMEOUT_S)
                 raise
     except trio.TooSlowError:
         raise RpcTimeout(f"circuit to {peer} via {relay_id} timed out after {timeout} s") from None

@@ -59,8 +59,9 @@ from libp2p.relay.circuit_v2.resources import RelayLimits as _Libp2pLimits
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 
 from echo.p2p.host import EchoHost
-from echo.p2p.nat.circuit import CLOSE_TIMEOUT_S, _close_quietly, _reset_quietly, _stream_peer
+from echo.p2p.nat.circuit import CLOSE_TIMEOUT_S
 from echo.p2p.rpc import is_relayed
+from echo.p2p.streams import close_quietly, reset_quietly, stream_peer
 
 log = logging.getLogger(__name__)
 
@@ -105,11 +106,11 @@ async def _finish(stream: INetStream) -> None:
     """End a hop stream after our last message: FIN first (a reset alone can overtake the
     answer: the client then reads StreamReset instead of the status), a short wait for the
     client's own close, then reset (a client that never closes must not hold the stream)."""
-    await _close_quietly(stream)
+    await close_quietly(stream, CLOSE_TIMEOUT_S)
     with trio.move_on_after(FINISH_WAIT_S), suppress(Exception):
         while await stream.read(_PUMP_READ):
             pass
-    await _reset_quietly(stream)
+    await reset_quietly(stream, CLOSE_TIMEOUT_S)
 
 
 # -- relay (hop) side ----------------------------------------------------------------------------
@@ -146,7 +147,7 @@ class _Relay(CircuitV2Protocol):
 
     async def _status(self, stream: INetStream, code: StatusCode, why: str) -> None:
         self.refused[code.name] += 1
-        log.debug("relay: %s to %s (%s)", code.name, _stream_peer(stream), why)
+        log.debug("relay: %s to %s (%s)", code.name, stream_peer(stream), why)
         with trio.move_on_after(CLOSE_TIMEOUT_S), suppress(Exception):  # the peer left
             await write_delimited_msg(
                 stream, HopMessage(type=HopMessage.STATUS, status=to_proto_status(code))
@@ -174,9 +175,9 @@ class _Relay(CircuitV2Protocol):
             with trio.fail_after(MESSAGE_TIMEOUT_S):
                 msg = await read_delimited_msg(stream, HopMessage)
         except Exception as exc:  # noqa: BLE001 (timeout, reset, junk: the stream is dropped)
-            log.debug("relay: no hop message from %s: %r", _stream_peer(stream), exc)
+            log.debug("relay: no hop message from %s: %r", stream_peer(stream), exc)
             return
-        peer = _stream_peer(stream)
+        peer = stream_peer(stream)
         if self._admit is not None and not self._admit(peer):
             await self._status(stream, StatusCode.PERMISSION_DENIED, "not admitted")
             return
@@ -244,8 +245,8 @@ class _Relay(CircuitV2Protocol):
             if limit_hit:
                 self.circuits_limited += 1
                 log.debug("relay: circuit via %s hit its limit, reset", peer_id)
-            await _reset_quietly(src_stream)
-            await _reset_quietly(dst_stream)
+            await reset_quietly(src_stream, CLOSE_TIMEOUT_S)
+            await reset_quietly(dst_stream, CLOSE_TIMEOUT_S)
 
     def cancel_all(self) -> None:
         for scope in list(self._scopes):

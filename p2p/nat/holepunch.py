@@ -75,7 +75,7 @@ from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
-from echo.p2p.host import EchoHost, _as_peer_id
+from echo.p2p.host import EchoHost, as_peer_id
 from echo.p2p.rpc import RpcConnectionError
 
 log = logging.getLogger(__name__)
@@ -229,7 +229,7 @@ async def punch(
     :raises HolePunchFailed: no connection within ``timeout`` seconds of ``start_at``; nothing
         we opened is left open.
     """
-    pid = _as_peer_id(peer_id)
+    pid = as_peer_id(peer_id)
     if pid == host.peer_id:
         raise ValueError("cannot punch a hole to ourselves")
     target = _parse_public(peer_public_addr, pid)

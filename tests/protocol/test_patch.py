@@ -1,4 +1,4 @@
-"""Tests for the weight patch codec (``echo.protocol.patch``, ``patch_apply``, ``patch_format``):
+"""Tests for the weight patch codec (the package ``echo.protocol.patch``):
 exact round trips, compression, and a decoder that fails closed (only ProtocolError subclasses,
 before allocating) on truncated, forged and fuzzed input."""
 
@@ -15,11 +15,16 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from echo.protocol import patch_format as P
 from echo.protocol.errors import DecodeError, ProtocolError
-from echo.protocol.patch import encode_patch
-from echo.protocol.patch_apply import apply_patch, apply_patch_inplace
-from echo.protocol.patch_format import MAX_PATCH_TENSORS, MAX_TENSOR_ELEMENTS, patch_stats
+from echo.protocol.patch import (
+    MAX_PATCH_TENSORS,
+    MAX_TENSOR_ELEMENTS,
+    apply_patch,
+    apply_patch_inplace,
+    encode_patch,
+    patch_stats,
+)
+from echo.protocol.patch import format as P
 
 BIG = 1 << 30  # max_output_bytes for tests that are not about the limit
 
@@ -199,9 +204,9 @@ def test_low_bit_packing_round_trips(nbits: int) -> None:
     rng = np.random.default_rng(nbits)
     for count in (1, 7, 8, 9, 1000, (1 << 20) + 3):
         s = rng.integers(0, 1 << 40, count, dtype=np.uint64)
-        packed = P._pack_low_bits(s, nbits)
+        packed = P.pack_low_bits(s, nbits)
         assert packed.size == (count * nbits + 7) // 8
-        got = P._unpack_low_bits(packed, count, nbits)
+        got = P.unpack_low_bits(packed, count, nbits)
         assert np.array_equal(got, s & np.uint64((1 << nbits) - 1))
 
 
@@ -372,10 +377,10 @@ def _patch_with_plane0(frame: bytes, raw_len: int) -> tuple[dict[str, np.ndarray
     old = {"w": np.zeros(n, np.uint16)}
     head = struct.pack("<4sHHI", b"ECHP", 1, 0, 1) + struct.pack("<H", 1) + b"w"
     head += struct.pack("<BBBBQQ", 2, P.POS_ALL, P.VAL_NEW, 0, n, n)
-    streams = [(0, 0, 0)] * P._N_STREAMS
-    streams[P._S_PLANE0] = (1, n, len(frame))
+    streams = [(0, 0, 0)] * P.N_STREAMS
+    streams[P.Stream.PLANE0] = (1, n, len(frame))
     plane1 = b"\x01" * n
-    streams[P._S_PLANE0 + 1] = (0, n, n)
+    streams[P.Stream.PLANE0 + 1] = (0, n, n)
     head += b"".join(struct.pack("<BQQ", *s) for s in streams)
     return old, head + frame + plane1
 
@@ -410,7 +415,7 @@ def test_zstd_bombs_are_refused_quickly_with_bounded_memory(total, declared, mat
 def test_stream_length_claims_are_checked_against_the_table() -> None:
     frame = _rle_frame(1000, 1000)
     old, patch = _patch_with_plane0(frame, 1000)
-    off = patch.index(frame) - (P._N_STREAMS - P._S_PLANE0) * 17  # plane0's directory entry
+    off = patch.index(frame) - (P.N_STREAMS - P.Stream.PLANE0) * 17  # plane0's directory entry
     forged = _with(patch, off + 1, "<Q", 1 << 40)
     with pytest.raises(DecodeError, match="the table allows"):
         apply_patch(old, forged, max_output_bytes=BIG)

@@ -1,13 +1,14 @@
-"""Applying a weight patch (:mod:`echo.protocol.patch`) to a base state, bit for bit.
+"""Decoding a weight patch's payload against the base state it applies to.
 
-:func:`apply_patch` returns the new state as fresh arrays; :func:`apply_patch_inplace` writes the
-changed elements into the caller's arrays, all or nothing. Both decode and validate the whole
-patch first (layout: :mod:`echo.protocol.patch_format`).
+This module owns turning the payload into changes: it matches the table to the caller's base
+state and output cap before anything is allocated, decompresses each stream to exactly the size
+the table (and, for the value planes, the decoded big flags) predicts, and rebuilds each tensor's
+changed positions and new bits, checking every one (positions in range, padding bits zero, every
+listed change a real change). It writes nothing: :mod:`echo.protocol.patch.apply` does.
 
-Decoding checks every count against limits and against the caller's base state before it
-allocates, decompresses each stream to an exactly predicted size, and raises
-:class:`~echo.protocol.errors.DecodeError` (a :class:`~echo.protocol.errors.ProtocolError`)
-and nothing else on bad input.
+Errors: :class:`~echo.protocol.errors.DecodeError` (a
+:class:`~echo.protocol.errors.ProtocolError`) on bad input and nothing else; ``ValueError`` only
+for a base state that is not a supported bit view (a caller error).
 """
 
 from __future__ import annotations
@@ -18,30 +19,24 @@ import numpy as np
 import zstandard
 
 from echo.protocol.errors import DecodeError
-from echo.protocol.patch_format import (
-    _ESCAPE,
-    _N_STREAMS,
-    _S_BIG,
-    _S_BITMAP,
-    _S_GAP_Q,
-    _S_GAP_R,
-    _S_GAP_X,
-    _S_PLANE0,
-    _S_SIGN,
-    _STORED,
-    _STREAM_NAMES,
-    _WIDTHS,
+from echo.protocol.patch.format import (
+    ESCAPE,
+    METHOD_STORED,
+    N_PLANES,
+    N_STREAMS,
     POS_ALL,
     POS_BITMAP,
     POS_NONE,
+    STREAM_NAMES,
     VAL_DIFF,
-    _bits_view,
-    _check_bit_padding,
-    _Entry,
-    _parse,
-    _Parsed,
-    _unpack_low_bits,
+    WIDTHS,
+    Stream,
+    TensorEntry,
+    bits_view,
+    check_bit_padding,
+    unpack_low_bits,
 )
+from echo.protocol.patch.parse import PatchLayout, read_layout
 
 # Legitimate streams add up to at most the output they rebuild plus about 3 bits per element
 # (bitmap, sign and big flags when nearly everything changed); twice the output is a loose, safe
@@ -59,7 +54,7 @@ def _decompress(data: memoryview, raw_len: int, method: int, sname: str) -> np.n
 
     :raises DecodeError: on a malformed frame, a size mismatch, or trailing data.
     """
-    if method == _STORED:
+    if method == METHOD_STORED:
         return np.frombuffer(data, np.uint8)
     try:
         declared = zstandard.get_frame_parameters(data).content_size
@@ -81,7 +76,7 @@ def _decompress(data: memoryview, raw_len: int, method: int, sname: str) -> np.n
 
 
 def _validate_against(
-    parsed: _Parsed, old: Mapping[str, np.ndarray], max_output_bytes: int
+    layout: PatchLayout, old: Mapping[str, np.ndarray], max_output_bytes: int
 ) -> dict[str, np.ndarray]:
     """Match the table to the caller's base state and the output cap.
 
@@ -89,7 +84,7 @@ def _validate_against(
         sizes exceed what ``max_output_bytes`` allows.
     :raises ValueError: if ``old`` itself holds an unsupported array (a caller error).
     """
-    names = [e.name for e in parsed.entries]
+    names = [e.name for e in layout.entries]
     if set(names) != set(old):
         extra = sorted(set(names) - set(old))[:3]
         missing = sorted(set(old) - set(names))[:3]
@@ -98,8 +93,8 @@ def _validate_against(
         )
     out_bytes = 0
     views = {}
-    for e in parsed.entries:
-        o, width = _bits_view(e.name, old[e.name])
+    for e in layout.entries:
+        o, width = bits_view(e.name, old[e.name])
         if width != e.width or o.size != e.numel:
             raise DecodeError(
                 f"tensor {e.name!r}: patch has {e.numel} x {e.width}-byte elements, "
@@ -109,25 +104,25 @@ def _validate_against(
         out_bytes += e.numel * e.width
     if out_bytes > max_output_bytes:
         raise DecodeError(f"patch output of {out_bytes} bytes exceeds {max_output_bytes}")
-    raw_total = sum(s[1] for s in parsed.streams)
-    if raw_total > _MAX_RAW_PER_OUTPUT * out_bytes + 8 * _N_STREAMS:
+    raw_total = sum(s.raw for s in layout.streams)
+    if raw_total > _MAX_RAW_PER_OUTPUT * out_bytes + 8 * N_STREAMS:
         raise DecodeError(f"patch streams of {raw_total} bytes are too large for its output")
     return views
 
 
-def _plane_lengths(entries: list[_Entry], big: np.ndarray) -> list[int]:
+def _plane_lengths(entries: list[TensorEntry], big: np.ndarray) -> list[int]:
     """Exact raw length of each value plane, given the decoded big-flag stream.
 
     :raises DecodeError: if a tensor's big flags have non-zero padding bits.
     """
-    out = [0] * 4
+    out = [0] * N_PLANES
     off = 0
     for e in entries:
         count = e.changed
         if e.val == VAL_DIFF:
             flags = big[off : off + (e.changed + 7) // 8]
             off += flags.size
-            _check_bit_padding(flags, e.changed, f"tensor {e.name!r} big flags")
+            check_bit_padding(flags, e.changed, f"tensor {e.name!r} big flags")
             count = int(_POPCOUNT[flags].sum(dtype=np.int64))
         for k in range(e.width):
             out[k] += count
@@ -148,7 +143,7 @@ class _Cursor:
         return out
 
 
-def _decode_positions(e: _Entry, cur: list[_Cursor]) -> np.ndarray | None:
+def _decode_positions(e: TensorEntry, cur: list[_Cursor]) -> np.ndarray | None:
     """Positions of ``e``'s changes (None for ALL).
 
     :raises DecodeError: if they are out of range, their count is wrong, or padding is not zero.
@@ -157,22 +152,22 @@ def _decode_positions(e: _Entry, cur: list[_Cursor]) -> np.ndarray | None:
     if e.pos == POS_ALL:
         return None
     if e.pos == POS_BITMAP:
-        buf = cur[_S_BITMAP].take((e.numel + 7) // 8)
-        _check_bit_padding(buf, e.numel, f"tensor {e.name!r} bitmap")
+        buf = cur[Stream.BITMAP].take((e.numel + 7) // 8)
+        check_bit_padding(buf, e.numel, f"tensor {e.name!r} bitmap")
         pos = np.flatnonzero(np.unpackbits(buf, count=e.numel, bitorder="little"))
         if pos.size != m:
             raise DecodeError(f"tensor {e.name!r}: bitmap has {pos.size} changes, table {m}")
         return pos
-    q = cur[_S_GAP_Q].take(m)
-    r = _unpack_low_bits(cur[_S_GAP_R].take((m * e.param + 7) // 8), m, e.param)
+    q = cur[Stream.GAP_Q].take(m)
+    r = unpack_low_bits(cur[Stream.GAP_R].take((m * e.param + 7) // 8), m, e.param)
     s = (q.astype(np.uint64) << np.uint64(e.param)) | r
-    esc = np.flatnonzero(q == _ESCAPE)
+    esc = np.flatnonzero(q == ESCAPE)
     if esc.size:
-        x = cur[_S_GAP_X].take(8 * esc.size)
+        x = cur[Stream.GAP_X].take(8 * esc.size)
         if x.size != 8 * esc.size:
             raise DecodeError(f"tensor {e.name!r}: stream gap_x ends early")
         xs = x.view("<u8")
-        if int(xs.min()) < _ESCAPE << e.param or int(xs.max()) >= e.numel:
+        if int(xs.min()) < ESCAPE << e.param or int(xs.max()) >= e.numel:
             raise DecodeError(f"tensor {e.name!r}: escaped gap out of range")
         s[esc] = xs
     # Each gap is < 2**(param+8) <= 2**45 and there are at most 2**36: a float64 sum bounds the
@@ -185,24 +180,25 @@ def _decode_positions(e: _Entry, cur: list[_Cursor]) -> np.ndarray | None:
     return pos
 
 
-def _decode_values(e: _Entry, cur: list[_Cursor], ov: np.ndarray) -> np.ndarray:
+def _decode_values(e: TensorEntry, cur: list[_Cursor], ov: np.ndarray) -> np.ndarray:
     """New bits of ``e``'s changed elements, given their old bits ``ov``.
 
     :raises DecodeError: if a decoded value equals its old value (not a change).
     """
     m = e.changed
-    dt = _WIDTHS[e.width]
+    dt = WIDTHS[e.width]
     big = None
     count = m
     if e.val == VAL_DIFF:
-        sbuf = cur[_S_SIGN].take((m + 7) // 8)
-        _check_bit_padding(sbuf, m, f"tensor {e.name!r} signs")
+        sbuf = cur[Stream.SIGN].take((m + 7) // 8)
+        check_bit_padding(sbuf, m, f"tensor {e.name!r} signs")
         neg = np.unpackbits(sbuf, count=m, bitorder="little").view(bool)
-        big = np.unpackbits(cur[_S_BIG].take((m + 7) // 8), count=m, bitorder="little").view(bool)
+        bbuf = cur[Stream.BIG].take((m + 7) // 8)
+        big = np.unpackbits(bbuf, count=m, bitorder="little").view(bool)
         count = int(np.count_nonzero(big))
     planes = np.empty((count, e.width), np.uint8)
     for k in range(e.width):
-        planes[:, k] = cur[_S_PLANE0 + k].take(count)
+        planes[:, k] = cur[Stream.PLANE0 + k].take(count)
     v = planes.view(dt).ravel()
     if big is not None:
         delta = np.ones(m, dt)
@@ -213,41 +209,52 @@ def _decode_values(e: _Entry, cur: list[_Cursor], ov: np.ndarray) -> np.ndarray:
     return v
 
 
-def _decode_all(
+# One tensor's decoded change, in patch order: (name, the caller's array viewed as unsigned bits
+# (sharing its memory), the sorted changed positions or None when every element changed, the new
+# bits at those positions or None when nothing changed). A plain tuple: a model can have
+# thousands of tiny tensors, and a NamedTuple costs a microsecond more for each.
+Change = tuple[str, np.ndarray, np.ndarray | None, np.ndarray | None]
+
+
+def decode_changes(
     old: Mapping[str, np.ndarray], patch: bytes, max_output_bytes: int
-) -> list[tuple[str, np.ndarray, np.ndarray | None, np.ndarray | None]]:
+) -> list[Change]:
     """Decode and validate every change in ``patch`` against ``old`` without writing anything.
 
-    Returns, per tensor in patch order, (name, unsigned view of the base, positions or None for
-    ALL, new values or None for NONE).
+    Returns one :data:`Change` per tensor, in patch order.
 
-    :raises DecodeError: as :func:`apply_patch`.
+    Every limit (tensor count, element counts, output bytes <= ``max_output_bytes``, each
+    stream's decompressed size) is checked before the memory it governs is allocated.
+
+    :raises DecodeError: if the patch is malformed, exceeds a limit, or does not match ``old``
+        (names, element widths, sizes).
     :raises ValueError: if ``old`` holds something that is not a supported 1-D bit view.
     """
-    parsed = _parse(patch)
-    views = _validate_against(parsed, old, max_output_bytes)
+    layout = read_layout(patch)
+    views = _validate_against(layout, old, max_output_bytes)
     buf = memoryview(patch).cast("B")
-    off = parsed.payload_start
-    cursors = []
+    off = layout.payload_start
+    cursors: list[_Cursor] = []
+    plane_len: list[int] = []
     for sid, (sname, (method, raw, stored)) in enumerate(
-        zip(_STREAM_NAMES, parsed.streams, strict=True)
+        zip(STREAM_NAMES, layout.streams, strict=True)
     ):
-        if sid == _S_GAP_X:
+        if sid == Stream.GAP_X:
             # Its exact length depends on gap_q (decoded just before): one u64 per escape byte.
-            escapes = int(np.count_nonzero(cursors[_S_GAP_Q].data == _ESCAPE))
+            escapes = int(np.count_nonzero(cursors[Stream.GAP_Q].data == ESCAPE))
             if raw != 8 * escapes:
                 raise DecodeError(f"stream gap_x: {raw} bytes for {escapes} escaped gaps")
-        elif sid == _S_PLANE0:
-            plane_len = _plane_lengths(parsed.entries, cursors[_S_BIG].data)
-        if sid >= _S_PLANE0 and raw != plane_len[sid - _S_PLANE0]:
+        elif sid == Stream.PLANE0:
+            plane_len = _plane_lengths(layout.entries, cursors[Stream.BIG].data)
+        if sid >= Stream.PLANE0 and raw != plane_len[sid - Stream.PLANE0]:
             raise DecodeError(
                 f"stream {sname}: {raw} raw bytes, table and big flags imply "
-                f"{plane_len[sid - _S_PLANE0]}"
+                f"{plane_len[sid - Stream.PLANE0]}"
             )
         cursors.append(_Cursor(_decompress(buf[off : off + stored], raw, method, sname)))
         off += stored
-    changes = []
-    for e in parsed.entries:
+    changes: list[Change] = []
+    for e in layout.entries:
         o = views[e.name]
         if e.pos == POS_NONE:
             changes.append((e.name, o, None, None))
@@ -256,57 +263,3 @@ def _decode_all(
         values = _decode_values(e, cursors, o if pos is None else o[pos])
         changes.append((e.name, o, pos, values))
     return changes
-
-
-def apply_patch(
-    old: Mapping[str, np.ndarray], patch: bytes, *, max_output_bytes: int
-) -> dict[str, np.ndarray]:
-    """Apply ``patch`` to ``old`` and return the new state as fresh arrays (``old`` is untouched).
-
-    Output arrays keep ``old``'s dtypes and are returned in the patch's tensor order. Every
-    limit (tensor count, element counts, output bytes <= ``max_output_bytes``, each stream's
-    decompressed size) is checked before the memory it governs is allocated.
-
-    A patch does not name its base version: applied to a different base of the same shapes it
-    yields a wrong state (or a DecodeError). Callers check the result against the tensor hashes
-    of the signed manifest.
-
-    :raises DecodeError: if the patch is malformed, exceeds a limit, or does not match ``old``
-        (names, element widths, sizes).
-    :raises ValueError: if ``old`` holds something that is not a supported 1-D bit view.
-    """
-    out: dict[str, np.ndarray] = {}
-    for name, o, pos, values in _decode_all(old, patch, max_output_bytes):
-        if values is None:
-            res = o.copy()
-        elif pos is None:
-            res = values  # freshly decoded, shares nothing with old
-        else:
-            res = o.copy()
-            res[pos] = values
-        out[name] = res.view(old[name].dtype)
-    return out
-
-
-def apply_patch_inplace(
-    state: Mapping[str, np.ndarray], patch: bytes, *, max_output_bytes: int
-) -> None:
-    """Apply ``patch`` by writing the changed elements into ``state``'s own arrays.
-
-    For nodes holding large models: no second copy of the state. All or nothing: the whole patch
-    is decoded and validated (as in :func:`apply_patch`) before the first element is written, so
-    on any error ``state`` is unchanged.
-
-    :raises DecodeError: as :func:`apply_patch`.
-    :raises ValueError: if an array of ``state`` is not a writeable, supported 1-D bit view.
-    """
-    for name, a in state.items():
-        if isinstance(a, np.ndarray) and not a.flags.writeable:
-            raise ValueError(f"tensor {name!r}: array is read-only")
-    for _, o, pos, values in _decode_all(state, patch, max_output_bytes):
-        if values is None:
-            continue
-        if pos is None:
-            o[...] = values
-        else:
-            o[pos] = values

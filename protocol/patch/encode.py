@@ -1,21 +1,13 @@
-"""Lossless sparse weight patches: the bits that changed between two policy versions.
+"""The weight patch encoder: :func:`encode_patch` turns two states into a patch.
 
-A patch turns version v into v+1 exactly. Per tensor it holds *which* positions' stored bits
-changed and *what* they changed to; applying it reproduces the new bits bit for bit. There are no
-float deltas: the optional difference coding (``DIFF``) is a modular integer difference of the
-stored bit patterns, which is exact and cannot drift.
-
-The codec works on 1-D unsigned bit views (``uint16`` for bf16/fp16, ``uint32`` for fp32; the
-signed ``int16``/``int32`` views that ``torch.Tensor.view`` produces are accepted too), so it needs
-no torch.
-
-The layout is :mod:`echo.protocol.patch_format`; :mod:`echo.protocol.patch_apply` applies a
-patch. This module is the encoder, :func:`encode_patch`. Per tensor it picks a position coding
-(ALL, BITMAP for dense changes, GAPS for sparse ones, whose byte-sized quotients zstd
-entropy-codes well) and a value coding: NEW (the new bits) or DIFF (RL steps move most changed
-bf16 values by one unit in the last place, so a sign bit, a "moved further" bit and the rare
-larger distances cost about 2 bits per change, against about 11 for the new bits). It picks from
-cheap entropy estimates and, for bitmap against gaps, a small trial compression.
+This module owns the encoder's choices: per tensor a position coding (ALL, BITMAP for dense
+changes, GAPS for sparse ones, whose byte-sized quotients zstd entropy-codes well) and a value
+coding: NEW (the new bits) or DIFF (RL steps move most changed bf16 values by one unit in the
+last place, so a sign bit, a "moved further" bit and the rare larger distances cost about 2 bits
+per change, against about 11 for the new bits). It picks from cheap entropy estimates and, for
+bitmap against gaps, a small trial compression, then writes the layout of
+:mod:`echo.protocol.patch.format`. The decoder needs none of this: it reads whatever codings
+the table names.
 
 Errors: ``ValueError`` for arguments it cannot encode (see :func:`encode_patch`), nothing else.
 """
@@ -29,35 +21,28 @@ from dataclasses import dataclass, field
 import numpy as np
 import zstandard
 
-from echo.protocol.patch_format import (
-    _ESCAPE,
-    _HEADER,
-    _N_STREAMS,
-    _S_BIG,
-    _S_BITMAP,
-    _S_GAP_Q,
-    _S_GAP_R,
-    _S_GAP_X,
-    _S_PLANE0,
-    _S_SIGN,
-    _STORED,
-    _STREAM,
-    _TENSOR,
-    _U16,
-    _ZSTD,
+from echo.protocol.patch.format import (
+    ESCAPE,
     FORMAT_VERSION,
+    HEADER,
     MAGIC,
     MAX_NAME_BYTES,
     MAX_PATCH_TENSORS,
     MAX_TENSOR_ELEMENTS,
+    METHOD_STORED,
+    METHOD_ZSTD,
+    N_STREAMS,
     POS_ALL,
     POS_BITMAP,
     POS_GAPS,
     POS_NONE,
+    STREAM_ENTRY,
     VAL_DIFF,
     VAL_NEW,
-    _bits_view,
-    _pack_low_bits,
+    Stream,
+    TensorEntry,
+    bits_view,
+    pack_low_bits,
 )
 
 # Escaped gaps cost about this many bits once zstd has squeezed the u64's zero bytes.
@@ -98,13 +83,7 @@ def _planes(values: np.ndarray) -> np.ndarray:
 class _Planned:
     """One tensor's table entry and its segments of each stream."""
 
-    name: bytes
-    width: int
-    pos: int
-    val: int
-    param: int
-    numel: int
-    changed: int
+    entry: TensorEntry
     segments: dict[int, np.ndarray] = field(default_factory=dict)
 
 
@@ -121,8 +100,8 @@ def _changed_positions(o: np.ndarray, n: np.ndarray) -> np.ndarray:
 def _gap_split(s: np.ndarray, shift: int) -> tuple[np.ndarray, np.ndarray]:
     """Quotient bytes (255 = escape) and the escape mask of gaps ``s`` for parameter ``shift``."""
     q = s >> np.uint64(shift)
-    esc = q >= _ESCAPE
-    return np.where(esc, _ESCAPE, q).astype(np.uint8), esc
+    esc = q >= ESCAPE
+    return np.where(esc, ESCAPE, q).astype(np.uint8), esc
 
 
 def _plan_gaps(pos: np.ndarray, numel: int) -> tuple[int, np.ndarray]:
@@ -159,11 +138,11 @@ def _plan_values(ov: np.ndarray, nv: np.ndarray) -> tuple[int, dict[int, np.ndar
     )
     diff_cost = ov.size * (1 + big_bits) + sum(_entropy_bits(p) for p in _planes(rest)) * scale
     if new_cost <= diff_cost:
-        return VAL_NEW, {_S_PLANE0 + k: p for k, p in enumerate(_planes(nv))}
+        return VAL_NEW, {Stream.PLANE0 + k: p for k, p in enumerate(_planes(nv))}
     neg, big, rest = _split_diff(ov, nv)
-    segs = {_S_PLANE0 + k: p for k, p in enumerate(_planes(rest))}
-    segs[_S_SIGN] = np.packbits(neg, bitorder="little")
-    segs[_S_BIG] = np.packbits(big, bitorder="little")
+    segs = {Stream.PLANE0 + k: p for k, p in enumerate(_planes(rest))}
+    segs[Stream.SIGN] = np.packbits(neg, bitorder="little")
+    segs[Stream.BIG] = np.packbits(big, bitorder="little")
     return VAL_DIFF, segs
 
 
@@ -202,12 +181,13 @@ def _plan_tensor(
     numel = o.size
     pos = _changed_positions(o, n)
     m = pos.size
-    plan = _Planned(name.encode(), width, POS_NONE, VAL_NEW, 0, numel, m)
+    e = TensorEntry(name, width, POS_NONE, VAL_NEW, 0, numel, m)
+    plan = _Planned(e)
     if m == 0:
         return plan
     if m == numel:
-        plan.pos = POS_ALL
-        plan.val, plan.segments = _plan_values(o, n)
+        e.pos = POS_ALL
+        e.val, plan.segments = _plan_values(o, n)
         return plan
     shift, s = _plan_gaps(pos, numel)
     bitmap = None
@@ -216,16 +196,16 @@ def _plan_tensor(
         mask[pos] = True
         bitmap = np.packbits(mask, bitorder="little")
     if bitmap is not None:
-        plan.pos = POS_BITMAP
-        plan.segments[_S_BITMAP] = bitmap
+        e.pos = POS_BITMAP
+        plan.segments[Stream.BITMAP] = bitmap
     else:
-        plan.pos, plan.param = POS_GAPS, shift
+        e.pos, e.param = POS_GAPS, shift
         q, esc = _gap_split(s, shift)
-        plan.segments[_S_GAP_Q] = q
-        plan.segments[_S_GAP_R] = _pack_low_bits(s, shift)
+        plan.segments[Stream.GAP_Q] = q
+        plan.segments[Stream.GAP_R] = pack_low_bits(s, shift)
         if esc.any():
-            plan.segments[_S_GAP_X] = s[esc].astype("<u8").view(np.uint8)
-    plan.val, segs = _plan_values(o[pos], n[pos])
+            plan.segments[Stream.GAP_X] = s[esc].astype("<u8").view(np.uint8)
+    e.val, segs = _plan_values(o[pos], n[pos])
     plan.segments.update(segs)
     return plan
 
@@ -251,9 +231,9 @@ def encode_patch(
     for name, a in old.items():
         if not isinstance(name, str) or not 0 < len(name.encode()) <= MAX_NAME_BYTES:
             raise ValueError(f"tensor name {name!r} must be a str of 1..{MAX_NAME_BYTES} bytes")
-        o, width = _bits_view(name, a)
+        o, width = bits_view(name, a)
         b = new[name]
-        n, _ = _bits_view(name, b)
+        n, _ = bits_view(name, b)
         if a.dtype != b.dtype or o.size != n.size:
             raise ValueError(
                 f"tensor {name!r}: old is {a.dtype}[{o.size}], new is {b.dtype}[{n.size}]"
@@ -262,18 +242,16 @@ def encode_patch(
             raise ValueError(f"tensor {name!r}: {o.size} elements exceed {MAX_TENSOR_ELEMENTS}")
         plans.append(_plan_tensor(name, o, n, width, cctx))
 
-    head = [_HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(plans))]
-    for p in plans:
-        head.append(_U16.pack(len(p.name)) + p.name)
-        head.append(_TENSOR.pack(p.width, p.pos, p.val, p.param, p.numel, p.changed))
+    head = [HEADER.pack(MAGIC, FORMAT_VERSION, 0, len(plans))]
+    head += [p.entry.to_bytes() for p in plans]
     bodies = []
-    for sid in range(_N_STREAMS):
+    for sid in range(N_STREAMS):
         segs = [p.segments[sid] for p in plans if sid in p.segments]
         raw = np.concatenate(segs) if segs else np.zeros(0, np.uint8)
         body = cctx.compress(raw.data) if raw.size else b""
-        method = _ZSTD if len(body) < raw.size else _STORED
-        if method == _STORED:
+        method = METHOD_ZSTD if len(body) < raw.size else METHOD_STORED
+        if method == METHOD_STORED:
             body = raw.tobytes()
-        head.append(_STREAM.pack(method, raw.size, len(body)))
+        head.append(STREAM_ENTRY.pack(method, raw.size, len(body)))
         bodies.append(body)
     return b"".join(head + bodies)
