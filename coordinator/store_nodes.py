@@ -84,6 +84,15 @@ class NodeTables(Database):
         ).fetchall()
         return [node_row(r) for r in rows]
 
+    def proven_node_active(self, since: float, proven_groups: int) -> bool:
+        """Whether a node not excluded, heard from after ``since``, has ``proven_groups``
+        accepted groups (the ``nodes_active`` range, stopped at the first such node)."""
+        row = self._db.execute(
+            "SELECT 1 FROM nodes WHERE excluded=0 AND last_seen>? AND accepted>=? LIMIT 1",
+            (since, proven_groups),
+        ).fetchone()
+        return row is not None
+
     def touch_node(
         self,
         node_id: str,
