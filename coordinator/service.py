@@ -201,11 +201,15 @@ class Coordinator:
                 job.scorer.close_if_idle()
             if now - last_prune >= PRUNE_EVERY_S:
                 last_prune = now
+                forgotten: list[str] = []
                 pruned = self.store.prune(
                     now,
                     self.config.retention,
                     self.config.verification.expired_lease_window_s,
+                    forgotten,
                 )
+                for node_id in forgotten:  # a churn's links would grow without end
+                    self.dissemination.forget_node(node_id)
                 if any(pruned.values()):
                     log.info("pruned %s", pruned)
             await trio.sleep(HOUSEKEEPING_S)
