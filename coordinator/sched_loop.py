@@ -334,6 +334,9 @@ class Placement:
                 JobDemand(job_id, terms.need_rps, sched.priority, sched.max_share, row.created_at)
             )
         supplies, self._rates = [], {}
+        # Per job, once a pass: a median over every known node, asked for each node without a
+        # rate of its own -- per node, a churn's fresh identities made the pass quadratic.
+        typical: dict[str, float] = {}
         for row in self._active_rows(now):
             node = self.nodes.setdefault(row.node_id, _Node(engine=row.engine))
             node.seen = max(node.seen, row.last_seen)
@@ -352,7 +355,10 @@ class Placement:
                 rate = estimate_rate(
                     node.measured, sizes, tpr, job_id, node.declared_tps, node.delivered
                 )
-                rate = rate if rate is not None else self._typical_rate(job_id, tpr)
+                if rate is None:
+                    if job_id not in typical:
+                        typical[job_id] = self._typical_rate(job_id, tpr)
+                    rate = typical[job_id]
                 # Identities are free: a node with no verified work counts for next to nothing
                 # towards a job's need (it is still placed, and measured, where a job lacks
                 # throughput), or a swarm of fresh ones "meets" the need and benches the

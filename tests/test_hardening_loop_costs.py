@@ -82,3 +82,27 @@ def test_admission_parses_each_address_once() -> None:
     assert first is not None and first.network == "203.0.113.0/24"
     assert prefix_of("203.0.113.9") is first
     assert prefix_of("not an address") is None
+
+
+def test_a_scheduling_pass_takes_the_typical_rate_once_per_job(tmp_path, monkeypatch) -> None:
+    """A node nothing is known of is counted at the job's typical rate, a median over every known
+    node: taken per such node, a churn's fresh identities made each pass quadratic (and a pass
+    runs up to 4 times a second while identities register)."""
+    from echo.coordinator.sched_loop import Placement
+
+    async def body(coord, client) -> None:
+        job_id, _ = await start_job(coord, client)
+        for i in range(CHURNED // 4):  # active, never measured
+            coord.store.upsert_node(f"churned-{i}", b"k" * 32, "torch", {}, 0.0, 0.0, 0.0)
+        asked = []
+        real = Placement._typical_rate
+
+        def counted(self, job, tpr):
+            asked.append(job)
+            return real(self, job, tpr)
+
+        monkeypatch.setattr(Placement, "_typical_rate", counted)
+        coord.placement.refresh()
+        assert asked == [job_id], f"{len(asked)} medians in one pass"
+
+    run_with_coordinator(tmp_path, body)
