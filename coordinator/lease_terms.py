@@ -8,7 +8,7 @@ against hoarding by identities with a thin record (issue 26, finding 2 and "Done
   ``lease_term_factor``, never under ``min_lease_s`` nor over ``lease_timeout_s``. A node with
   no delivered group gets the job's full ``lease_timeout_s`` (its speed is unknown, and nodes
   without an accepted group already share a small part of the window). A node that delivers in
-  2 s and turns to hoarding holds each grant for ``min_lease_s``, not the job's 30 s.
+  2 s and turns to hoarding holds each grant for ``min_lease_s`` (20 s), not the job's 30 s.
 - **The share of the unproven.** Nodes with fewer than ``proven_groups`` accepted groups share
   ``fresh_lease_share`` of a job's lease window while a proven node is active: identities are
   free and a few honest groups are cheap, so a handful of them must never hold the window of a
