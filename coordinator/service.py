@@ -99,6 +99,9 @@ class Coordinator:
             self.job_control.jobs,
             SchedulerParams(sc.min_stay_s, sc.min_gain, sc.headroom),
             sc.every_s,
+            # Relays need the record the lease window asks of the proven (ramp 0: the operator
+            # trusts identities at once, and one accepted group is enough, as before).
+            verification.proven_groups if verification.lease_quota_ramp else 1,
         )
         self.node_rpc = NodeRPC(
             store,
