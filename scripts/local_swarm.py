@@ -148,6 +148,10 @@ def new_run_dir(out: Path) -> Path:
     return out
 
 
+# How long a job submission may take (see Swarm.submit).
+SUBMIT_TIMEOUT_S = 60.0
+
+
 def wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> dict:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -325,8 +329,13 @@ class Swarm:
     def submit(self, job_toml: str) -> str:
         assert self.api is not None
         (self.out / "job.toml").write_text(job_toml)
+        # The coordinator loads the job's reward in a sandbox first (reasoning-gym and sympy
+        # imported in a fresh process): over 10 s on 2 cores shared with other sessions.
         r = self.api.post(
-            "/v1/jobs", content=job_toml, headers={"content-type": "application/toml"}
+            "/v1/jobs",
+            content=job_toml,
+            headers={"content-type": "application/toml"},
+            timeout=SUBMIT_TIMEOUT_S,
         )
         r.raise_for_status()
         return r.json()["job_id"]
