@@ -366,7 +366,12 @@ class Swarm:
 
     def status(self, job_id: str) -> tuple[dict, list[dict]]:
         assert self.api is not None
-        return self.api.get(f"/v1/jobs/{job_id}").json(), self.api.get("/v1/nodes").json()
+        try:
+            return self.api.get(f"/v1/jobs/{job_id}").json(), self.api.get("/v1/nodes").json()
+        except httpx.TransportError:
+            # The server closes a keep-alive connection idle for 5 s (hypercorn's default); a
+            # poller starved of CPU for that long reused it as it closed (connection reset).
+            return self.api.get(f"/v1/jobs/{job_id}").json(), self.api.get("/v1/nodes").json()
 
     def wait_finished(
         self, job_id: str, stall_s: float = 120.0, cap_s: float = 900.0
