@@ -26,6 +26,22 @@ class VerificationSection(BaseModel):
     lease_timeout_s: float = Field(
         default=30.0, gt=0, description="time a node has per lease before it goes to another"
     )
+    # 10 s let honest leases expire under attack on a loaded machine: a grant delivered in 2 s
+    # when calm took over 10 s when the coordinator answered submissions in 5 s.
+    min_lease_s: float = Field(
+        default=20.0,
+        gt=0,
+        description="the shortest lease term: a node with delivered groups gets "
+        "lease_term_factor times its slowest recent delivery, at least this, at most "
+        "lease_timeout_s (a node without one gets lease_timeout_s)",
+    )
+    lease_term_factor: float = Field(default=4.0, ge=1)
+    proven_groups: int = Field(
+        default=24,
+        ge=1,
+        description="accepted groups that make a node proven: while one is active, nodes with "
+        "fewer share fresh_lease_share of a job's lease window (not with lease_quota_ramp = 0)",
+    )
     max_open_leases_per_node: int = Field(default=8, ge=1)
     lease_quota_ramp: int = Field(
         default=3,

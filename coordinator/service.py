@@ -101,6 +101,9 @@ class Coordinator:
             self.job_control.jobs,
             SchedulerParams(sc.min_stay_s, sc.min_gain, sc.headroom),
             sc.every_s,
+            # Relays need the record the lease window asks of the proven (ramp 0: the operator
+            # trusts identities at once, and one accepted group is enough, as before).
+            verification.proven_groups if verification.lease_quota_ramp else 1,
         )
         self.node_rpc = NodeRPC(
             store,
@@ -203,11 +206,15 @@ class Coordinator:
                 job.scorer.close_if_idle()
             if now - last_prune >= PRUNE_EVERY_S:
                 last_prune = now
+                forgotten: list[str] = []
                 pruned = self.store.prune(
                     now,
                     self.config.retention,
                     self.config.verification.expired_lease_window_s,
+                    forgotten,
                 )
+                for node_id in forgotten:  # a churn's links would grow without end
+                    self.dissemination.forget_node(node_id)
                 if any(pruned.values()):
                     log.info("pruned %s", pruned)
             await trio.sleep(HOUSEKEEPING_S)

@@ -44,6 +44,7 @@ Closing errors are logged, never raised.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import time
@@ -117,6 +118,10 @@ class Prefix:
     network: str
 
 
+# prefix_of runs for every inbound connection held, at every admission
+# (ConnectionGuard.inbound_count): parsing them was a tenth of the coordinator's loop under a
+# churn of identities (benchmarks/attack.py). Pure, so its answers are kept, a bounded number.
+@functools.lru_cache(maxsize=1 << 16)
 def prefix_of(address: str) -> Prefix | None:
     """The prefix ``address`` is counted in, or None for something that is not an IP address.
 

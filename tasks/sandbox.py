@@ -23,6 +23,12 @@ in C, or allocate without end by a text chosen for it. A :class:`Sandbox` owns o
 ``trio.to_thread``); it is thread-safe, and concurrent calls score in concurrent children.
 Replies are parsed as untrusted: a bounded frame, two fields, a finite score within the reward's
 range. Each :class:`Score` carries the wall seconds it took, what the caller charges the node.
+
+Zygotes are started from one long-lived thread of this module (:data:`_SPAWNER`), never from
+the calling thread: a zygote dies with the *thread* that started it (``PR_SET_PDEATHSIG``), and
+trio retires a worker thread after 10 s idle, so a zygote started by a scoring call was killed
+within seconds of a lull, and the next group paid its restart (reasoning-gym and sympy imported
+and warmed again, seconds of a core: honest submit p99 of 4-8 s in benchmarks/attack.py).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -75,6 +82,8 @@ MAX_REPLY_BYTES = 256
 # A zygote holds its job's libraries in memory (reasoning-gym and sympy: ~200 MB); one unused
 # this long (its job over, or its nodes gone) is stopped, and the next group starts another.
 IDLE_CLOSE_S = 600.0
+# Starts every zygote: its one worker lives as long as the process (see the module doc).
+_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandbox-spawner")
 
 
 class SandboxError(Exception):
@@ -216,7 +225,8 @@ class Sandbox:
             "MKL_NUM_THREADS": "1",
         }
         try:
-            proc = subprocess.Popen(
+            proc = _SPAWNER.submit(
+                subprocess.Popen,
                 [sys.executable, "-I", "-m", "echo.tasks.sandbox_zygote", str(child.fileno())],
                 pass_fds=(child.fileno(),),
                 env=env,
@@ -225,7 +235,7 @@ class Sandbox:
                 # A hostile text can make a scorer log anything; none of it reaches our log.
                 stderr=subprocess.DEVNULL,
                 close_fds=True,
-            )
+            ).result()
         finally:
             child.close()
         z = _Zygote(proc, parent)

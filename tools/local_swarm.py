@@ -124,6 +124,10 @@ def buffer_toml(batches: int, batch_groups: int) -> str:
     return f"\n[verification]\nbuffer_groups = {batches * batch_groups}\n"
 
 
+# How long a job submission may take (see Swarm.submit).
+SUBMIT_TIMEOUT_S = 60.0
+
+
 class Swarm:
     """The processes of a local swarm under ``out``; :meth:`stop` ends them all."""
 
@@ -172,8 +176,13 @@ class Swarm:
     def submit(self, job_toml: str) -> str:
         assert self.api is not None
         (self.out / "job.toml").write_text(job_toml)
+        # The coordinator loads the job's reward in a sandbox first (reasoning-gym and sympy
+        # imported in a fresh process): over 10 s on 2 cores shared with other sessions.
         r = self.api.post(
-            "/v1/jobs", content=job_toml, headers={"content-type": "application/toml"}
+            "/v1/jobs",
+            content=job_toml,
+            headers={"content-type": "application/toml"},
+            timeout=SUBMIT_TIMEOUT_S,
         )
         r.raise_for_status()
         return r.json()["job_id"]
@@ -204,7 +213,12 @@ class Swarm:
 
     def status(self, job_id: str) -> tuple[dict, list[dict]]:
         assert self.api is not None
-        return self.api.get(f"/v1/jobs/{job_id}").json(), self.api.get("/v1/nodes").json()
+        try:
+            return self.api.get(f"/v1/jobs/{job_id}").json(), self.api.get("/v1/nodes").json()
+        except httpx.TransportError:
+            # The server closes a keep-alive connection idle for 5 s (hypercorn's default); a
+            # poller starved of CPU for that long reused it as it closed (connection reset).
+            return self.api.get(f"/v1/jobs/{job_id}").json(), self.api.get("/v1/nodes").json()
 
     def wait_finished(
         self, job_id: str, stall_s: float = 120.0, cap_s: float = 900.0

@@ -221,14 +221,25 @@ class NodeRPC:
             self.store.record_node_version(st.job_id, node_id, st.version)
             # Its receipt times the relays that fed it: uplinks as receivers measure them.
             self.dissemination.delivered(node_id, st.job_id, st.version, accepted=row.accepted)
-            active = [  # "every node holds v": every node serving this job
-                n
-                for n in active_nodes(self.store)
-                if self.placement is None or self.placement.serves(n.node_id, st.job_id)
-            ]
-            if active and all(n.version >= st.version for n in active):
+            if self._all_hold(st.job_id, st.version, node_id, row):
                 self.store.mark_all_nodes(st.job_id, st.version, time.time())
         return m.encode(m.StepAck(ok=True))
+
+    def _all_hold(self, job_id: str, version: int, reporter: str, row: NodeRow) -> bool:
+        """Whether every active node serving ``job_id`` holds ``version`` (at least one does:
+        ``reporter``, just heard from). Reads only the nodes still behind, not every active
+        one: each status report asked, and building every active row per report was a tenth
+        of the loop under a churn of identities (benchmarks/attack.py)."""
+
+        def serves(node_id: str) -> bool:
+            return self.placement is None or self.placement.serves(node_id, job_id)
+
+        since = time.time() - NODE_ACTIVE_S
+        if any(serves(n) for n in self.store.active_behind(since, version)):
+            return False
+        if not row.excluded and serves(reporter):
+            return True
+        return any(serves(n.node_id) for n in active_nodes(self.store))  # rare: not its job
 
     async def handle_bad_peer(self, peer_id: ID, data: bytes) -> bytes:
         """A node's report of a relay that sent it a bad chunk (see :class:`Dissemination`).

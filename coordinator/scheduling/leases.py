@@ -18,6 +18,7 @@ import time
 from echo.coordinator.config import VerificationSection
 from echo.coordinator.jobs.context import RunningJob
 from echo.coordinator.metrics import Metrics
+from echo.coordinator.scheduling.lease_terms import LeaseTerms
 from echo.coordinator.store import Store
 from echo.coordinator.store.rows import JobRow, LeaseRow, NodeRow
 from echo.p2p.identity import Identity
@@ -48,6 +49,8 @@ class Leases:
         self.metrics = metrics
         self.identity = identity
         self.verification = verification
+        # Deadlines and the unproven nodes' share, both by the node's record.
+        self.terms = LeaseTerms(store, verification)
 
     def grant(
         self, node: NodeRow, job: RunningJob, row: JobRow, req: m.LeaseRequest
@@ -70,9 +73,7 @@ class Leases:
                 retry_after_s=UPDATE_FIRST_RETRY_S,
                 message=f"update to v{current} first",
             )
-        n = self._budget(
-            row.job_id, node.node_id, job, req.max_leases, node.streak, fresh=node.accepted == 0
-        )
+        n = self._budget(row.job_id, node, job, req.max_leases)
         if n <= 0:
             return m.LeaseReply(
                 leases=[],
@@ -81,6 +82,7 @@ class Leases:
                 message="buffer full",
             )
         now = time.time()
+        term = self.terms.term_s(node.node_id)
         rows, sealed = [], []
         for prompt_id in self.store.next_prompt_ids(row.job_id, n):
             prompt = job.prompt_tokens(prompt_id)
@@ -109,7 +111,7 @@ class Leases:
                 ),
                 min_version=min_version,
                 issued_at=now,
-                deadline=now + self.verification.lease_timeout_s,
+                deadline=now + term,
             )
             rows.append(
                 LeaseRow(
@@ -138,9 +140,7 @@ class Leases:
         self.metrics.leases_issued.inc(len(rows))
         return m.LeaseReply(leases=sealed, current_version=current, retry_after_s=0.0)
 
-    def _budget(
-        self, job_id: str, node_id: str, job: RunningJob, wanted: int, streak: int, *, fresh: bool
-    ) -> int:
+    def _budget(self, job_id: str, node: NodeRow, job: RunningJob, wanted: int) -> int:
         """How many new leases keep the buffer near its target without starving other nodes.
 
         A node's quota grows with its run of valid results (one more open lease per
@@ -152,7 +152,10 @@ class Leases:
         :meth:`~echo.coordinator.store.leases.LeaseTables.undelivered_lease_count`), and nodes
         without an accepted group (``fresh``) share ``fresh_lease_share`` of the window (unless
         ``lease_quota_ramp`` is 0): however many identities hoard, the rest of the window stays
-        with nodes that have delivered.
+        with nodes that have delivered. Nodes short of ``proven_groups`` share the same part of
+        the window while a proven node is active (:meth:`LeaseTerms.unproven_room`): a few
+        honest groups are cheap, and three identities that bought a quota of 2 each with them
+        held 6 of a window of 8 (issue 26).
         """
         cfg = self.verification
         # Synchronously (S = 0) every group still unsampled when the learner steps is wasted:
@@ -162,13 +165,18 @@ class Leases:
         in_flight = self.store.open_lease_count(job_id) + self.store.buffered_count(job_id)
         quota = cfg.max_open_leases_per_node
         if cfg.lease_quota_ramp:
-            quota = min(quota, 1 + streak // cfg.lease_quota_ramp)
+            quota = min(quota, 1 + node.streak // cfg.lease_quota_ramp)
         quota -= self.store.undelivered_lease_count(
-            node_id, time.time() - cfg.expired_lease_window_s
+            node.node_id, time.time() - cfg.expired_lease_window_s
         )
-        per_node = quota - self.store.open_lease_count(job_id, node_id)
+        per_node = quota - self.store.open_lease_count(job_id, node.node_id)
         room = target - in_flight
+        fresh = node.accepted == 0
         if fresh and cfg.lease_quota_ramp:  # ramp 0: the operator trusts identities at once
             allowance = max(1, int(target * cfg.fresh_lease_share))
             room = min(room, allowance - self.store.open_lease_count_fresh(job_id))
+        if room > 0 and per_node > 0:
+            unproven = self.terms.unproven_room(job_id, node.accepted, target)
+            if unproven is not None:
+                room = min(room, unproven)
         return max(0, min(wanted, per_node, room))

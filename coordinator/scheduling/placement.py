@@ -96,7 +96,7 @@ class _Node:
     since: float = 0.0
     decided: bool = False  # placed by a scheduling pass (else: never, or adopted)
     switches: int = 0
-    proven: bool = False  # has at least one accepted group (any job)
+    proven: bool = False  # has Placement.relay_groups accepted groups (any job)
     seen: float = field(default_factory=time.time)  # last heard from (see FORGET_S)
 
     def update_delivered(self, now: float) -> None:
@@ -131,9 +131,12 @@ class Placement:
         jobs: Mapping[str, RunningJob],
         params: SchedulerParams | None = None,
         every_s: float = 2.0,
+        relay_groups: int = 1,
     ) -> None:
         self.store = store
         self.jobs = jobs
+        # Accepted groups a node needs to be planned as a relay (see proven()).
+        self.relay_groups = relay_groups
         self.params = params or SchedulerParams()
         self.every_s = every_s
         self.nodes: dict[str, _Node] = {}
@@ -275,7 +278,11 @@ class Placement:
         free: planned as relays before they had delivered anything, 16 lease hoarders (no relay
         at all) sat in anchors' trees and stalled their subtrees (benchmarks/attack.py), so an
         unproven node is planned as a leaf. Left out of plans instead, a new node had to pull
-        whole versions and, on a fast job, never caught up to earn its first acceptance."""
+        whole versions and, on a fast job, never caught up to earn its first acceptance.
+        One group was not enough either: stale-version hoarders that bought a lease quota with 3
+        sat at the roots of stripes, and when they stopped, every honest node waited out its
+        push stall (10 s) for each version (benchmarks/attack.py); the coordinator sets
+        ``relay_groups`` to ``[verification] proven_groups``."""
         node = self.nodes.get(node_id)
         return node is not None and node.proven
 
@@ -339,10 +346,13 @@ class Placement:
                 JobDemand(job_id, terms.need_rps, sched.priority, sched.max_share, row.created_at)
             )
         supplies, self._rates = [], {}
+        # Per job, once a pass: a median over every known node, asked for each node without a
+        # rate of its own -- per node, a churn's fresh identities made the pass quadratic.
+        typical: dict[str, float] = {}
         for row in self._active_rows(now):
             node = self.nodes.setdefault(row.node_id, _Node(engine=row.engine))
             node.seen = max(node.seen, row.last_seen)
-            node.proven = row.accepted > 0
+            node.proven = row.accepted >= self.relay_groups
             node.update_delivered(now)
             if not node.hardware:
                 node.hardware, node.declared_tps = dict(row.hardware), row.tokens_per_s
@@ -357,7 +367,10 @@ class Placement:
                 rate = estimate_rate(
                     node.measured, sizes, tpr, job_id, node.declared_tps, node.delivered
                 )
-                rate = rate if rate is not None else self._typical_rate(job_id, tpr)
+                if rate is None:
+                    if job_id not in typical:
+                        typical[job_id] = self._typical_rate(job_id, tpr)
+                    rate = typical[job_id]
                 # Identities are free: a node with no verified work counts for next to nothing
                 # towards a job's need (it is still placed, and measured, where a job lacks
                 # throughput), or a swarm of fresh ones "meets" the need and benches the

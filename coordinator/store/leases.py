@@ -69,6 +69,29 @@ class LeaseTables(Database):
             ).fetchone()[0]
         )
 
+    def open_lease_count_unproven(self, job_id: str, proven_groups: int) -> int:
+        """Open leases of the job held by nodes with fewer than ``proven_groups`` accepted."""
+        return int(
+            self._db.execute(
+                "SELECT COUNT(*) FROM leases JOIN nodes USING (node_id)"
+                " WHERE leases.job_id=? AND leases.status='open' AND nodes.accepted<?",
+                (job_id, proven_groups),
+            ).fetchone()[0]
+        )
+
+    def delivery_times(self, node_id: str, n: int) -> list[float]:
+        """Seconds from issue to acceptance of the node's ``n`` newest accepted groups (its
+        newest rollouts through ``rollouts_node``, each lease by its key); a group the learner's
+        re-scoring rejected was no delivery."""
+        rows = self._db.execute(
+            "SELECT rollouts.created_at - leases.issued_at FROM rollouts"
+            " JOIN leases ON leases.lease_id=rollouts.rollout_id"
+            " WHERE rollouts.node_id=? AND rollouts.status!='rejected'"
+            " ORDER BY rollouts.created_at DESC LIMIT ?",
+            (node_id, n),
+        ).fetchall()
+        return [max(0.0, float(r[0])) for r in rows]
+
     def undelivered_lease_count(self, node_id: str, since: float) -> int:
         """Leases the node took and did not deliver (let expire, or had a submission of them
         rejected) that stopped being owed at or after ``since`` and after the node's last group

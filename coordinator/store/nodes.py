@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from echo.coordinator.store.db import Database
@@ -83,6 +84,26 @@ class NodeTables(Database):
             "SELECT * FROM nodes WHERE excluded=0 AND last_seen>? ORDER BY first_seen", (since,)
         ).fetchall()
         return [node_row(r) for r in rows]
+
+    def active_behind(self, since: float, version: int) -> Iterator[str]:
+        """Ids of the nodes not excluded, heard from after ``since``, that hold a version older
+        than ``version``, read as the caller goes (the ``nodes_active`` range, one column: no
+        rows built; a caller that stops at the first it needs reads no further)."""
+        cur = self._db.execute(
+            "SELECT node_id FROM nodes WHERE excluded=0 AND last_seen>? AND version<?",
+            (since, version),
+        )
+        for (node_id,) in cur:
+            yield node_id
+
+    def proven_node_active(self, since: float, proven_groups: int) -> bool:
+        """Whether a node not excluded, heard from after ``since``, has ``proven_groups``
+        accepted groups (the ``nodes_active`` range, stopped at the first such node)."""
+        row = self._db.execute(
+            "SELECT 1 FROM nodes WHERE excluded=0 AND last_seen>? AND accepted>=? LIMIT 1",
+            (since, proven_groups),
+        ).fetchone()
+        return row is not None
 
     def touch_node(
         self,

@@ -34,9 +34,15 @@ class Pruning(Database):
     """Deletes what the retention rules let go; see the module docstring."""
 
     def prune(
-        self, now: float, retention: RetentionSection, lease_window_s: float
+        self,
+        now: float,
+        retention: RetentionSection,
+        lease_window_s: float,
+        forgotten: list[str] | None = None,
     ) -> dict[str, int]:
-        """Apply ``retention`` as of ``now``; returns how many rows each rule touched."""
+        """Apply ``retention`` as of ``now``; returns how many rows each rule touched. The ids
+        of the nodes deleted are appended to ``forgotten``: what the coordinator keeps of them
+        in memory (their links and paths) goes with them."""
         lease_cutoff = now - max(retention.closed_leases_s, lease_window_s)
         envelope_cutoff = now - retention.trained_envelopes_s
         node_cutoff = now - retention.idle_nodes_s
@@ -65,6 +71,8 @@ class Pruning(Database):
                 " AND NOT EXISTS (SELECT 1 FROM leases WHERE leases.node_id=nodes.node_id"
                 " AND leases.status='open')"
             )
+            if forgotten is not None:
+                forgotten += [r[0] for r in db.execute(idle, (node_cutoff,))]
             db.execute(f"DELETE FROM node_versions WHERE node_id IN ({idle})", (node_cutoff,))
             out["nodes"] = db.execute(
                 f"DELETE FROM nodes WHERE node_id IN ({idle})", (node_cutoff,)
@@ -72,6 +80,8 @@ class Pruning(Database):
             # Excluded: its open leases were expired when it was excluded, so none is owed.
             gone = "SELECT node_id FROM nodes WHERE excluded!=0 AND excluded_at<? AND last_seen<?"
             args = (node_cutoff, node_cutoff)
+            if forgotten is not None:
+                forgotten += [r[0] for r in db.execute(gone, args)]
             db.execute(f"DELETE FROM node_versions WHERE node_id IN ({gone})", args)
             out["excluded_nodes"] = db.execute(
                 f"DELETE FROM nodes WHERE node_id IN ({gone})", args

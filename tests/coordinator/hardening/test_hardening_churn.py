@@ -210,3 +210,31 @@ def test_the_prober_looks_only_at_nodes_that_asked(tmp_path) -> None:
     # again).
     clock.t += PENDING_S + 1
     assert probes.due(diss, lambda n: False) == [] and len(probes) == 0
+
+
+def test_pruned_identities_leave_the_dissemination_links_too(tmp_path, monkeypatch) -> None:
+    """The store forgets a churned identity; so does the relay planner (its links were kept for
+    good: a churn of 5 identities a second grew them by 18,000 an hour)."""
+    import trio
+
+    import echo.coordinator.service as service
+    from tests.conftest import run_with_coordinator
+
+    monkeypatch.setattr(service, "PRUNE_EVERY_S", 0.5)
+
+    async def body(coord, client) -> None:
+        gone, staying = await client(), await client()
+        await gone.register()
+        await staying.register()
+        gone_id, staying_id = str(gone.host.peer_id), str(staying.host.peer_id)
+        assert {gone_id, staying_id} <= set(coord.dissemination.links)
+        coord.store._db.execute(
+            "UPDATE nodes SET last_seen=? WHERE node_id=?", (time.time() - 2 * DAY_S, gone_id)
+        )
+        with trio.fail_after(10):
+            while coord.store.node(gone_id) is not None:
+                await trio.sleep(0.2)
+        assert gone_id not in coord.dissemination.links
+        assert staying_id in coord.dissemination.links
+
+    run_with_coordinator(tmp_path, body)

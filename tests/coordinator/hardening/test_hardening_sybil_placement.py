@@ -75,3 +75,38 @@ def test_only_nodes_with_accepted_work_relay(tmp_path) -> None:
         assert coord.placement.proven(nid)
 
     run_with_coordinator(tmp_path, body, lease_quota_ramp=0, exclude_after_failures=100)
+
+
+def test_a_thin_record_does_not_make_a_relay(tmp_path) -> None:
+    """Stale-version hoarders bought a lease quota with 3 accepted groups each and sat at the
+    roots of the broadcast's stripes; when they stopped, every honest node waited out its push
+    stall for each version (benchmarks/attack.py, recovery 0.40). With a lease quota ramp, a
+    relay needs ``proven_groups`` accepted groups, the record the lease window asks of the
+    proven."""
+
+    async def body(coord, client) -> None:
+        job_id, _ = await start_job(coord, client)
+        node = await client()
+        await node.register()
+        nid = str(node.host.peer_id)
+        coord.placement.observed(nid, job_id, 0.0, 0)
+        for _ in range(3):
+            lease = open_lease(coord, (await node.leases(job_id, 0, 1)).leases[0])
+            assert (await node.submit(node.seal(group_for(lease)))).accepted
+        coord.placement.refresh()
+        assert coord.placement.plannable(nid, job_id, anchor=False)
+        assert not coord.placement.proven(nid), "3 groups made a relay"
+        for _ in range(2):
+            lease = open_lease(coord, (await node.leases(job_id, 0, 1)).leases[0])
+            assert (await node.submit(node.seal(group_for(lease)))).accepted
+        coord.placement.refresh()
+        assert coord.placement.proven(nid)
+
+    run_with_coordinator(
+        tmp_path,
+        body,
+        lease_quota_ramp=3,
+        proven_groups=5,
+        buffer_groups=16,
+        exclude_after_failures=100,
+    )
