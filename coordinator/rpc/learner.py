@@ -23,7 +23,7 @@ from echo.coordinator.config import BroadcastSection
 from echo.coordinator.dissemination.planning import Dissemination
 from echo.coordinator.jobs.context import RunningJob
 from echo.coordinator.metrics import Metrics
-from echo.coordinator.rpc.node import SMALL_REQUEST_BYTES, active_nodes, open_signed
+from echo.coordinator.rpc.common import SMALL_REQUEST_BYTES, active_nodes, open_signed
 from echo.coordinator.scheduling.placement import Placement
 from echo.coordinator.store import Store, StoreError
 from echo.coordinator.submissions.penalties import Penalties

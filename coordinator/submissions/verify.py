@@ -1,7 +1,9 @@
 """Verification of submitted rollouts, steps 1-4 of DESIGN.md (everything that needs no model).
 
-Fail closed and cheapest first: size → envelope and signature → schema → node and lease →
-version window → group shape, tokens, log-probs and termination → weights digest. Then the
+Fail closed and cheapest first (the node's admission was decided before, by
+:func:`~echo.coordinator.rpc.common.admission`): size → envelope and signature → schema → node
+key and lease → version window → group shape, tokens, log-probs and termination → weights
+digest. Then the
 reward is recomputed from the decoded texts, in the job's scoring sandbox
 (:mod:`echo.coordinator.submissions.scoring`: never in this process, never on the event loop), and
 :func:`check_claimed_rewards` compares it with what the node claimed: a node's reward is never
@@ -104,22 +106,19 @@ def check_submission(
     data: bytes,
     *,
     peer_key: bytes,
-    node_key: bytes | None,
-    node_excluded: bool,
+    node_key: bytes,
     lookup_lease: Callable[[str], LeaseRow | None],
     jobs: dict[str, JobContext],
     now: float | None = None,
 ) -> Checked:
-    """Run steps 1-4 on one signed submission from the peer whose key is ``peer_key``.
+    """Run steps 1-4 on one signed submission from the peer whose key is ``peer_key``, a node
+    registered with ``node_key`` and admitted (:func:`echo.coordinator.rpc.common.admission`
+    decides that, before anything is read).
 
     Raises :class:`Rejected` with a reason code from :mod:`echo.protocol.reasons`; changes no
     state (the caller stores the outcome).
     """
     now = time.time() if now is None else now
-    if node_key is None:
-        raise Rejected(R.UNKNOWN_NODE, "register before submitting")
-    if node_excluded:
-        raise Rejected(R.NODE_EXCLUDED, "this node failed verification too often")
     try:
         # The envelope first (SignatureError, or SchemaError for another kind), then its body
         # as a Submission (SchemaError).

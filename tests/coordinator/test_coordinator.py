@@ -11,6 +11,7 @@ import trio
 import zstandard
 from libp2p.custom_types import TProtocol
 
+from echo.coordinator.rpc.common import admission
 from echo.coordinator.store import Store
 from echo.models.tokenizer import EOS_ID, encode
 from echo.p2p.identity import Identity
@@ -284,8 +285,14 @@ def test_repeated_failures_exclude_node_and_drop_its_buffer(tmp_path) -> None:
         assert tuple(status) == ("dropped", R.NODE_EXCLUDED)
         r = await node.submit(node.seal(group_for(leases[3])))
         assert r.reason == R.NODE_EXCLUDED
-        with pytest.raises(RemoteError, match="excluded"):
-            await node.leases(job_id, 0, 1)
+        # One admission check words the refusal alike on every route a node takes.
+        refused = admission(coord.store.node(str(node.host.peer_id)))
+        assert refused is not None and refused[0] == R.NODE_EXCLUDED
+        assert (r.reason, r.detail) == refused
+        for ask in (lambda: node.leases(job_id, 0, 1), node.register):
+            with pytest.raises(RemoteError, match="excluded") as err:
+                await ask()
+            assert err.value.message == f"{refused[0]}: {refused[1]}"
 
     run_with_coordinator(tmp_path, body, exclude_after_failures=2)
 
