@@ -103,7 +103,12 @@ class PolicyFollower:
         )
         serve_chunks(host, chunks)
         sync = WeightSync(
-            host, job, self.session.peer, chunks, on_progress=self.display.pull_progress
+            host,
+            job,
+            self.session.peer,
+            chunks,
+            on_progress=self.display.pull_progress,
+            broadcasts=self,
         )
         await sync.add_source_addrs(job.learner_addrs)
         if not sync.sources:
@@ -128,11 +133,26 @@ class PolicyFollower:
             config=RelayConfig(upload_limit_bps=self.upload_limit_bps or None),
             serve_pulls=False,  # serve_chunks already answers pulls from this store
         )
-        self.relay = sync.relay = await nursery.start(relay.run)
+        self.relay = await nursery.start(relay.run)
         nursery.start_soon(self._listen_versions, job)
         nursery.start_soon(self._report_bad_peers)
         await self.sync_to(job.current_version)
         nursery.start_soon(self._heartbeat)
+
+    def carried_manifest(self, version: int) -> tuple[m.Manifest, bytes] | None:
+        """The verified manifest and envelope of ``version`` if the relay carries it
+        (:class:`~echo.node.weights.Broadcasts`)."""
+        if self.relay is None or self.sync is None or version < 0:
+            return None
+        t = self.relay.transfer(self.sync.job.job_id, version)
+        return None if t is None else (t.manifest, t.envelope)
+
+    def carried_versions(self) -> set[int]:
+        """The versions of this job the relay still carries (:class:`~echo.node.weights.Broadcasts`)."""
+        if self.relay is None or self.sync is None:
+            return set()
+        job_id = self.sync.job.job_id
+        return {t.version for t in self.relay.transfers.values() if t.job_id == job_id}
 
     def _queue_bad_peer(self, report: b.BadPeerReport) -> None:
         with contextlib.suppress(trio.WouldBlock):
