@@ -25,6 +25,22 @@ def packb(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
+def packb_fields(fields: list[tuple[str, Any]], *, encoded: str, items: list[bytes]) -> bytes:
+    """What :func:`packb` makes of the map ``fields`` (in order) with the field ``encoded``'s
+    value an array of ``items``, each already a :func:`packb` encoding: a reply made of stored
+    records is assembled without decoding them again."""
+    packer = msgpack.Packer(use_bin_type=True)
+    out = [packer.pack_map_header(len(fields))]
+    for name, value in fields:
+        out.append(packer.pack(name))
+        if name == encoded:
+            out.append(packer.pack_array_header(len(items)))
+            out.extend(items)
+        else:
+            out.append(packer.pack(value))
+    return b"".join(out)
+
+
 def unpackb(
     data: bytes,
     *,

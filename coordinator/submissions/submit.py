@@ -226,7 +226,8 @@ class Submissions:
         log.info("rejected %s from %s: %s", lease_id or "?", node_id[-8:], rej)
 
     def _store_accepted(self, node_id: str, data: bytes, result: Accepted) -> None:
-        """Store the verified group decoded (a batch reads it back), its envelope for audit;
+        """Store the verified group as the learner trains on it (a batch hands it out as
+        stored), its envelope for audit;
         under the job's ``skip_uniform_groups``, one whose rewards are all equal is stored
         without being buffered (see :func:`buffers`)."""
         job = self.jobs.get(result.lease.job_id)
@@ -243,7 +244,7 @@ class Submissions:
                 version=result.submission.version,
                 prompt_id=result.lease.prompt_id,
                 engine=result.submission.engine,
-                completions=result.submission.completions,
+                group=result.training_group(),
                 rewards=result.rewards,
                 tokens=result.tokens,
                 content_hash=result.content_hash,

@@ -66,11 +66,13 @@ class JobContext:
 @dataclass(frozen=True)
 class Checked:
     """A submission that passed steps 1-4: the group, its lease, its decoded texts (what the
-    sandbox scores), how many tokens it holds and its content hash."""
+    sandbox scores), its completions as the learner trains on them (the one decoding of the
+    node's arrays), how many tokens it holds and its content hash."""
 
     submission: m.Submission
     lease: LeaseRow
     texts: list[str]
+    completions: list[m.TrainingCompletion]
     tokens: int
     content_hash: bytes
 
@@ -82,8 +84,25 @@ class Accepted:
     submission: m.Submission
     lease: LeaseRow
     rewards: list[float]
+    completions: list[m.TrainingCompletion]
     tokens: int
     content_hash: bytes
+
+    def training_group(self) -> bytes:
+        """The encoded TrainingGroup the learner is handed (stored once, when accepted): the
+        prompt as the lease carried it, the verified completions, the recomputed rewards."""
+        return m.encode(
+            m.TrainingGroup.model_construct(
+                rollout_id=self.lease.lease_id,
+                node_id=self.lease.node_id,
+                prompt_id=self.lease.prompt_id,
+                prompt_tokens=list(self.lease.prompt_ids),
+                version=self.submission.version,
+                engine=self.submission.engine,
+                rewards=self.rewards,
+                completions=self.completions,
+            )
+        )
 
 
 def check_claimed_rewards(checked: Checked, rewards: list[float]) -> Accepted:
@@ -98,7 +117,12 @@ def check_claimed_rewards(checked: Checked, rewards: list[float]) -> Accepted:
     ):
         raise Rejected(R.REWARD_MISMATCH, "claimed rewards differ from the recomputed ones")
     return Accepted(
-        checked.submission, checked.lease, rewards, checked.tokens, checked.content_hash
+        checked.submission,
+        checked.lease,
+        rewards,
+        checked.completions,
+        checked.tokens,
+        checked.content_hash,
     )
 
 
@@ -165,6 +189,7 @@ def check_submission(
         raise Rejected(R.WRONG_WEIGHTS, f"state digest differs from v{sub.version}")
 
     texts: list[str] = []
+    completions: list[m.TrainingCompletion] = []
     hasher = hashlib.sha256(lease.job_id.encode() + b"\x00" + ctx.prompt_key(lease.prompt_id))
     tokens = 0
     for i, comp in enumerate(sub.completions):
@@ -188,9 +213,17 @@ def check_submission(
             raise Rejected(
                 R.BAD_TERMINATION, f"completion {i}: 'length' must fill max_new_tokens without EOS"
             )
-        body = ids[:-1] if comp.finish_reason == "stop" else ids
-        texts.append(ctx.decode(body.tolist()))
+        ids_list = ids.tolist()
+        texts.append(ctx.decode(ids_list[:-1] if comp.finish_reason == "stop" else ids_list))
+        # Checked above: built without validating the lists again.
+        completions.append(
+            m.TrainingCompletion.model_construct(
+                token_ids=ids_list,
+                logprobs=lps.tolist(),
+                finish_reason=comp.finish_reason,
+            )
+        )
         hasher.update(comp.token_ids)
         hasher.update(b"\x00")
         tokens += int(ids.size)
-    return Checked(sub, lease, texts, tokens, hasher.digest())
+    return Checked(sub, lease, texts, completions, tokens, hasher.digest())

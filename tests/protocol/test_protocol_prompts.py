@@ -68,10 +68,11 @@ def test_the_training_group_bound_covers_real_encodings_at_their_longest() -> No
     rng = np.random.default_rng(0)
     widest = "\U0001f600"  # 4 bytes in UTF-8: the longest a character of a string field takes
     for group_size, tokens in [(1, 1), (3, 64), (16, 4096)]:
+        # Ids that take msgpack's longest int form, log-probs its double.
         comps = [
-            m.CompletionRecord(
-                token_ids=m.pack_tokens(rng.integers(0, 2**31 - 1, tokens)),
-                logprobs=m.pack_logprobs(-rng.random(tokens, dtype=np.float32)),
+            m.TrainingCompletion(
+                token_ids=rng.integers(2**16, 2**31 - 1, tokens).tolist(),
+                logprobs=(-rng.random(tokens)).tolist(),
                 finish_reason="length",
             )
             for _ in range(group_size)
@@ -80,7 +81,7 @@ def test_the_training_group_bound_covers_real_encodings_at_their_longest() -> No
             rollout_id=widest * 128,
             node_id=widest * 128,
             prompt_id=2**62 - 1,
-            prompt_tokens=m.pack_tokens([2**31 - 1] * m.MAX_PROMPT_TOKENS),
+            prompt_tokens=[2**31 - 1] * m.MAX_PROMPT_TOKENS,
             version=2**40,
             engine=widest * 256,
             rewards=[-1.2345678901234567e300] * group_size,
