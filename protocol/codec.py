@@ -16,6 +16,7 @@ import zstandard
 from echo.protocol import limits
 from echo.protocol.errors import DecodeError
 
+_CONTAINERS = frozenset({list, dict})
 # zstd frame magic, little-endian 0xFD2FB528.
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
@@ -85,10 +86,11 @@ def _check_depth(obj: Any, max_depth: int) -> None:
         item, depth = stack.pop()
         if depth > max_depth:
             raise DecodeError(f"msgpack nesting deeper than {max_depth}")
-        if isinstance(item, list):
-            stack.extend((x, depth + 1) for x in item if isinstance(x, list | dict))
-        elif isinstance(item, dict):
-            stack.extend((x, depth + 1) for x in item.values() if isinstance(x, list | dict))
+        # msgpack makes exact lists and dicts. A list of scalars (token ids, log-probs: a batch
+        # reply holds millions) is told by a C-level pass over its element types, not a loop.
+        values = item if isinstance(item, list) else item.values() if isinstance(item, dict) else ()
+        if values and not _CONTAINERS.isdisjoint(map(type, values)):
+            stack.extend((x, depth + 1) for x in values if isinstance(x, list | dict))
 
 
 def is_zstd(data: bytes) -> bool:

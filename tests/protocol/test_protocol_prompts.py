@@ -97,3 +97,32 @@ def test_one_group_at_the_protocols_extremes_fits_a_batch_reply() -> None:
     assert worst + 256 <= limits.MAX_BATCH_REPLY_BYTES
     # and the issue's batch (8 groups of 16 completions of 4,096 tokens) fits one reply
     assert 8 * m.training_group_bound(16, 4096) + 256 <= limits.MAX_BATCH_REPLY_BYTES
+
+
+def test_a_batch_reply_of_stored_groups_is_the_reply_encoded_whole() -> None:
+    """The coordinator splices the groups it encoded when it accepted them into a batch reply
+    (protocol 9): the bytes are what encoding the whole reply gives, and decode to the groups."""
+    groups = [
+        m.TrainingGroup(
+            rollout_id=f"r{i}",
+            node_id="n",
+            prompt_id=i,
+            prompt_tokens=[1, 2**31 - 1],
+            version=3,
+            engine="torch",
+            rewards=[0.5, -1.0],
+            completions=[
+                m.TrainingCompletion(token_ids=[7, 300], logprobs=[-0.25, -3.5e-8],
+                                     finish_reason="stop"),
+                m.TrainingCompletion(token_ids=[70000], logprobs=[0.0], finish_reason="length"),
+            ],
+        )
+        for i in range(3)
+    ]
+    for kept, more, cancelled in ((groups, True, False), ([], False, True)):
+        spliced = m.encode_batch_reply(
+            [m.encode(g) for g in kept], 4, more=more, cancelled=cancelled
+        )
+        whole = m.BatchReply(groups=kept, current_version=4, more=more, cancelled=cancelled)
+        assert spliced == m.encode(whole)
+        assert m.decode(m.BatchReply, spliced) == whole
