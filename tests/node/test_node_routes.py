@@ -27,3 +27,26 @@ def test_weight_sync_asks_the_follower_not_its_relay() -> None:
         assert inspect.signature(getattr(PolicyFollower, name)).parameters.keys() == (
             inspect.signature(getattr(weights.Broadcasts, name)).parameters.keys()
         )
+
+
+def test_a_node_learns_of_a_version_from_its_lease_reply_alone() -> None:
+    """The worker syncs to the version a lease reply names and to nothing else; the follower
+    syncs on its own to nothing (a gossiped plan only carries chunks). That the one route
+    suffices when no plan ever arrives is tests/e2e/test_e2e.py's
+    ``test_nodes_that_hear_no_plan_follow_every_version_through_their_lease_replies``."""
+    import echo.node.policy as policy
+    import echo.node.worker as worker
+
+    def sync_calls(module) -> list[str]:
+        return [
+            ast.unparse(call.args[0])
+            for call in ast.walk(ast.parse(inspect.getsource(module)))
+            if isinstance(call, ast.Call)
+            and isinstance(call.func, ast.Attribute)
+            and call.func.attr == "sync_to"
+        ]
+
+    assert sync_calls(worker) == ["reply.current_version"]
+    # The follower's only call is its weight sync's, inside sync_to itself, to the same target.
+    assert sync_calls(policy) == ["target"]
+    assert "announced" not in inspect.getsource(policy) + inspect.getsource(worker)
