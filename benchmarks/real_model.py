@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from engines import NodePath, build_engine, close, out_threads
 from safetensors.torch import load_file, save_file
@@ -150,16 +151,16 @@ def bench_learner(spec: ModelSpec, quick: bool, threads: int) -> tuple[dict[str,
                     rollout_id=f"r{s}-{i}",
                     node_id="node",
                     prompt_id=pid,
-                    prompt_tokens=m.pack_tokens(prompts[i]),
+                    prompt_tokens=list(prompts[i]),
                     version=trainer.version,
                     engine="torch",
                     rewards=[
                         task.reward(pid, decode_completion(spec, c.token_ids, tok)) for c in comps
                     ],
                     completions=[
-                        m.CompletionRecord(
-                            token_ids=m.pack_tokens(c.token_ids),
-                            logprobs=m.pack_logprobs(c.logprobs),
+                        m.TrainingCompletion(
+                            token_ids=list(c.token_ids),
+                            logprobs=np.float32(c.logprobs).tolist(),
                             finish_reason=c.finish_reason,
                         )
                         for c in comps

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from echo.learner.grpo import GRPOConfig, GRPOLearner, TrainGroup
@@ -148,10 +149,10 @@ def make_batch(engine: TorchEngine, spec: ModelSpec, task, version: int, n: int,
         pid = seed * 100 + i
         out.append(m.TrainingGroup(
             rollout_id=f"r{seed}-{version}-{i}", node_id="node", prompt_id=pid,
-            prompt_tokens=m.pack_tokens(reqs[i].prompt_ids), version=version, engine="torch",
+            prompt_tokens=list(reqs[i].prompt_ids), version=version, engine="torch",
             rewards=[task.reward(pid, decode_completion(spec, c.token_ids[:-1])) for c in comps],
-            completions=[m.CompletionRecord(
-                token_ids=m.pack_tokens(c.token_ids), logprobs=m.pack_logprobs(c.logprobs),
+            completions=[m.TrainingCompletion(
+                token_ids=list(c.token_ids), logprobs=np.float32(c.logprobs).tolist(),
                 finish_reason=c.finish_reason) for c in comps]))
     return out
 

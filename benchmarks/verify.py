@@ -90,7 +90,6 @@ def bench_steps_1_4(n: int) -> dict[str, float]:
             data,
             peer_key=key,
             node_key=key,
-            node_excluded=False,
             lookup_lease=leases.get,
             jobs={"job": ctx},
         )

@@ -28,8 +28,9 @@ from echo.coordinator.dissemination.dialbacks import run_reachability
 from echo.coordinator.dissemination.planning import Dissemination
 from echo.coordinator.jobs.control import JobControl
 from echo.coordinator.metrics import Metrics
+from echo.coordinator.rpc.common import active_nodes
 from echo.coordinator.rpc.learner import LearnerRPC
-from echo.coordinator.rpc.node import NodeRPC, active_nodes
+from echo.coordinator.rpc.node import NodeRPC
 from echo.coordinator.scheduling.assign import SchedulerParams
 from echo.coordinator.scheduling.leases import Leases
 from echo.coordinator.scheduling.placement import Placement

@@ -200,14 +200,14 @@ class Learner:
     # ------------------------------------------------------------------ coordinator RPC
 
     async def _rpc(self, proto: str, record: m.Record, reply_cls):
-        """``record``, signed, to the coordinator; its reply as a ``reply_cls``. Replies are
-        bounded by the largest the coordinator sends (a batch). :raises RpcError: the call
-        failed. :raises ProtocolError: the reply does not decode."""
+        """``record``, signed, to the coordinator; its reply as a ``reply_cls``, decoded in a worker
+        thread (a batch's ids are lists, up to 32 MiB: the loop keeps serving chunks). :raises
+        RpcError: the call failed. :raises ProtocolError: the reply does not decode."""
         assert self.host is not None
         sealed = signing.seal_record(self.identity.private_key, record)
         cap = limits.MAX_BATCH_REPLY_BYTES
         data = await self._request(proto, sealed, cap)
-        return m.decode(reply_cls, data, max_bytes=cap)
+        return await trio.to_thread.run_sync(lambda: m.decode(reply_cls, data, max_bytes=cap))
 
     async def _request(self, proto: str, sealed: bytes, max_response: int) -> bytes:
         """One request to the coordinator. :raises Superseded: it refused our learner epoch.

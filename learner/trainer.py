@@ -3,8 +3,9 @@
 :class:`Trainer` owns the policy and its optimizer (:class:`~echo.learner.grpo.GRPOLearner`),
 the re-scorer with the weights of the versions a group may still claim, the task and its
 held-out evaluation. :meth:`Trainer.train` takes one batch through three stages, each in its
-own module: decoding the wire records (:func:`decode_batch`, limits checked), the re-scoring
-gate (``echo.learner.rescore``), and the GRPO step (``echo.learner.grpo``). It does no I/O: the
+own module: the wire records as GRPO groups (:func:`train_groups`: the coordinator verified and
+decoded them once, so nothing is unpacked here), the re-scoring gate (``echo.learner.rescore``),
+and the GRPO step (``echo.learner.grpo``, which refuses a token id outside the vocabulary). It does no I/O: the
 learner process (``echo.learner.service``) publishes, checkpoints and reports what it returns.
 """
 
@@ -16,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from echo.learner import checkpoint
@@ -33,29 +33,18 @@ from echo.tasks.registry import make_task
 
 log = logging.getLogger("echo.learner")
 
-# Longest prompt or completion a group may carry into a step (tokens); the coordinator's limits
-# are tighter, this only bounds what a decoding bug could allocate.
-MAX_SEQ_TOKENS = 1 << 16
-
-
-def decode_batch(
-    batch: list[m.TrainingGroup], vocab_size: int
-) -> tuple[list[TrainGroup], list[list[str]]]:
-    """The groups as the GRPO step reads them, and each completion's finish reason.
-
-    :raises ProtocolError: a token id outside the vocabulary or a sequence over the limit.
-    """
+def train_groups(batch: list[m.TrainingGroup]) -> tuple[list[TrainGroup], list[list[str]]]:
+    """The groups as the GRPO step reads them, and each completion's finish reason: the wire
+    records carry them in that form (protocol 9), so this only regroups their fields."""
     groups, finish = [], []
     for g in batch:
-        prompt = m.unpack_tokens(g.prompt_tokens, vocab_size=vocab_size, max_len=MAX_SEQ_TOKENS)
-        comps = [
-            m.unpack_tokens(c.token_ids, vocab_size=vocab_size, max_len=MAX_SEQ_TOKENS)
-            for c in g.completions
-        ]
-        lps = [np.frombuffer(c.logprobs, dtype="<f4").astype(float).tolist() for c in g.completions]
         groups.append(
             TrainGroup(
-                prompt.tolist(), [c.tolist() for c in comps], lps, list(g.rewards), g.version
+                g.prompt_tokens,
+                [c.token_ids for c in g.completions],
+                [c.logprobs for c in g.completions],
+                list(g.rewards),
+                g.version,
             )
         )
         finish.append([c.finish_reason for c in g.completions])
@@ -206,13 +195,12 @@ class Trainer:
         the step's critical path. Groups from the current weights are left to the step, which
         judges them from its own forward at no extra cost.
 
-        :raises ProtocolError: a group that does not decode (see :func:`decode_batch`).
         """
         current = self._fused_version()
         todo = [g for g in groups if g.version != current and g.rollout_id not in self._early]
         if not todo:
             return
-        decoded, finish = decode_batch(todo, self.learner.vocab_size)
+        decoded, finish = train_groups(todo)
         verdicts = self.rescorer.check(decoded, finish, [g.engine for g in todo])
         self._early.update(zip((g.rollout_id for g in todo), verdicts, strict=True))
         self._early_s += self.rescorer.last_seconds
@@ -226,9 +214,9 @@ class Trainer:
         when the published weights are the master weights: a bf16 policy differs from the fp32
         master the step runs on).
 
-        :raises ProtocolError: a group that does not decode (see :func:`decode_batch`).
+        :raises ValueError: a group the GRPO step refuses (see ``TrainGroup.check``).
         """
-        decoded, finish = decode_batch(batch, self.learner.vocab_size)
+        decoded, finish = train_groups(batch)
         engines = [g.engine for g in batch]
         current = self._fused_version()
         results: dict[int, Verdict] = {

@@ -4,8 +4,13 @@
 (served to peers), the :class:`~echo.node.weights.WeightSync` that brings the state to a version,
 the push relay that gives the node its place in each version's broadcast tree (a gossip listener
 joins every plan the coordinator announces), the bad-relay reports the relay raises, and the
-status the node reports every few seconds (version held, measured upload rate). A sync first lets
-the relay bring the version if a plan covers the node, then pulls what is missing, riding out a
+status the node reports every few seconds (version held, measured upload rate).
+
+A node learns that a version is out one way: the coordinator's lease reply names the job's
+current version, and the worker calls :meth:`PolicyFollower.sync_to` with it. A gossiped plan
+decides only how a version's chunks arrive (pushed down its tree), never whether to sync: a node
+that missed it learns of the version from its next lease reply and pulls. A sync first lets the
+relay bring the version if a plan covers the node, then pulls what is missing, riding out a
 learner restart; the engine loads each new state in a worker thread so the host keeps serving.
 """
 
@@ -41,7 +46,7 @@ log = logging.getLogger("echo.node")
 STATUS_EVERY_S = 10.0
 # A learner restart takes a few seconds; a node waits this long for weights before giving up.
 SYNC_GIVE_UP_S = 300.0
-# A lease reply can announce a version before its plan arrives by gossip: wait this long for the
+# A lease reply can name a version before its plan arrives by gossip: wait this long for the
 # push to start before pulling, then this long for the relay (which pulls around stalls itself)
 # to complete the version before falling back to pulling it whole.
 PLAN_WAIT_S = 1.0
@@ -60,7 +65,7 @@ BAD_PEER_QUEUE = 32
 
 class PolicyFollower:
     """The node's policy for one job (see the module docstring): :meth:`prepare`, then
-    :meth:`start`; :meth:`sync_to` whenever a newer version is known.
+    :meth:`start`; :meth:`sync_to` whenever a lease reply names a newer version.
 
     ``upload_limit_bps`` is the volunteer's cap on pushes to relay children (0: none);
     ``measured_upload_bps`` the push rate a previous job's follower measured (0: none), since a
@@ -87,7 +92,7 @@ class PolicyFollower:
         self.engine: Engine | None = None
         self.sync: WeightSync | None = None
         self.relay: Relay | None = None
-        self.announced = -1  # the newest version a broadcast plan announced
+        self._nursery: trio.Nursery | None = None  # start()'s: the heartbeat joins it
         self._punched_said: set[int] = set()  # versions whose punched-path chunks were told
         self._bad_peers_in, self._bad_peers_out = trio.open_memory_channel[b.BadPeerReport](
             BAD_PEER_QUEUE
@@ -103,7 +108,12 @@ class PolicyFollower:
         )
         serve_chunks(host, chunks)
         sync = WeightSync(
-            host, job, self.session.peer, chunks, on_progress=self.display.pull_progress
+            host,
+            job,
+            self.session.peer,
+            chunks,
+            on_progress=self.display.pull_progress,
+            broadcasts=self,
         )
         await sync.add_source_addrs(job.learner_addrs)
         if not sync.sources:
@@ -112,11 +122,9 @@ class PolicyFollower:
         return sync
 
     async def start(self, nursery: trio.Nursery, engine: Engine) -> None:
-        """Run the relay, the plan listener, the bad-peer reporter and (after the first sync,
-        which brings ``engine`` to the job's current version) the heartbeat in ``nursery``.
-
-        :raises NodeError: no weights for :data:`SYNC_GIVE_UP_S` (see :meth:`sync_to`).
-        """
+        """Run the relay, the plan listener and the bad-peer reporter in ``nursery``; the
+        heartbeat joins them after the first sync (:meth:`sync_to`, when the first lease reply
+        names the version ``engine`` must hold)."""
         assert self.sync is not None
         sync, job = self.sync, self.sync.job
         self.engine = engine
@@ -128,11 +136,26 @@ class PolicyFollower:
             config=RelayConfig(upload_limit_bps=self.upload_limit_bps or None),
             serve_pulls=False,  # serve_chunks already answers pulls from this store
         )
-        self.relay = sync.relay = await nursery.start(relay.run)
+        self.relay = await nursery.start(relay.run)
+        self._nursery = nursery
         nursery.start_soon(self._listen_versions, job)
         nursery.start_soon(self._report_bad_peers)
-        await self.sync_to(job.current_version)
-        nursery.start_soon(self._heartbeat)
+
+    def carried_manifest(self, version: int) -> tuple[m.Manifest, bytes] | None:
+        """The verified manifest and envelope of ``version`` if the relay carries it
+        (:class:`~echo.node.weights.Broadcasts`)."""
+        if self.relay is None or self.sync is None or version < 0:
+            return None
+        t = self.relay.transfer(self.sync.job.job_id, version)
+        return None if t is None else (t.manifest, t.envelope)
+
+    def carried_versions(self) -> set[int]:
+        """The versions of this job the relay still carries
+        (:class:`~echo.node.weights.Broadcasts`)."""
+        if self.relay is None or self.sync is None:
+            return set()
+        job_id = self.sync.job.job_id
+        return {t.version for t in self.relay.transfers.values() if t.job_id == job_id}
 
     def _queue_bad_peer(self, report: b.BadPeerReport) -> None:
         with contextlib.suppress(trio.WouldBlock):
@@ -150,9 +173,9 @@ class PolicyFollower:
                 log.debug("bad-peer report not delivered: %s", exc)
 
     async def _listen_versions(self, job: m.JobInfo) -> None:
-        """Gossip tells us early that a version is out, and the relay tree that carries it: we
-        take our place in it (receive from our parents, forward to our children). Leases would
-        tell us of the version too, later, and we would pull it."""
+        """Gossip brings each version's relay tree: we take our place in it (receive from our
+        parents, forward to our children), so that the version is here, or on its way, when a
+        lease reply names it. It syncs nothing: a plan that never arrives costs a pull."""
         assert self.relay is not None and self.session.host is not None
         # Only the coordinator's signed plans are taken, and so forwarded (issue 13).
         only_plans = signed_by(
@@ -162,12 +185,9 @@ class PolicyFollower:
         try:
             async for _peer, data in sub:
                 try:
-                    ann = await self.relay.join_plan(data, self.session.key, job.job_id)
+                    await self.relay.join_plan(data, self.session.key, job.job_id)
                 except ProtocolError as exc:
                     log.debug("version announcement ignored: %s", exc)
-                    continue
-                if ann is not None:
-                    self.announced = max(self.announced, ann.version)
         finally:
             # The node's next job subscribes again (one subscription per topic and host).
             with trio.CancelScope(shield=True), trio.move_on_after(5.0):
@@ -229,6 +249,9 @@ class PolicyFollower:
                 with contextlib.suppress(WeightError, RpcError, ProtocolError):
                     target = max(target, await sync.latest_version())
         self._say_punched(sync.job.job_id, sync.version)
+        if self._nursery is not None:  # the first sync: from now on there is a version to report
+            self._nursery.start_soon(self._heartbeat)
+            self._nursery = None
         if changed:
             assert self.engine is not None and sync.state is not None
             await trio.to_thread.run_sync(self.engine.load_state, sync.state)

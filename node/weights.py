@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import trio
@@ -22,7 +23,6 @@ import trio
 from echo.models.weights import from_bits, state_digest, state_digests, state_from_bytes, to_bits
 from echo.p2p.chunkstore import ChunkHashMismatch, ChunkStore, fetch_chunk
 from echo.p2p.host import EchoHost
-from echo.p2p.relay import Relay
 from echo.p2p.rpc import RpcError
 from echo.protocol import ids
 from echo.protocol import messages as m
@@ -47,10 +47,22 @@ class WeightError(ProtocolError):
 ProgressFn = Callable[[int, int, int], None]  # (version, bytes done, bytes total)
 
 
+class Broadcasts(Protocol):
+    """What a sync needs of the versions the node's broadcasts carry
+    (:class:`~echo.node.policy.PolicyFollower` answers it from its relay)."""
+
+    def carried_manifest(self, version: int) -> tuple[m.Manifest, bytes] | None:
+        """The verified manifest of ``version`` and its envelope, if a broadcast carries it."""
+
+    def carried_versions(self) -> set[int]:
+        """The versions broadcasts still carry (their chunks must stay in the store)."""
+
+
 class WeightSync:
     """The node's state of ``job`` and the fetching that moves it forward (see the module
     docstring). ``coordinator`` is the coordinator's peer id; ``on_progress`` is called after
-    each chunk of a version that is fetched."""
+    each chunk of a version that is fetched; ``broadcasts`` answers for the versions pushed to
+    the node (None: none are)."""
 
     def __init__(
         self,
@@ -59,6 +71,7 @@ class WeightSync:
         coordinator,
         store: ChunkStore,
         on_progress: ProgressFn | None = None,
+        broadcasts: Broadcasts | None = None,
     ) -> None:
         self.host = host
         self.job = job
@@ -72,9 +85,9 @@ class WeightSync:
         self.download_bps = 0.0
         self.sources: list = []  # peer ids to fetch chunks from, best first
         self.bad_peers: set = set()
-        # The node's relay: its transfers hold verified manifests, and the versions it is still
-        # carrying stay in the store when a sync prunes it.
-        self.relay: Relay | None = None
+        # Pushed versions come with verified manifests, and their chunks stay in the store
+        # when a sync prunes it.
+        self.broadcasts = broadcasts
 
     async def add_source_addrs(self, addrs: list[str]) -> None:
         """Add the first of ``addrs`` that can be dialled to the peers chunks are fetched from
@@ -91,16 +104,15 @@ class WeightSync:
 
     async def manifest(self, version: int) -> tuple[m.Manifest, bytes]:
         """The verified manifest of ``version`` (-1: the job's current one) and its envelope:
-        the relay's when it carries that version, else the coordinator's.
+        a broadcast's when one carries that version, else the coordinator's.
 
         :raises ManifestError: the coordinator's envelope does not verify (see
             :meth:`check_manifest`).
         :raises RpcError: the coordinator cannot be asked or has no such version.
         """
-        if version >= 0 and self.relay is not None:
-            t = self.relay.transfer(self.job.job_id, version)
-            if t is not None:
-                return t.manifest, t.envelope
+        carried = self.broadcasts.carried_manifest(version) if self.broadcasts else None
+        if version >= 0 and carried is not None:
+            return carried
         data = await self.host.request(
             self.coordinator,
             ids.PROTO_MANIFEST,
@@ -155,7 +167,7 @@ class WeightSync:
         self.state, self.version, self.digest = state, latest.version, latest.state_digest
         elapsed = time.perf_counter() - t0
         self.download_bps = received / max(elapsed, 1e-6)
-        carried = {t.version for t in self.relay.transfers.values()} if self.relay else set()
+        carried = self.broadcasts.carried_versions() if self.broadcasts else set()
         self.store.prune(keep={latest.version, latest.anchor_version} | carried)
         log.info("holding v%d (%d version(s), %.1f kB in %.2f s)", latest.version, len(plan),
                  received / 1e3, elapsed)

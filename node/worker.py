@@ -9,13 +9,14 @@ the node cannot be dialled (:meth:`~echo.node.session.CoordinatorSession.keep_re
 
 A node serves jobs until it is stopped. It registers, and the coordinator's scheduler places it
 on one job (or keeps it idle: on standby, or with nothing running that fits it; it registers
-again every few seconds meanwhile). For that job it starts an engine on the job's model, syncs
-weights to the job's current version, then loops: ask for leases (saying which version it holds),
+again every few seconds meanwhile). For that job it starts an engine on the job's model, then
+loops: ask for leases (saying which version it holds; the first reply names the one to fetch),
 check each lease's coordinator signature, generate the whole group of every lease in one batch in
 a worker thread from the prompt token ids the signed lease carries (a node needs neither the
 dataset nor any task code), sign and submit each group, and show the volunteer what was accepted
-and why anything was rejected. A gossip listener and the lease replies both tell it when a newer
-version is out; it syncs before generating again. When the job ends, or a lease reply says the
+and why anything was rejected. Each lease reply names the job's current version, the one way a
+node learns of a new one: it syncs to it before generating again (a gossiped plan only brings
+the version's chunks, see :mod:`~echo.node.policy`). When the job ends, or a lease reply says the
 scheduler moved the node, it passes the version in hand on to its relay children, closes the
 engine (freeing its memory), and goes back to registration for its next job; the chunk stores of
 jobs it no longer serves are pruned to the volunteer's ``max_disk_gb``.
@@ -246,8 +247,6 @@ class Node:
                 self.say(f"outside the schedule {self.cfg.schedule}: pausing")
                 while not self.cfg.working_now():
                     await trio.sleep(30)
-            if self.policy.announced > sync.version:
-                await self.policy.sync_to(self.policy.announced)
             req = m.LeaseRequest(
                 job_id=job.job_id,
                 max_leases=self.cfg.leases_at_once,

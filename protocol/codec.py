@@ -16,6 +16,7 @@ import zstandard
 from echo.protocol import limits
 from echo.protocol.errors import DecodeError
 
+_CONTAINERS = frozenset({list, dict})
 # zstd frame magic, little-endian 0xFD2FB528.
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
@@ -23,6 +24,22 @@ _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 def packb(obj: Any) -> bytes:
     """Encode ``obj`` canonically (maps keep insertion order; bytes stay binary)."""
     return msgpack.packb(obj, use_bin_type=True)
+
+
+def packb_fields(fields: list[tuple[str, Any]], *, encoded: str, items: list[bytes]) -> bytes:
+    """What :func:`packb` makes of the map ``fields`` (in order) with the field ``encoded``'s
+    value an array of ``items``, each already a :func:`packb` encoding: a reply made of stored
+    records is assembled without decoding them again."""
+    packer = msgpack.Packer(use_bin_type=True)
+    out = [packer.pack_map_header(len(fields))]
+    for name, value in fields:
+        out.append(packer.pack(name))
+        if name == encoded:
+            out.append(packer.pack_array_header(len(items)))
+            out.extend(items)
+        else:
+            out.append(packer.pack(value))
+    return b"".join(out)
 
 
 def unpackb(
@@ -69,10 +86,11 @@ def _check_depth(obj: Any, max_depth: int) -> None:
         item, depth = stack.pop()
         if depth > max_depth:
             raise DecodeError(f"msgpack nesting deeper than {max_depth}")
-        if isinstance(item, list):
-            stack.extend((x, depth + 1) for x in item if isinstance(x, list | dict))
-        elif isinstance(item, dict):
-            stack.extend((x, depth + 1) for x in item.values() if isinstance(x, list | dict))
+        # msgpack makes exact lists and dicts. A list of scalars (token ids, log-probs: a batch
+        # reply holds millions) is told by a C-level pass over its element types, not a loop.
+        values = item if isinstance(item, list) else item.values() if isinstance(item, dict) else ()
+        if values and not _CONTAINERS.isdisjoint(map(type, values)):
+            stack.extend((x, depth + 1) for x in values if isinstance(x, list | dict))
 
 
 def is_zstd(data: bytes) -> bool:

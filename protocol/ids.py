@@ -21,7 +21,10 @@
 # 8: learner epochs: LearnerHello / BatchRequest / StepReport .epoch, issued by the coordinator;
 #    a request with any but the job's newest is refused (code messages.LEARNER_EPOCH_REFUSED).
 #    JobInfo.task.params no longer carries file paths (jobspec.node_task_params).
-PROTOCOL_VERSION = 8
+# 9: a TrainingGroup carries the group in the form the learner trains on (token ids and
+#    log-probs as lists, messages.TrainingCompletion), encoded once when the coordinator accepts
+#    it: the learner no longer unpacks the node's arrays a second time (issue 29).
+PROTOCOL_VERSION = 9
 
 # libp2p stream protocols (request/response, one frame each way).
 PROTO_REGISTER = "/echo/register/1.0.0"  # node -> coordinator

@@ -311,37 +311,53 @@ class BatchRequest(Record):
     epoch: LearnerEpoch = 0
 
 
+class TrainingCompletion(Record):
+    """One completion of an accepted group in the form the learner trains on (protocol 9): the
+    token ids and log-probs the coordinator verified, as lists, so the learner decodes the
+    node's packed arrays no second time. The learner trusts the coordinator for the ids' range
+    (its GRPO step still refuses an id outside the vocabulary before it indexes anything)."""
+
+    token_ids: list[int] = Field(min_length=1, max_length=MAX_COMPLETION_TOKENS)
+    logprobs: list[float] = Field(min_length=1, max_length=MAX_COMPLETION_TOKENS)
+    finish_reason: Literal["stop", "length"]
+
+
 class TrainingGroup(Record):
-    """One accepted group as the learner trains on it, rebuilt from the coordinator's ledger.
+    """One accepted group as the learner trains on it, encoded once when the coordinator
+    accepted it and handed out as stored (:func:`encode_batch_reply`).
 
     Protocol 4 dropped ``envelope`` (the node's whole signed Submission, sent again with every
-    group and never read by the learner); the coordinator keeps it for audit.
+    group and never read by the learner); the coordinator keeps it for audit. Protocol 9 carries
+    the prompt (as the lease carried it, rendered once when the lease was issued) and the
+    completions as lists.
     """
 
     rollout_id: Id
     node_id: Id
     prompt_id: int = Field(ge=0)
-    # int32 little-endian, re-derived by the coordinator from the task
-    prompt_tokens: bytes = Field(max_length=4 * MAX_PROMPT_TOKENS)
+    prompt_tokens: list[int] = Field(min_length=1, max_length=MAX_PROMPT_TOKENS)
     version: Version
     engine: ShortStr
     rewards: list[float] = Field(max_length=MAX_GROUP_SIZE)
-    completions: list[CompletionRecord] = Field(max_length=MAX_GROUP_SIZE)
+    completions: list[TrainingCompletion] = Field(max_length=MAX_GROUP_SIZE)
 
 
-# Encoded size of a TrainingGroup beyond its token and log-prob bytes: field names, its strings
+# Encoded size of a TrainingGroup beyond its token ids and log-probs: field names, its strings
 # at their longest (UTF-8, 4 bytes a character), headers, and per completion its reward and the
-# map around its arrays. tests/protocol/test_protocol.py checks the bound against real encodings.
+# map around its lists. tests/protocol/test_protocol.py checks the bound against real encodings.
 _GROUP_OVERHEAD = 4096
 _COMPLETION_OVERHEAD = 96
+# At most, in msgpack: a token id 5 bytes (an int32), a log-prob 9 (a double).
+_ID_BYTES = 5
+_LOGPROB_BYTES = 9
 
 
 def training_group_bound(group_size: int, max_new_tokens: int) -> int:
     """The most bytes one encoded :class:`TrainingGroup` of ``group_size`` completions of at most
     ``max_new_tokens`` tokens can take (a prompt of up to ``MAX_PROMPT_TOKENS`` included): what
     a batch reply budgets per group before it reads any group."""
-    per_completion = 8 * max_new_tokens + _COMPLETION_OVERHEAD  # int32 id + float32 log-prob
-    return 4 * MAX_PROMPT_TOKENS + _GROUP_OVERHEAD + group_size * per_completion
+    per_completion = (_ID_BYTES + _LOGPROB_BYTES) * max_new_tokens + _COMPLETION_OVERHEAD
+    return _ID_BYTES * MAX_PROMPT_TOKENS + _GROUP_OVERHEAD + group_size * per_completion
 
 
 class BatchReply(Record):
@@ -353,6 +369,23 @@ class BatchReply(Record):
     current_version: int = Field(ge=-1)
     cancelled: bool = False
     more: bool = False
+
+
+def encode_batch_reply(
+    groups: list[bytes], current_version: int, *, cancelled: bool = False, more: bool = False
+) -> bytes:
+    """``encode(BatchReply(...))`` of ``groups``, each an encoded :class:`TrainingGroup` as the
+    coordinator stored it when it accepted the group: the groups are not decoded again."""
+    return codec.packb_fields(
+        [
+            ("groups", None),
+            ("current_version", current_version),
+            ("cancelled", cancelled),
+            ("more", more),
+        ],
+        encoded="groups",
+        items=groups,
+    )
 
 
 class RescoreVerdict(Record):

@@ -317,6 +317,9 @@ def main() -> int:
                     "with vLLM's start-up)")
     ap.add_argument("--node-args", default="", help="extra arguments for every echo-node join")
     ap.add_argument("--quiet", action="store_true", help="no live table (for tests)")
+    ap.add_argument("--no-broadcast", action="store_true",
+                    help="the coordinator plans and gossips no version: nodes learn of each "
+                    "from their lease replies and pull it (as when every plan is lost)")
     ap.add_argument("--job", type=Path, default=None, metavar="JOB_TOML",
                     help="submit this job file instead of the demo's tiny-model job (the task, "
                     "model and step flags above then do not apply)")
@@ -335,8 +338,11 @@ def main() -> int:
     t0 = time.time()
     swarm = Swarm(out)
     try:
-        info = swarm.start_coordinator(config_extra=buffer_toml(args.buffer_batches,
-                                                                args.batch_groups))
+        # DEMO_COORDINATOR_TOML ends in its [broadcast] table: the line joins that table.
+        info = swarm.start_coordinator(
+            config_extra=("enabled = false\n" if args.no_broadcast else "")
+            + buffer_toml(args.buffer_batches, args.batch_groups)
+        )
         console.print(f"coordinator at {swarm.maddr}\nHTTP API {info['http'][0]}")
         job_id = swarm.submit(
             args.job.read_text()

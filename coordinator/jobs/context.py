@@ -45,7 +45,7 @@ class RunningJob:
 
     def prompt_tokens(self, prompt_id: int) -> list[int]:
         """The prompt as the model sees it (chat template or plain text, as the job resolved),
-        re-derived here from the task, never from a node."""
+        rendered from the task, never taken from a node: once per lease, which keeps it."""
         return self.render.ids(prompt_id)
 
     @property

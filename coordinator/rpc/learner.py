@@ -23,7 +23,7 @@ from echo.coordinator.config import BroadcastSection
 from echo.coordinator.dissemination.planning import Dissemination
 from echo.coordinator.jobs.context import RunningJob
 from echo.coordinator.metrics import Metrics
-from echo.coordinator.rpc.node import SMALL_REQUEST_BYTES, active_nodes, open_signed
+from echo.coordinator.rpc.common import SMALL_REQUEST_BYTES, active_nodes, open_signed
 from echo.coordinator.scheduling.placement import Placement
 from echo.coordinator.store import Store, StoreError
 from echo.coordinator.submissions.penalties import Penalties
@@ -157,39 +157,24 @@ class LearnerRPC:
 
         A reply holds at most as many groups as fit :attr:`batch_reply_bytes` at the job's
         group size and completion length (bounded before any group is read) and says, with
-        ``more``, when further groups wait: the learner asks again. Each group is rebuilt from
-        the rows stored when it was accepted; its prompt is re-derived from the task. Raises what
-        :meth:`_open` raises, SchemaError for a bad record.
+        ``more``, when further groups wait: the learner asks again. Each group goes out as it
+        was encoded when it was accepted (its prompt as its lease carried it): nothing is
+        decoded or rendered again here. Raises what :meth:`_open` raises, SchemaError for a bad
+        record.
         """
         job, req = self._open(data, m.BatchRequest, peer_id)
         row = self.store.job(req.job_id)
         assert row is not None  # checked by _open
         if row.status != "running":
-            return m.encode(
-                m.BatchReply(
-                    groups=[],
-                    current_version=row.current_version,
-                    cancelled=row.status == "cancelled",
-                )
+            return m.encode_batch_reply(
+                [], row.current_version, cancelled=row.status == "cancelled"
             )
         per_group = m.training_group_bound(job.spec.group_size, job.max_new_tokens)
         fit = max(1, (self.batch_reply_bytes - REPLY_OVERHEAD) // per_group)
-        groups = [
-            m.TrainingGroup(
-                rollout_id=g.rollout.rollout_id,
-                node_id=g.rollout.node_id,
-                prompt_id=g.rollout.prompt_id,
-                prompt_tokens=m.pack_tokens(job.prompt_tokens(g.rollout.prompt_id)),
-                version=g.rollout.version,
-                engine=g.rollout.engine,
-                rewards=g.rollout.rewards,
-                completions=list(g.completions),
-            )
-            for g in self.store.take_batch(req.job_id, min(req.max_groups, fit), req.min_version)
-        ]
+        taken = self.store.take_batch(req.job_id, min(req.max_groups, fit), req.min_version)
         # The budget, not the buffer, may have cut this reply: then the learner asks again at once.
-        more = len(groups) == fit < req.max_groups
-        return m.encode(m.BatchReply(groups=groups, current_version=row.current_version, more=more))
+        more = len(taken) == fit < req.max_groups
+        return m.encode_batch_reply([g.group for g in taken], row.current_version, more=more)
 
     async def handle_learner_report(self, peer_id: ID, data: bytes) -> bytes:
         """Publish the version a learner trained, then plan and announce its broadcast.

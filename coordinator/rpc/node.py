@@ -20,6 +20,7 @@ from echo.coordinator.dissemination.planning import Dissemination
 from echo.coordinator.jobs.context import RunningJob
 from echo.coordinator.metrics import Metrics
 from echo.coordinator.rpc.budgets import configure_gate
+from echo.coordinator.rpc.common import SMALL_REQUEST_BYTES, active_nodes, admitted, open_signed
 from echo.coordinator.scheduling.leases import Leases
 from echo.coordinator.scheduling.placement import Placement
 from echo.coordinator.store import Store
@@ -30,36 +31,15 @@ from echo.coordinator.submissions.submit import Submissions
 from echo.p2p.budget import Gate
 from echo.p2p.conn_guard import ConnectionGuard
 from echo.p2p.host import EchoHost
-from echo.p2p.identity import public_key_from_peer_id
 from echo.protocol import broadcast as b
-from echo.protocol import ids, limits, signing
+from echo.protocol import ids, limits
 from echo.protocol import messages as m
 from echo.protocol import reasons as R
 from echo.protocol.errors import ProtocolError, SchemaError, VersionError
-from echo.protocol.signing import RecordT
 
 log = logging.getLogger("echo.coordinator")
 
-# A node that has not been heard from for this long no longer counts towards "all nodes hold v".
-NODE_ACTIVE_S = 60.0
-# Requests other than submissions and step reports are a few hundred bytes.
-SMALL_REQUEST_BYTES = 64 * 1024
 SOFTWARE = "echo-swarm/0.1.0"
-
-
-def active_nodes(store: Store) -> list[NodeRow]:
-    """Nodes heard from within NODE_ACTIVE_S and not excluded (one range of an index, however
-    many identities have come and gone)."""
-    return store.active_nodes(time.time() - NODE_ACTIVE_S)
-
-
-def open_signed(data: bytes, cls: type[RecordT], peer_id: ID) -> tuple[signing.Envelope, RecordT]:
-    """Open a ``cls`` record that the authenticated peer ``peer_id`` must have signed.
-
-    Raises ProtocolError (a SignatureError for another signer or a bad signature, a SchemaError
-    for another kind or a bad record).
-    """
-    return signing.open_record(data, cls, expected_signer=public_key_from_peer_id(peer_id))
 
 
 class NodeRPC:
@@ -110,10 +90,12 @@ class NodeRPC:
         host.add_violation_listener(self.penalties.on_violation)
 
     def _registered(self, node_id: str) -> NodeRow:
+        """The node's row, excluded or not (what it reports is weighed by its standing).
+
+        :raises ProtocolError: UNKNOWN_NODE (see :func:`admitted`).
+        """
         node = self.store.node(node_id)
-        if node is None:
-            raise ProtocolError("register first", code=R.UNKNOWN_NODE)
-        return node
+        return node if node is not None else admitted(node)
 
     async def handle_register(self, peer_id: ID, data: bytes) -> bytes:
         """Register (or re-register) the node; replies with the jobs it can serve.
@@ -136,10 +118,7 @@ class NodeRPC:
             reg.upload_bps,
             reg.download_bps,
         )
-        if row.excluded:
-            raise ProtocolError(
-                "this node is excluded after repeated verification failures", code=R.NODE_EXCLUDED
-            )
+        admitted(row)
         if row.accepted and self.guard is not None:  # also after a coordinator restart
             self.guard.protect(peer_id)
         self.dissemination.registered(node_id, reg.addrs, reg.upload_bps)
@@ -173,9 +152,7 @@ class NodeRPC:
         bad envelope or record.
         """
         (_, req), node_id = open_signed(data, m.LeaseRequest, peer_id), str(peer_id)
-        node = self._registered(node_id)
-        if node.excluded:
-            raise ProtocolError("this node is excluded", code=R.NODE_EXCLUDED)
+        node = admitted(self.store.node(node_id))
         job = self.jobs.get(req.job_id)
         row = self.store.job(req.job_id)
         if job is None or row is None:

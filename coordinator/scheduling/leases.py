@@ -4,9 +4,9 @@
 be valid (:meth:`NodeRPC.handle_lease <echo.coordinator.rpc.node.NodeRPC.handle_lease>` checks
 that): nothing while the job is not running or the node's weights are too old; otherwise as many
 leases as keep the job's buffer near its target without letting one node, especially a new one,
-tie up more than its quota. Each lease carries its prompt's token ids, computed here from the
-coordinator's own copy of the task (nodes need no dataset), and is stored before its signed copy
-leaves.
+tie up more than its quota. Each lease carries its prompt's token ids, rendered here from the
+coordinator's own copy of the task (nodes need no dataset) once: they are stored with the lease
+before its signed copy leaves, and the accepted group takes them from there.
 """
 
 from __future__ import annotations
@@ -126,6 +126,7 @@ class Leases:
                     issued_at=now,
                     deadline=lease.deadline,
                     status="open",
+                    prompt_ids=tuple(prompt),
                 )
             )
             sealed.append(signing.seal_record(self.identity.private_key, lease))

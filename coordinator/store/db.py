@@ -17,13 +17,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Self
 
-from echo.protocol import messages as m
-from echo.protocol import signing
-from echo.protocol.errors import ProtocolError
-
 # 2: a rollout keeps its decoded group (rollouts.engine, the completions table), so a batch is
 #    built from rows; the node's envelope stays for audit only.
-SCHEMA_VERSION = 2
+# 3: a lease keeps its prompt's token ids (leases.prompt_tokens, rendered once when it is
+#    issued) and an accepted rollout its encoded TrainingGroup (rollouts.training_group, the form
+#    the learner trains on, made once when it is accepted): a batch hands out stored bytes.
+SCHEMA_VERSION = 3
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -74,7 +73,8 @@ CREATE TABLE IF NOT EXISTS leases (
     min_version INTEGER NOT NULL,
     issued_at REAL NOT NULL,
     deadline REAL NOT NULL,
-    status TEXT NOT NULL                 -- open | submitted | expired
+    status TEXT NOT NULL,                -- open | submitted | expired
+    prompt_tokens BLOB NOT NULL DEFAULT x''  -- int32 little-endian, as the signed lease has them
 );
 CREATE INDEX IF NOT EXISTS leases_open ON leases (job_id, status);
 -- A node's leases by status: the submit path's "has an open lease" gate and the expiry penalty.
@@ -95,20 +95,13 @@ CREATE TABLE IF NOT EXISTS rollouts (
     created_at REAL NOT NULL,
     batch_at REAL,
     trained_version INTEGER,
-    engine TEXT NOT NULL DEFAULT ''
+    engine TEXT NOT NULL DEFAULT '',
+    training_group BLOB NOT NULL DEFAULT x''  -- the encoded messages.TrainingGroup
 );
 CREATE INDEX IF NOT EXISTS rollouts_job_status ON rollouts (job_id, status, created_at);
 CREATE UNIQUE INDEX IF NOT EXISTS rollouts_content ON rollouts (job_id, content_hash);
 -- A node's groups, newest last: the lease quota's "accepted since" (a read per lease request).
 CREATE INDEX IF NOT EXISTS rollouts_node ON rollouts (node_id, created_at);
-CREATE TABLE IF NOT EXISTS completions (
-    rollout_id TEXT NOT NULL,
-    idx INTEGER NOT NULL,                 -- position in the group
-    token_ids BLOB NOT NULL,              -- int32 little-endian, as verified
-    logprobs BLOB NOT NULL,               -- float32 little-endian, as verified
-    finish_reason TEXT NOT NULL,
-    PRIMARY KEY (rollout_id, idx)
-);
 CREATE TABLE IF NOT EXISTS rejections (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     job_id TEXT NOT NULL,
@@ -171,9 +164,9 @@ class Database:
         row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
         if row is None:
             conn.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-        elif int(row[0]) == 1:
+        elif int(row[0]) in (1, 2):
             with db._tx() as tx:
-                _migrate_1_to_2(tx)
+                _migrate_to_3(tx)
                 tx.execute(
                     "UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),)
                 )
@@ -229,36 +222,26 @@ def _add_columns(db: sqlite3.Connection) -> None:
         db.execute("UPDATE nodes SET excluded_at=? WHERE excluded!=0", (time.time(),))
 
 
-def _migrate_1_to_2(db: sqlite3.Connection) -> None:
-    """Give each rollout a batch may still take its decoded group, from its envelope.
+def _migrate_to_3(db: sqlite3.Connection) -> None:
+    """Bring a schema 1 or 2 file to schema 3.
 
-    Trained, rejected and dropped rollouts are never batched again: they keep only the envelope.
+    Neither stored a group's prompt, and only a job's task can render one again, so the groups
+    still waiting for a batch are dropped (reason ``upgraded``: not held against their nodes)
+    and the open leases, which a protocol 9 node never holds, are forgotten rather than expired
+    (an expired lease counts against its node). A schema 2 file keeps its ``completions`` table
+    as the record of the groups trained before; nothing reads it.
     """
-    db.execute("ALTER TABLE rollouts ADD COLUMN engine TEXT NOT NULL DEFAULT ''")
-    rows = db.execute(
-        "SELECT rollout_id, envelope FROM rollouts WHERE status IN ('accepted', 'in_batch')"
-    ).fetchall()
-    for rollout_id, envelope in rows:
-        try:
-            _, sub = signing.open_record(bytes(envelope), m.Submission)
-        except ProtocolError:  # verified when accepted; unreadable now means it is lost anyway
-            db.execute(
-                "UPDATE rollouts SET status='dropped', reason='unreadable' WHERE rollout_id=?",
-                (rollout_id,),
-            )
-            continue
-        db.execute("UPDATE rollouts SET engine=? WHERE rollout_id=?", (sub.engine, rollout_id))
-        insert_completions(db, rollout_id, sub.completions)
-
-
-def insert_completions(
-    db: sqlite3.Connection, rollout_id: str, completions: list[m.CompletionRecord]
-) -> None:
-    """Store a group's completions in order, inside the caller's transaction."""
-    db.executemany(
-        "INSERT INTO completions VALUES (?,?,?,?,?)",
-        [
-            (rollout_id, i, c.token_ids, c.logprobs, c.finish_reason)
-            for i, c in enumerate(completions)
-        ],
+    # A table the old file lacked was just made at schema 3; the others gain their columns.
+    for table, column, decl in (
+        ("leases", "prompt_tokens", "BLOB NOT NULL DEFAULT x''"),
+        ("rollouts", "engine", "TEXT NOT NULL DEFAULT ''"),
+        ("rollouts", "training_group", "BLOB NOT NULL DEFAULT x''"),
+    ):
+        have = {r[1] for r in db.execute(f"PRAGMA table_info({table})").fetchall()}
+        if column not in have:
+            db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+    db.execute(
+        "UPDATE rollouts SET status='dropped', reason='upgraded'"
+        " WHERE status IN ('accepted', 'in_batch')"
     )
+    db.execute("DELETE FROM leases WHERE status='open'")

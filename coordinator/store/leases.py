@@ -16,11 +16,10 @@ lease of its grant (they share a deadline); hoarders kept a job's whole lease wi
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 from echo.coordinator.store.db import Database
-from echo.coordinator.store.rows import LeaseRow, lease_row
+from echo.coordinator.store.rows import LeaseRow, lease_row, lease_values
 
 
 class LeaseTables(Database):
@@ -30,8 +29,8 @@ class LeaseTables(Database):
         """Store newly issued leases, all or none."""
         with self._tx() as db:
             db.executemany(
-                "INSERT INTO leases VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                [dataclasses.astuple(r) for r in rows],
+                "INSERT INTO leases VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                [lease_values(r) for r in rows],
             )
 
     def lease(self, lease_id: str) -> LeaseRow | None:

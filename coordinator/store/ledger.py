@@ -2,9 +2,11 @@
 
 :class:`Ledger` is one part of :class:`~echo.coordinator.store.Store` (see its docstring for the
 transaction rules) and owns every move of a rollout: ``accepted -> in_batch -> trained`` (or
-``rejected`` / ``dropped``). A group is stored decoded when it is accepted -- its rewards, engine
-and completions as verified -- so a batch is built from rows. The node's signed envelope is kept
-beside it for audit only (who signed what was trained: ``tests/e2e/test_e2e.py`` re-verifies it).
+``rejected`` / ``dropped``). A group is stored when it is accepted in the form the learner trains
+on -- an encoded :class:`~echo.protocol.messages.TrainingGroup` of its prompt, completions and
+recomputed rewards -- so a batch hands out stored bytes and decodes nothing. The node's signed
+envelope is kept beside it for audit only (who signed what was trained: ``tests/e2e/test_e2e.py``
+re-verifies it).
 """
 
 from __future__ import annotations
@@ -14,9 +16,8 @@ import logging
 import sqlite3
 import time
 
-from echo.coordinator.store.db import Database, StoreError, insert_completions
-from echo.coordinator.store.rows import BatchRow, RolloutRow, completion_record, rollout_row
-from echo.protocol import messages as m
+from echo.coordinator.store.db import Database, StoreError
+from echo.coordinator.store.rows import BatchRow, RolloutRow, rollout_row
 from echo.protocol import reasons as R
 
 log = logging.getLogger("echo.coordinator.store")
@@ -38,14 +39,15 @@ class Ledger(Database):
         version: int,
         prompt_id: int,
         engine: str,
-        completions: list[m.CompletionRecord],
+        group: bytes,
         rewards: list[float],
         tokens: int,
         content_hash: bytes,
         envelope: bytes,
         buffered: bool = True,
     ) -> None:
-        """Store an accepted group and close its lease, atomically.
+        """Store an accepted group (``group``: its encoded TrainingGroup) and close its lease,
+        atomically.
 
         ``buffered=False`` stores it ``dropped`` with reason ``uniform`` instead of buffering it
         for a batch: valid work its node is credited for, with no advantage to train on.
@@ -65,7 +67,7 @@ class Ledger(Database):
                 db.execute(
                     "INSERT INTO rollouts (rollout_id, job_id, node_id, version, prompt_id,"
                     " engine, status, reason, rewards_json, mean_reward, tokens, content_hash,"
-                    " envelope, created_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    " envelope, created_at, training_group) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     (
                         lease_id,
                         job_id,
@@ -81,11 +83,11 @@ class Ledger(Database):
                         content_hash,
                         envelope,
                         now,
+                        group,
                     ),
                 )
             except sqlite3.IntegrityError as exc:
                 raise StoreError(R.DUPLICATE) from exc
-            insert_completions(db, lease_id, completions)
             db.execute(
                 "UPDATE nodes SET accepted=accepted+1, streak=streak+1 WHERE node_id=?",
                 (node_id,),
@@ -131,7 +133,7 @@ class Ledger(Database):
                 (job_id, min_version),
             )
             rows = [
-                rollout_row(r)
+                BatchRow(rollout_row(r), bytes(r["training_group"]))
                 for r in db.execute(
                     "SELECT * FROM rollouts WHERE job_id=? AND status='accepted'"
                     " ORDER BY created_at LIMIT ?",
@@ -140,21 +142,9 @@ class Ledger(Database):
             ]
             db.executemany(
                 "UPDATE rollouts SET status='in_batch', batch_at=? WHERE rollout_id=?",
-                [(now, r.rollout_id) for r in rows],
+                [(now, r.rollout.rollout_id) for r in rows],
             )
-            return [
-                BatchRow(
-                    r,
-                    tuple(
-                        completion_record(c)
-                        for c in db.execute(
-                            "SELECT * FROM completions WHERE rollout_id=? ORDER BY idx",
-                            (r.rollout_id,),
-                        )
-                    ),
-                )
-                for r in rows
-            ]
+            return rows
 
     def publish_version(
         self,

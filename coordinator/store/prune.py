@@ -9,8 +9,8 @@ deletes, in one transaction, only what nothing reads any more:
   node until then; a group is stored under its own id, so no rollout needs its lease row);
 - the signed envelope of a rollout that will never be batched again (``trained``, ``dropped``
   or ``rejected``) and was accepted more than ``trained_envelopes_s`` ago: the audit copy of
-  what the ledger already holds decoded (the completions of trained groups are kept: they are
-  the training record; those of dropped or rejected groups go with the envelope);
+  what the ledger already holds decoded (the stored training group of a trained rollout is
+  kept: it is the training record; that of a dropped or rejected one goes with the envelope);
 - rejection log rows older than ``rejections_s`` (a node's totals stay on its row);
 - nodes that never had a group accepted, are not excluded, hold no open lease and were not
   heard from for ``idle_nodes_s`` (churning identities), with their version log;
@@ -52,9 +52,9 @@ class Pruning(Database):
                     "DELETE FROM leases WHERE status IN ('submitted', 'expired') AND deadline < ?",
                     (lease_cutoff,),
                 ).rowcount,
-                "completions": db.execute(
-                    "DELETE FROM completions WHERE rollout_id IN (SELECT rollout_id FROM rollouts"
-                    " WHERE status IN ('dropped', 'rejected') AND created_at < ?)",
+                "groups": db.execute(
+                    "UPDATE rollouts SET training_group=x'' WHERE status IN ('dropped', 'rejected')"
+                    " AND created_at < ? AND LENGTH(training_group) > 0",
                     (envelope_cutoff,),
                 ).rowcount,
                 "envelopes": db.execute(

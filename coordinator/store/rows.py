@@ -9,12 +9,13 @@ a ``sqlite3.Row`` by column name; they raise nothing for rows of the schema in
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sqlite3
 from dataclasses import dataclass
 from typing import Any
 
-from echo.protocol import messages as m
+import numpy as np
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +73,9 @@ class LeaseRow:
     issued_at: float
     deadline: float
     status: str  # open | submitted | expired
+    # The prompt's token ids as the signed lease carries them, rendered once when it was issued:
+    # the accepted group takes them from here (schema 3).
+    prompt_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,10 +101,11 @@ class RolloutRow:
 
 @dataclass(frozen=True, slots=True)
 class BatchRow:
-    """A group handed to the learner: its ledger entry and its completions, as accepted."""
+    """A group handed to the learner: its ledger entry and the encoded
+    :class:`~echo.protocol.messages.TrainingGroup` stored when it was accepted."""
 
     rollout: RolloutRow
-    completions: tuple[m.CompletionRecord, ...]
+    group: bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,8 +165,16 @@ def node_row(r: sqlite3.Row) -> NodeRow:
 
 
 def lease_row(r: sqlite3.Row) -> LeaseRow:
-    """A ``leases`` row (its columns are exactly the fields)."""
-    return LeaseRow(**dict(r))
+    """A ``leases`` row (its columns are the fields; the prompt is stored packed)."""
+    fields = dict(r)
+    fields["prompt_ids"] = tuple(np.frombuffer(fields.pop("prompt_tokens"), "<i4").tolist())
+    return LeaseRow(**fields)
+
+
+def lease_values(row: LeaseRow) -> tuple:
+    """The ``leases`` columns of ``row``, in table order (the prompt packed int32)."""
+    *head, prompt_ids = dataclasses.astuple(row)
+    return (*head, np.asarray(prompt_ids, dtype="<i4").tobytes())
 
 
 def rollout_row(r: sqlite3.Row) -> RolloutRow:
@@ -182,15 +195,6 @@ def rollout_row(r: sqlite3.Row) -> RolloutRow:
         created_at=r["created_at"],
         batch_at=r["batch_at"],
         trained_version=r["trained_version"],
-    )
-
-
-def completion_record(r: sqlite3.Row) -> m.CompletionRecord:
-    """A stored completion (verified when it was accepted) as the wire record the learner reads."""
-    return m.CompletionRecord(
-        token_ids=bytes(r["token_ids"]),
-        logprobs=bytes(r["logprobs"]),
-        finish_reason=r["finish_reason"],
     )
 
 

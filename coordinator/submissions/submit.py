@@ -19,6 +19,7 @@ from libp2p.peer.id import ID
 
 from echo.coordinator.jobs.context import RunningJob
 from echo.coordinator.metrics import Metrics
+from echo.coordinator.rpc.common import admission
 from echo.coordinator.scheduling.placement import Placement
 from echo.coordinator.store import Store, StoreError
 from echo.coordinator.store.rows import LeaseRow, NodeRow
@@ -141,7 +142,6 @@ class Submissions:
                 data,
                 peer_key=public_key_from_peer_id(peer_id),
                 node_key=node.public_key,
-                node_excluded=node.excluded,
                 lookup_lease=lookup_lease,
                 jobs={k: j.ctx for k, j in self.jobs.items()},
             )
@@ -191,15 +191,11 @@ class Submissions:
     def _untrusted(self, node_id: str, node: NodeRow | None) -> bytes | None:
         """The reply to a submission not worth reading (None: it is a registered, admitted node
         with an open lease). Writes nothing; strangers also serve a backoff."""
-        if node is None:
-            reason, detail, punish = R.UNKNOWN_NODE, "register before submitting", True
-        elif node.excluded:
-            # No backoff: it keeps getting the clear answer (one read, no write) it can show.
-            reason, detail, punish = (
-                R.NODE_EXCLUDED,
-                "this node failed verification too often",
-                False,
-            )
+        refused = admission(node)
+        if refused is not None:
+            # Only a stranger serves a backoff: an excluded node keeps getting the clear answer
+            # (one read, no write) it can show.
+            (reason, detail), punish = refused, node is None
         elif not self.store.has_open_lease(node_id):
             reason, detail, punish = R.UNKNOWN_LEASE, "no open lease: ask for one first", False
         else:
@@ -230,7 +226,8 @@ class Submissions:
         log.info("rejected %s from %s: %s", lease_id or "?", node_id[-8:], rej)
 
     def _store_accepted(self, node_id: str, data: bytes, result: Accepted) -> None:
-        """Store the verified group decoded (a batch reads it back), its envelope for audit;
+        """Store the verified group as the learner trains on it (a batch hands it out as
+        stored), its envelope for audit;
         under the job's ``skip_uniform_groups``, one whose rewards are all equal is stored
         without being buffered (see :func:`buffers`)."""
         job = self.jobs.get(result.lease.job_id)
@@ -247,7 +244,7 @@ class Submissions:
                 version=result.submission.version,
                 prompt_id=result.lease.prompt_id,
                 engine=result.submission.engine,
-                completions=result.submission.completions,
+                group=result.training_group(),
                 rewards=result.rewards,
                 tokens=result.tokens,
                 content_hash=result.content_hash,

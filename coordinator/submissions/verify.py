@@ -1,7 +1,9 @@
 """Verification of submitted rollouts, steps 1-4 of DESIGN.md (everything that needs no model).
 
-Fail closed and cheapest first: size → envelope and signature → schema → node and lease →
-version window → group shape, tokens, log-probs and termination → weights digest. Then the
+Fail closed and cheapest first (the node's admission was decided before, by
+:func:`~echo.coordinator.rpc.common.admission`): size → envelope and signature → schema → node
+key and lease → version window → group shape, tokens, log-probs and termination → weights
+digest. Then the
 reward is recomputed from the decoded texts, in the job's scoring sandbox
 (:mod:`echo.coordinator.submissions.scoring`: never in this process, never on the event loop), and
 :func:`check_claimed_rewards` compares it with what the node claimed: a node's reward is never
@@ -64,11 +66,13 @@ class JobContext:
 @dataclass(frozen=True)
 class Checked:
     """A submission that passed steps 1-4: the group, its lease, its decoded texts (what the
-    sandbox scores), how many tokens it holds and its content hash."""
+    sandbox scores), its completions as the learner trains on them (the one decoding of the
+    node's arrays), how many tokens it holds and its content hash."""
 
     submission: m.Submission
     lease: LeaseRow
     texts: list[str]
+    completions: list[m.TrainingCompletion]
     tokens: int
     content_hash: bytes
 
@@ -80,8 +84,25 @@ class Accepted:
     submission: m.Submission
     lease: LeaseRow
     rewards: list[float]
+    completions: list[m.TrainingCompletion]
     tokens: int
     content_hash: bytes
+
+    def training_group(self) -> bytes:
+        """The encoded TrainingGroup the learner is handed (stored once, when accepted): the
+        prompt as the lease carried it, the verified completions, the recomputed rewards."""
+        return m.encode(
+            m.TrainingGroup.model_construct(
+                rollout_id=self.lease.lease_id,
+                node_id=self.lease.node_id,
+                prompt_id=self.lease.prompt_id,
+                prompt_tokens=list(self.lease.prompt_ids),
+                version=self.submission.version,
+                engine=self.submission.engine,
+                rewards=self.rewards,
+                completions=self.completions,
+            )
+        )
 
 
 def check_claimed_rewards(checked: Checked, rewards: list[float]) -> Accepted:
@@ -96,7 +117,12 @@ def check_claimed_rewards(checked: Checked, rewards: list[float]) -> Accepted:
     ):
         raise Rejected(R.REWARD_MISMATCH, "claimed rewards differ from the recomputed ones")
     return Accepted(
-        checked.submission, checked.lease, rewards, checked.tokens, checked.content_hash
+        checked.submission,
+        checked.lease,
+        rewards,
+        checked.completions,
+        checked.tokens,
+        checked.content_hash,
     )
 
 
@@ -104,22 +130,19 @@ def check_submission(
     data: bytes,
     *,
     peer_key: bytes,
-    node_key: bytes | None,
-    node_excluded: bool,
+    node_key: bytes,
     lookup_lease: Callable[[str], LeaseRow | None],
     jobs: dict[str, JobContext],
     now: float | None = None,
 ) -> Checked:
-    """Run steps 1-4 on one signed submission from the peer whose key is ``peer_key``.
+    """Run steps 1-4 on one signed submission from the peer whose key is ``peer_key``, a node
+    registered with ``node_key`` and admitted (:func:`echo.coordinator.rpc.common.admission`
+    decides that, before anything is read).
 
     Raises :class:`Rejected` with a reason code from :mod:`echo.protocol.reasons`; changes no
     state (the caller stores the outcome).
     """
     now = time.time() if now is None else now
-    if node_key is None:
-        raise Rejected(R.UNKNOWN_NODE, "register before submitting")
-    if node_excluded:
-        raise Rejected(R.NODE_EXCLUDED, "this node failed verification too often")
     try:
         # The envelope first (SignatureError, or SchemaError for another kind), then its body
         # as a Submission (SchemaError).
@@ -166,6 +189,7 @@ def check_submission(
         raise Rejected(R.WRONG_WEIGHTS, f"state digest differs from v{sub.version}")
 
     texts: list[str] = []
+    completions: list[m.TrainingCompletion] = []
     hasher = hashlib.sha256(lease.job_id.encode() + b"\x00" + ctx.prompt_key(lease.prompt_id))
     tokens = 0
     for i, comp in enumerate(sub.completions):
@@ -189,9 +213,17 @@ def check_submission(
             raise Rejected(
                 R.BAD_TERMINATION, f"completion {i}: 'length' must fill max_new_tokens without EOS"
             )
-        body = ids[:-1] if comp.finish_reason == "stop" else ids
-        texts.append(ctx.decode(body.tolist()))
+        ids_list = ids.tolist()
+        texts.append(ctx.decode(ids_list[:-1] if comp.finish_reason == "stop" else ids_list))
+        # Checked above: built without validating the lists again.
+        completions.append(
+            m.TrainingCompletion.model_construct(
+                token_ids=ids_list,
+                logprobs=lps.tolist(),
+                finish_reason=comp.finish_reason,
+            )
+        )
         hasher.update(comp.token_ids)
         hasher.update(b"\x00")
         tokens += int(ids.size)
-    return Checked(sub, lease, texts, tokens, hasher.digest())
+    return Checked(sub, lease, texts, completions, tokens, hasher.digest())

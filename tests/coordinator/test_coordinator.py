@@ -6,11 +6,13 @@ from __future__ import annotations
 import sqlite3
 import time
 
+import numpy as np
 import pytest
 import trio
 import zstandard
 from libp2p.custom_types import TProtocol
 
+from echo.coordinator.rpc.common import admission
 from echo.coordinator.store import Store
 from echo.models.tokenizer import EOS_ID, encode
 from echo.p2p.identity import Identity
@@ -111,7 +113,7 @@ def test_register_lease_submit_and_batch(tmp_path) -> None:
         rows = {r["rollout_id"]: r for r in coord.store._db.execute("SELECT * FROM rollouts")}
         assert rows[lease.lease_id]["mean_reward"] == 1.0
         assert rows[lease2.lease_id]["mean_reward"] == 0.0
-        # The learner takes both groups; prompts are re-derived by the coordinator.
+        # The learner takes both groups, each with its lease's prompt and its verified ids.
         req = m.BatchRequest(job_id=job_id, max_groups=8, min_version=0, timestamp=time.time())
         batch = m.decode(
             m.BatchReply,
@@ -121,9 +123,15 @@ def test_register_lease_submit_and_batch(tmp_path) -> None:
         )
         assert {g.rollout_id for g in batch.groups} == {lease.lease_id, lease2.lease_id}
         g = next(g for g in batch.groups if g.rollout_id == lease.lease_id)
-        assert m.unpack_tokens(g.prompt_tokens, vocab_size=259, max_len=99).tolist()[1:] == encode(
-            TASK.prompt(lease.prompt_id)
-        )
+        assert g.prompt_tokens == np.frombuffer(lease.prompt_tokens, "<i4").tolist()
+        assert g.prompt_tokens[1:] == encode(TASK.prompt(lease.prompt_id))
+        sent = group_for(lease).completions
+        assert [c.token_ids for c in g.completions] == [
+            np.frombuffer(c.token_ids, "<i4").tolist() for c in sent
+        ]
+        assert [c.logprobs for c in g.completions] == [
+            np.frombuffer(c.logprobs, "<f4").tolist() for c in sent
+        ]
         # Version 1 trains exactly these; the ledger records it, and nothing is trained twice.
         ident = learner.identity
         man = m.Manifest(
@@ -284,8 +292,14 @@ def test_repeated_failures_exclude_node_and_drop_its_buffer(tmp_path) -> None:
         assert tuple(status) == ("dropped", R.NODE_EXCLUDED)
         r = await node.submit(node.seal(group_for(leases[3])))
         assert r.reason == R.NODE_EXCLUDED
-        with pytest.raises(RemoteError, match="excluded"):
-            await node.leases(job_id, 0, 1)
+        # One admission check words the refusal alike on every route a node takes.
+        refused = admission(coord.store.node(str(node.host.peer_id)))
+        assert refused is not None and refused[0] == R.NODE_EXCLUDED
+        assert (r.reason, r.detail) == refused
+        for ask in (lambda: node.leases(job_id, 0, 1), node.register):
+            with pytest.raises(RemoteError, match="excluded") as err:
+                await ask()
+            assert err.value.message == f"{refused[0]}: {refused[1]}"
 
     run_with_coordinator(tmp_path, body, exclude_after_failures=2)
 
@@ -308,8 +322,10 @@ def test_lease_quota_grows_with_a_run_of_valid_results(tmp_path) -> None:
                          buffer_groups=100)
 
 
-def test_a_schema_1_database_keeps_its_buffer_trainable(tmp_path) -> None:
-    """Schema 2 stores each group decoded; opening a schema-1 file decodes the buffered ones."""
+def test_a_schema_1_database_opens_at_schema_3_without_its_buffer(tmp_path) -> None:
+    """Schema 3 stores each group with its lease's prompt, which older files never kept and
+    only the task can render again: their buffered groups are dropped (not held against their
+    nodes), their open leases forgotten, and their trained record kept."""
     ident = Identity.generate()
     lease = m.Lease(
         lease_id="r1",
@@ -338,6 +354,14 @@ def test_a_schema_1_database_keeps_its_buffer_trainable(tmp_path) -> None:
             tokens INTEGER NOT NULL, content_hash BLOB NOT NULL, envelope BLOB NOT NULL,
             created_at REAL NOT NULL, batch_at REAL, trained_version INTEGER
         );
+        CREATE TABLE leases (
+            lease_id TEXT PRIMARY KEY, job_id TEXT NOT NULL, node_id TEXT NOT NULL,
+            prompt_id INTEGER NOT NULL, group_size INTEGER NOT NULL,
+            max_new_tokens INTEGER NOT NULL, seed INTEGER NOT NULL, min_version INTEGER NOT NULL,
+            issued_at REAL NOT NULL, deadline REAL NOT NULL, status TEXT NOT NULL
+        );
+        INSERT INTO leases VALUES ('open1', 'job', 'n', 4, 2, 8, 1, 0, 0, 1e12, 'open');
+        INSERT INTO leases VALUES ('r0', 'job', 'n', 3, 2, 8, 1, 0, 0, 1, 'submitted');
         """
     )
     for rid, status in (("r1", "accepted"), ("r0", "trained")):
@@ -350,10 +374,11 @@ def test_a_schema_1_database_keeps_its_buffer_trainable(tmp_path) -> None:
     db.close()
     store = Store.open(path)
     try:
-        [group] = store.take_batch("job", 8, 0)
-        assert group.rollout.rollout_id == "r1" and group.rollout.engine == sub.engine
-        assert list(group.completions) == sub.completions
         assert store.take_batch("job", 8, 0) == []
-        assert store._db.execute("SELECT value FROM meta").fetchone()[0] == "2"
+        assert store._db.execute("SELECT value FROM meta").fetchone()[0] == "3"
+        status = dict(store._db.execute("SELECT rollout_id, status || '/' || reason FROM rollouts"))
+        assert status == {"r1": "dropped/upgraded", "r0": "trained/"}
+        assert store.lease("open1") is None and store.lease("r0").prompt_ids == ()
+        assert store.rejection_counts(ident.peer_id_str) == {}  # nothing held against a node
     finally:
         store.close()

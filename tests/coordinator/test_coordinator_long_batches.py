@@ -4,13 +4,17 @@ libp2p hosts on loopback; a reply's byte budget splits a batch into several repl
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 import numpy as np
+import pytest
 import torch
 
 from echo.learner.service import Learner
-from echo.learner.trainer import decode_batch
+from echo.learner.trainer import train_groups
+from echo.models.prompts import PromptRenderer
 from echo.models.tokenizer import NUM_SPECIAL, VOCAB_SIZE
 from echo.protocol import ids, limits, signing
 from echo.protocol import messages as m
@@ -76,7 +80,7 @@ async def fill_buffer(coord, client) -> tuple[str, Learner, dict[str, m.Submissi
         key = coord.identity.public_key_bytes
         lease = signing.open_record(env, m.Lease, expected_signer=key)[1]
         assert lease.sampling.max_new_tokens == TOKENS
-        # The lease carries the prompt's ids, computed by the coordinator from its task.
+        # The lease carries the prompt's ids, rendered by the coordinator from its task.
         assert m.unpack_tokens(
             lease.prompt_tokens, vocab_size=VOCAB_SIZE, max_len=m.MAX_PROMPT_TOKENS
         ).tolist() == coord.job_control.jobs[job_id].prompt_tokens(lease.prompt_id)
@@ -89,34 +93,61 @@ async def fill_buffer(coord, client) -> tuple[str, Learner, dict[str, m.Submissi
     return job_id, learner, sent
 
 
-def check_groups(groups: list[m.TrainingGroup], sent: dict[str, m.Submission]) -> None:
-    """Every group arrived whole and bit for bit, and the learner's decoder takes the batch."""
+@contextlib.contextmanager
+def nothing_decoded_again(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Fail any call of the packed-array decoders, or any prompt rendering, while the block
+    runs: both happened once, before (verification, the lease)."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a fact of a verified group was decoded or rendered again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(m, "unpack_tokens", refuse)
+        patch.setattr(m, "unpack_logprobs", refuse)
+        patch.setattr(np, "frombuffer", refuse)
+        patch.setattr(PromptRenderer, "ids", refuse)
+        yield
+
+
+def check_groups(
+    groups: list[m.TrainingGroup], sent: dict[str, m.Submission], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every group arrived whole and bit for bit, and the learner reads the batch as it came."""
     assert {g.rollout_id for g in groups} == set(sent)
     for g in groups:
-        assert list(g.completions) == list(sent[g.rollout_id].completions)
-        assert all(len(c.token_ids) == 4 * TOKENS for c in g.completions)
-    decoded, finish = decode_batch(groups, VOCAB_SIZE)
+        assert [c.token_ids for c in g.completions] == [
+            np.frombuffer(c.token_ids, "<i4").tolist() for c in sent[g.rollout_id].completions
+        ]
+        assert [c.logprobs for c in g.completions] == [
+            np.frombuffer(c.logprobs, "<f4").tolist() for c in sent[g.rollout_id].completions
+        ]
+        assert all(len(c.token_ids) == TOKENS for c in g.completions)
+    with nothing_decoded_again(monkeypatch):
+        decoded, finish = train_groups(groups)
     assert [len(d.completions) for d in decoded] == [GROUP_SIZE] * GROUPS
     assert all(len(c) == TOKENS for d in decoded for c in d.completions)
     assert all(f == ["length"] * GROUP_SIZE for f in finish)
 
 
-def test_a_batch_of_long_completions_reaches_the_learner_in_one_reply(tmp_path) -> None:
+def test_a_batch_of_long_completions_reaches_the_learner_in_one_reply(
+    tmp_path, monkeypatch
+) -> None:
     async def body(coord, client) -> None:
         _, learner, sent = await fill_buffer(coord, client)
-        reply = await learner._take_groups(GROUPS)
+        with nothing_decoded_again(monkeypatch):  # the coordinator's batch path and the learner's
+            reply = await learner._take_groups(GROUPS)
         assert not reply.more and len(reply.groups) == GROUPS
         # Over 4 MiB: the old reply limit (a 4 MiB chunk frame plus 64 KiB of headroom) held it
         # only without the duplicate envelope protocol 4 dropped, and not with prompts of 2,000
         # tokens; the batch reply's own budget holds it with room to spare.
         size = len(m.encode(reply))
         assert 4 << 20 < size <= limits.MAX_BATCH_REPLY_BYTES // 4
-        check_groups(list(reply.groups), sent)
+        check_groups(list(reply.groups), sent, monkeypatch)
 
     run_with_coordinator(tmp_path, body, buffer_groups=GROUPS, max_open_leases_per_node=GROUPS)
 
 
-def test_a_smaller_reply_budget_splits_the_batch_and_says_more(tmp_path) -> None:
+def test_a_smaller_reply_budget_splits_the_batch_and_says_more(tmp_path, monkeypatch) -> None:
     async def body(coord, client) -> None:
         _, learner, sent = await fill_buffer(coord, client)
         per_group = m.training_group_bound(GROUP_SIZE, TOKENS)
@@ -128,6 +159,6 @@ def test_a_smaller_reply_budget_splits_the_batch_and_says_more(tmp_path) -> None
             sizes.append(len(reply.groups))
             flags.append(reply.more)
         assert sizes == [3, 3, 2] and flags == [True, True, False]
-        check_groups(got, sent)
+        check_groups(got, sent, monkeypatch)
 
     run_with_coordinator(tmp_path, body, buffer_groups=GROUPS, max_open_leases_per_node=GROUPS)

@@ -15,8 +15,20 @@ from echo.protocol import messages as m
 from echo.protocol import reasons as R
 from echo.protocol.jobspec import SpecError, load_job_toml
 
-COMP = m.CompletionRecord(
-    token_ids=m.pack_tokens([1, 2, 3]), logprobs=m.pack_logprobs([-1.0] * 3), finish_reason="stop"
+# The store keeps a group as the submit path encoded it.
+STORED_GROUP = m.encode(
+    m.TrainingGroup(
+        rollout_id="g",
+        node_id="node",
+        prompt_id=0,
+        prompt_tokens=[1],
+        version=0,
+        engine="torch",
+        rewards=[1.0],
+        completions=[
+            m.TrainingCompletion(token_ids=[1, 2], logprobs=[-1.0, -1.0], finish_reason="stop")
+        ],
+    )
 )
 
 
@@ -29,7 +41,7 @@ def _accept(store: Store, lid: str, rewards: list[float], buffered: bool) -> Non
         version=0,
         prompt_id=0,
         engine="torch",
-        completions=[COMP] * len(rewards),
+        group=STORED_GROUP,
         rewards=rewards,
         tokens=3 * len(rewards),
         content_hash=hashlib.sha256(lid.encode()).digest(),

@@ -198,3 +198,34 @@ def test_skip_uniform_groups_trains_only_on_groups_with_an_advantage(tmp_path: P
         rewards = json.loads(rewards_json)
         if min(rewards) == max(rewards):
             assert set_aside.get(version, 0) >= UNIFORM_BATCHES * batch, (version, rewards)
+
+
+def test_nodes_that_hear_no_plan_follow_every_version_through_their_lease_replies(
+    tmp_path: Path,
+) -> None:
+    """A node learns of a version one way, its lease reply (issue 29). With no plan ever
+    gossiped (broadcast off: as if every announcement were lost), nodes still follow the job
+    version by version and end on the final version's exact weights, pulled."""
+    out = tmp_path / "noplan"
+    proc = subprocess.run(
+        [sys.executable, "-m", "echo.tools.local_swarm", "--out", str(out), "--quiet",
+         "--nodes", "2", "--engines", "torch", "--steps", "12", "--batch-groups", "4",
+         "--no-broadcast", "--timeout", "150"],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["status"] == "done" and s["versions"] == 12
+    db = sqlite3.connect(out / "coordinator" / "coordinator.sqlite")
+    published = dict(db.execute("SELECT version, state_digest FROM versions").fetchall())
+    # Each node held versions along the way, not only the last one.
+    held = dict(
+        db.execute(
+            "SELECT node_id, COUNT(DISTINCT version) FROM node_versions GROUP BY node_id"
+        ).fetchall()
+    )
+    assert len(held) == 2 and min(held.values()) >= 3, held
+    for i in range(2):
+        meta = json.loads((out / f"node-{i}" / "policy.json").read_text())
+        assert meta["version"] == max(published), (i, meta)
+        assert meta["state_digest"] == meta["engine_state_digest"] == published[max(published)]

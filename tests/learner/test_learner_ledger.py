@@ -22,6 +22,22 @@ from echo.learner import checkpoint
 from echo.learner.service import LedgerAhead, resume_action
 from echo.protocol import messages as m
 
+# The store keeps a group as the submit path encoded it.
+STORED_GROUP = m.encode(
+    m.TrainingGroup(
+        rollout_id="g",
+        node_id="node",
+        prompt_id=0,
+        prompt_tokens=[1],
+        version=0,
+        engine="torch",
+        rewards=[1.0],
+        completions=[
+            m.TrainingCompletion(token_ids=[1, 2], logprobs=[-1.0, -1.0], finish_reason="stop")
+        ],
+    )
+)
+
 
 def _store_with_groups(path, n: int) -> tuple[Store, list[str]]:
     store = Store.open(path)
@@ -38,11 +54,6 @@ def _store_with_groups(path, n: int) -> tuple[Store, list[str]]:
         metrics={},
     )
     store.upsert_node("node", b"k" * 32, "torch", {}, 0.0, 0.0, 0.0)
-    comp = m.CompletionRecord(
-        token_ids=m.pack_tokens([1, 2, 3]),
-        logprobs=m.pack_logprobs([-1.0] * 3),
-        finish_reason="stop",
-    )
     ids = []
     for i in range(n):
         lid = f"g{i}"
@@ -54,7 +65,7 @@ def _store_with_groups(path, n: int) -> tuple[Store, list[str]]:
             version=0,
             prompt_id=i,
             engine="torch",
-            completions=[comp] * 4,
+            group=STORED_GROUP,
             rewards=[1.0, 0, 0, 0],
             tokens=12,
             content_hash=hashlib.sha256(lid.encode()).digest(),

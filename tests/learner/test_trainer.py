@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from echo.learner.evaluate import EVAL_PROMPT_BASE, greedy_accuracy, greedy_completions
 from echo.learner.grpo import GRPOLearner
-from echo.learner.trainer import Trainer, decode_batch
+from echo.learner.trainer import Trainer
 from echo.models.spec import ModelSpec, build_model, encode_prompt
 from echo.models.tokenizer import EOS_ID
 from echo.models.weights import export_state
@@ -28,11 +29,12 @@ def batch_from(engine: TorchEngine, version: int, n: int, seed: int) -> list[m.T
     return [
         m.TrainingGroup(
             rollout_id=f"r{seed}-{i}", node_id="n", prompt_id=seed + i,
-            prompt_tokens=m.pack_tokens(reqs[i].prompt_ids), version=version, engine="torch",
+            prompt_tokens=list(reqs[i].prompt_ids), version=version, engine="torch",
             rewards=[float(j % 2) for j in range(len(comps))],
-            completions=[m.CompletionRecord(token_ids=m.pack_tokens(c.token_ids),
-                                            logprobs=m.pack_logprobs(c.logprobs),
-                                            finish_reason=c.finish_reason) for c in comps])
+            # Log-probs as the coordinator hands them on: float32, as the node packed them.
+            completions=[m.TrainingCompletion(token_ids=list(c.token_ids),
+                                              logprobs=np.float32(c.logprobs).tolist(),
+                                              finish_reason=c.finish_reason) for c in comps])
         for i, comps in enumerate(engine.generate(reqs))
     ]
 
@@ -78,9 +80,8 @@ def test_prescore_catches_what_the_step_would_catch() -> None:
     a, _, engine = trainer_pair()
     batch = batch_from(engine, 0, 2, seed=20)
     forged = batch[1].completions[0]
-    lps = [x - 2.0 for x in decode_batch(batch, a.learner.vocab_size)[0][1].behaviour_logprobs[0]]
-    batch[1].completions[0] = m.CompletionRecord(
-        token_ids=forged.token_ids, logprobs=m.pack_logprobs(lps),
+    batch[1].completions[0] = m.TrainingCompletion(
+        token_ids=forged.token_ids, logprobs=[x - 2.0 for x in forged.logprobs],
         finish_reason=forged.finish_reason)
     a.prescore(batch)
     res = a.train(batch)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -137,11 +138,11 @@ def wire_batch(engine: TorchEngine, version: int, n: int, seed: int) -> list[m.T
     return [
         m.TrainingGroup(
             rollout_id=f"r{seed}-{i}", node_id="n", prompt_id=seed + i,
-            prompt_tokens=m.pack_tokens(g.prompt_ids), version=version, engine="torch",
+            prompt_tokens=list(g.prompt_ids), version=version, engine="torch",
             rewards=g.rewards,
             completions=[
-                m.CompletionRecord(token_ids=m.pack_tokens(c), logprobs=m.pack_logprobs(lp),
-                                   finish_reason="stop" if c[-1] == EOS_ID else "length")
+                m.TrainingCompletion(token_ids=list(c), logprobs=np.float32(lp).tolist(),
+                                     finish_reason="stop" if c[-1] == EOS_ID else "length")
                 for c, lp in zip(g.completions, g.behaviour_logprobs, strict=True)
             ],
         )

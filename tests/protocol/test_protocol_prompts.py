@@ -68,10 +68,11 @@ def test_the_training_group_bound_covers_real_encodings_at_their_longest() -> No
     rng = np.random.default_rng(0)
     widest = "\U0001f600"  # 4 bytes in UTF-8: the longest a character of a string field takes
     for group_size, tokens in [(1, 1), (3, 64), (16, 4096)]:
+        # Ids that take msgpack's longest int form, log-probs its double.
         comps = [
-            m.CompletionRecord(
-                token_ids=m.pack_tokens(rng.integers(0, 2**31 - 1, tokens)),
-                logprobs=m.pack_logprobs(-rng.random(tokens, dtype=np.float32)),
+            m.TrainingCompletion(
+                token_ids=rng.integers(2**16, 2**31 - 1, tokens).tolist(),
+                logprobs=(-rng.random(tokens)).tolist(),
                 finish_reason="length",
             )
             for _ in range(group_size)
@@ -80,7 +81,7 @@ def test_the_training_group_bound_covers_real_encodings_at_their_longest() -> No
             rollout_id=widest * 128,
             node_id=widest * 128,
             prompt_id=2**62 - 1,
-            prompt_tokens=m.pack_tokens([2**31 - 1] * m.MAX_PROMPT_TOKENS),
+            prompt_tokens=[2**31 - 1] * m.MAX_PROMPT_TOKENS,
             version=2**40,
             engine=widest * 256,
             rewards=[-1.2345678901234567e300] * group_size,
@@ -96,3 +97,32 @@ def test_one_group_at_the_protocols_extremes_fits_a_batch_reply() -> None:
     assert worst + 256 <= limits.MAX_BATCH_REPLY_BYTES
     # and the issue's batch (8 groups of 16 completions of 4,096 tokens) fits one reply
     assert 8 * m.training_group_bound(16, 4096) + 256 <= limits.MAX_BATCH_REPLY_BYTES
+
+
+def test_a_batch_reply_of_stored_groups_is_the_reply_encoded_whole() -> None:
+    """The coordinator splices the groups it encoded when it accepted them into a batch reply
+    (protocol 9): the bytes are what encoding the whole reply gives, and decode to the groups."""
+    groups = [
+        m.TrainingGroup(
+            rollout_id=f"r{i}",
+            node_id="n",
+            prompt_id=i,
+            prompt_tokens=[1, 2**31 - 1],
+            version=3,
+            engine="torch",
+            rewards=[0.5, -1.0],
+            completions=[
+                m.TrainingCompletion(token_ids=[7, 300], logprobs=[-0.25, -3.5e-8],
+                                     finish_reason="stop"),
+                m.TrainingCompletion(token_ids=[70000], logprobs=[0.0], finish_reason="length"),
+            ],
+        )
+        for i in range(3)
+    ]
+    for kept, more, cancelled in ((groups, True, False), ([], False, True)):
+        spliced = m.encode_batch_reply(
+            [m.encode(g) for g in kept], 4, more=more, cancelled=cancelled
+        )
+        whole = m.BatchReply(groups=kept, current_version=4, more=more, cancelled=cancelled)
+        assert spliced == m.encode(whole)
+        assert m.decode(m.BatchReply, spliced) == whole

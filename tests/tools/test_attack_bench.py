@@ -112,7 +112,6 @@ def test_a_bomb_group_passes_verification_and_decodes_to_its_text(tmp_path: Path
         signing.seal_record(ident.private_key, sub),
         peer_key=ident.public_key_bytes,
         node_key=ident.public_key_bytes,
-        node_excluded=False,
         lookup_lease=lambda _: row,
         jobs={"job-1": ctx},
         now=now + 1,

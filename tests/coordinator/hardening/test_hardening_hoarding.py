@@ -22,6 +22,23 @@ from echo.protocol import reasons as R
 from tests.conftest import run_with_coordinator
 from tests.coordinator.test_coordinator import group_for, open_lease, start_job
 
+# The store keeps a group as the submit path encoded it.
+STORED_GROUP = m.encode(
+    m.TrainingGroup(
+        rollout_id="g",
+        node_id="node",
+        prompt_id=0,
+        prompt_tokens=[1],
+        version=0,
+        engine="torch",
+        rewards=[1.0],
+        completions=[
+            m.TrainingCompletion(token_ids=[1, 2], logprobs=[-1.0, -1.0], finish_reason="stop")
+        ],
+    )
+)
+
+
 WINDOW_S = 120.0
 
 
@@ -32,9 +49,6 @@ def _lease(store: Store, lease_id: str, node: str, deadline: float) -> None:
 
 
 def _accept(store: Store, lease_id: str, node: str) -> None:
-    comp = m.CompletionRecord(
-        token_ids=m.pack_tokens([1, 2]), logprobs=m.pack_logprobs([-1, -1]), finish_reason="stop"
-    )
     store.accept_rollout(
         lease_id=lease_id,
         job_id="j",
@@ -42,7 +56,7 @@ def _accept(store: Store, lease_id: str, node: str) -> None:
         version=0,
         prompt_id=0,
         engine="torch",
-        completions=[comp, comp],
+        group=STORED_GROUP,
         rewards=[1.0, 0.0],
         tokens=4,
         content_hash=lease_id.encode(),

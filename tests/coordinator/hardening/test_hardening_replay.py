@@ -46,7 +46,6 @@ def _submit(node: Identity, prompt_id: int, ctx: JobContext) -> bytes:
         data,
         peer_key=key,
         node_key=key,
-        node_excluded=False,
         lookup_lease={lease.lease_id: lease}.get,
         jobs={"job": ctx},
     ).content_hash

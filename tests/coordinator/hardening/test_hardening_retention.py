@@ -18,6 +18,23 @@ from echo.coordinator.store.rows import LeaseRow
 from echo.coordinator.submissions.penalties import MAX_TRACKED_NODES, Penalties
 from echo.protocol import messages as m
 
+# The store keeps a group as the submit path encoded it.
+STORED_GROUP = m.encode(
+    m.TrainingGroup(
+        rollout_id="g",
+        node_id="node",
+        prompt_id=0,
+        prompt_tokens=[1],
+        version=0,
+        engine="torch",
+        rewards=[1.0],
+        completions=[
+            m.TrainingCompletion(token_ids=[1, 2], logprobs=[-1.0, -1.0], finish_reason="stop")
+        ],
+    )
+)
+
+
 ROUNDS = 8
 CHURN = 100
 
@@ -50,11 +67,6 @@ def churn_round(store: Store, job_id: str, r: int, now: float, churn: int = CHUR
         store.record_rejection(job_id, node_id, "", "malformed", "junk", counts_against=True)
         store._db.execute("UPDATE rejections SET at=? WHERE node_id=?", (now, node_id))
     store.expire_leases(now + 31)
-    comp = m.CompletionRecord(
-        token_ids=m.pack_tokens([1, 2, 3]),
-        logprobs=m.pack_logprobs([-1.0] * 3),
-        finish_reason="stop",
-    )
     ids = []
     for i in range(10):
         lid = f"h-{r}-{i}"
@@ -66,7 +78,7 @@ def churn_round(store: Store, job_id: str, r: int, now: float, churn: int = CHUR
             version=r,
             prompt_id=i,
             engine="torch",
-            completions=[comp] * 4,
+            group=STORED_GROUP,
             rewards=[1.0] * 4,
             tokens=12,
             content_hash=hashlib.sha256(lid.encode()).digest(),
