@@ -20,7 +20,13 @@ from echo.coordinator.dissemination.planning import Dissemination
 from echo.coordinator.jobs.context import RunningJob
 from echo.coordinator.metrics import Metrics
 from echo.coordinator.rpc.budgets import configure_gate
-from echo.coordinator.rpc.common import SMALL_REQUEST_BYTES, active_nodes, admitted, open_signed
+from echo.coordinator.rpc.common import (
+    NODE_ACTIVE_S,
+    SMALL_REQUEST_BYTES,
+    active_nodes,
+    admitted,
+    open_signed,
+)
 from echo.coordinator.scheduling.leases import Leases
 from echo.coordinator.scheduling.placement import Placement
 from echo.coordinator.store import Store

@@ -29,7 +29,8 @@ from echo.coordinator.store import Store
 # How many of a node's newest accepted groups its delivery time is measured over: enough that
 # one fast grant does not shorten the term of a node that is often slow.
 DELIVERIES_SAMPLED = 8
-# A node heard from within this long counts as active (as in node_rpc.NODE_ACTIVE_S).
+# A node heard from within this long counts as active (as in
+# echo.coordinator.rpc.common.NODE_ACTIVE_S).
 ACTIVE_S = 60.0
 
 
