@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -102,6 +103,9 @@ class Rescorer:
     ) -> None:
         self.model = build_model(spec).to(device)
         self.model.eval()
+        # How a remembered state enters the model: a whole state here; a LoRA trainer swaps in
+        # an adapter-only load (echo.learner.lora), the base staying in the model.
+        self.load_into: Callable[[torch.nn.Module, dict[str, torch.Tensor]], None] = load_state
         self.temperature = temperature
         self.keep = keep
         self.thresholds = engine_thresholds or MISMATCH_THRESHOLDS
@@ -149,7 +153,7 @@ class Rescorer:
                 by_version.setdefault(g.version, []).append(gi)
         for version, members in by_version.items():
             if self._loaded != version:
-                load_state(self.model, self._states[version])
+                self.load_into(self.model, self._states[version])
                 self._loaded = version
             stats = self._token_stats([groups[i] for i in members])
             for gi, st in zip(members, stats, strict=True):

@@ -157,7 +157,14 @@ class Learner:
 
     def build(self) -> None:
         """Build (or restore) the model; runs in a worker thread."""
-        self.trainer, ckpt = Trainer.build(self.spec, self.model_spec, self.job_dir, self.device)
+        if self.spec.lora is not None:  # versions are adapters of a base fixed at the start
+            from echo.learner.lora import build_lora
+
+            self.trainer, self.publisher, ckpt = build_lora(self.spec, self.job_dir, self.device,
+                                                            self.publisher)
+        else:
+            self.trainer, ckpt = Trainer.build(self.spec, self.model_spec, self.job_dir,
+                                               self.device)
         if ckpt is not None:
             self.version = ckpt.version
             self.pending_report = ckpt.report

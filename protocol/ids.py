@@ -21,7 +21,10 @@
 # 8: learner epochs: LearnerHello / BatchRequest / StepReport .epoch, issued by the coordinator;
 #    a request with any but the job's newest is refused (code messages.LEARNER_EPOCH_REFUSED).
 #    JobInfo.task.params no longer carries file paths (jobspec.node_task_params).
-PROTOCOL_VERSION = 8
+# 9: LoRA jobs: Manifest.adapter (messages.AdapterRef: the base model's digest, rank, alpha,
+#    modules); such a version's payload is the adapter (version 0 carries the base too) and its
+#    state digest binds base and adapter, so a v8 node could not apply or report it.
+PROTOCOL_VERSION = 9
 
 # libp2p stream protocols (request/response, one frame each way).
 PROTO_REGISTER = "/echo/register/1.0.0"  # node -> coordinator
