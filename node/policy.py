@@ -234,9 +234,13 @@ class PolicyFollower:
             assert self.engine is not None and sync.state is not None
             if sync.adapter is not None:  # the base loads once; versions switch the adapter
                 assert sync.base is not None
-                await trio.to_thread.run_sync(
-                    load_into_engine, self.engine, sync.adapter, sync.base, sync.state, sync.digest
-                )
+                try:
+                    await trio.to_thread.run_sync(
+                        load_into_engine, self.engine, sync.adapter, sync.base, sync.state,
+                        sync.digest,
+                    )  # fmt: skip
+                except NotImplementedError as exc:  # retrying cannot help: say so and stop
+                    raise NodeError(f"job {sync.job.job_id} is a LoRA job: {exc}") from None
             else:
                 await trio.to_thread.run_sync(self.engine.load_state, sync.state)
             if self.cfg.keep_weights:

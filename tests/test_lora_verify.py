@@ -1,0 +1,70 @@
+"""The coordinator over real libp2p refuses a LoRA job's rollouts sampled from the base alone or
+from a stale adapter (``wrong_weights``), and accepts those from the published adapter: the
+digest a node reports is computed by its engine from the base and adapter it holds."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from echo.learner.lora import AdapterPublisher, LoraTrainer, adapter_ref
+from echo.models.lora import lora_digest
+from echo.node.engines.torch_engine import TorchEngine
+from echo.p2p.chunkstore import ChunkStore
+from echo.p2p.identity import Identity
+from echo.protocol import ids
+from echo.protocol import messages as m
+from echo.protocol import reasons as R
+from tests.conftest import run_with_coordinator, submit_job
+from tests.test_coordinator import group_for, open_lease
+from tests.test_lora import LORA, SPEC, groups_from, lora_job
+
+
+def test_base_only_and_stale_adapters_are_refused_with_wrong_weights(tmp_path: Path) -> None:
+    trainer, _ = LoraTrainer.build(lora_job(), SPEC, tmp_path / "learner")
+    assert isinstance(trainer, LoraTrainer)
+    ref = adapter_ref(trainer.shape, trainer.base_digest, False)
+    v0_adapter = trainer.published_state()
+    stale = TorchEngine(SPEC)  # a node that stayed on v0's adapter
+    stale.load_adapter(trainer.base, v0_adapter, ref)
+    trainer.learner.step(groups_from(stale, 3, seed=1, version=0))
+    v1_adapter = trainer.published_state()
+    current = TorchEngine(SPEC)
+    current.load_adapter(trainer.base, v1_adapter, ref)
+    base_only = TorchEngine(SPEC)  # the verl bug: the adapter never reached the engine
+    base_only.load_state(trainer.base)
+
+    async def body(coord, client) -> None:
+        job_id = submit_job(coord, lora=LORA, warmup={"steps": 2})
+        ident = Identity.load_or_create(coord.job_dir(job_id) / "learner.key")
+        pub = AdapterPublisher(ident.private_key, job_id, ChunkStore(tmp_path / "chunks"), 4,
+                               trainer.base, trainer.shape)  # fmt: skip
+        learner = await client(ident)
+        hello = m.LearnerHello(job_id=job_id, peer_id=str(learner.host.peer_id),
+                               addrs=learner.host.listen_multiaddrs, timestamp=time.time())
+        await learner.call(ids.PROTO_LEARNER_HELLO, learner.seal(hello))  # fmt: skip
+        for version, adapter in ((0, v0_adapter), (1, v1_adapter)):
+            env = pub.publish(adapter, version).envelope
+            report = m.StepReport(job_id=job_id, version=version, manifest=env, trained=[])
+            ack = m.decode(
+                m.StepAck, await learner.call(ids.PROTO_LEARNER_REPORT, learner.seal(report))
+            )
+            assert ack.ok, ack.message
+
+        node = await client()
+        await node.register()
+        leases = [open_lease(coord, b) for b in (await node.leases(job_id, 1, 4)).leases]
+        assert len(leases) == 4
+
+        async def outcome(lease: m.Lease, digest: str) -> str:
+            reply = await node.submit(node.seal(group_for(lease, version=1, digest=digest)))
+            return "accepted" if reply.accepted else reply.reason
+
+        assert base_only.lora_served == ""
+        assert await outcome(leases[0], base_only.lora_served) == R.WRONG_WEIGHTS
+        # A base-only engine that names its state honestly: still not the version.
+        assert await outcome(leases[1], lora_digest(trainer.base_digest, None)) == R.WRONG_WEIGHTS
+        assert await outcome(leases[2], stale.lora_served) == R.WRONG_WEIGHTS
+        assert await outcome(leases[3], current.lora_served) == "accepted"
+
+    run_with_coordinator(tmp_path / "coord", body)
