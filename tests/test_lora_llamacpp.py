@@ -87,6 +87,9 @@ def test_llamacpp_serves_adapters_exactly_and_switches_without_reloading_the_bas
         assert engine.gguf_path.read_bytes() == base_bytes  # the base GGUF is untouched
         assert engine.lora_served == lora_digest(trainer.base_digest, trainer.published_state())
         assert engine.lora_served != served
+        assert engine._lora is not None
+        print(f"llama.cpp: base write + load {loads.seconds * 1e3:.1f} ms, adapter switch "
+              f"(write + set) {engine._lora.switch_seconds * 1e3:.1f} ms")  # fmt: skip
         again = groups_from(engine, 4, seed=301, version=trainer.version)
         assert mean_gap(again, trainer.learner.score(again)) < MISMATCH_THRESHOLDS["llamacpp"]
         assert len(list((tmp_path / "llama").glob("adapter-*.gguf"))) == 1

@@ -68,3 +68,25 @@ def test_base_only_and_stale_adapters_are_refused_with_wrong_weights(tmp_path: P
         assert await outcome(leases[3], current.lora_served) == "accepted"
 
     run_with_coordinator(tmp_path / "coord", body)
+
+
+def test_an_init_adapter_is_read_only_under_the_operators_roots(tmp_path: Path) -> None:
+    from tests.test_hardening_jobapi import post_job, run_coordinator
+
+    roots = tmp_path / "datasets"
+    (roots / "adapter").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+
+    def job(init: str) -> dict:
+        return {"name": "l", "steps": 2, "lora": {**LORA, "init": init}}
+
+    async def body(coord, http) -> None:
+        for outside in (str(tmp_path / "elsewhere"), str(roots / ".." / "elsewhere"), "/etc"):
+            r = await post_job(http, job(outside))
+            assert r.status_code == 400, r.text
+            assert "lora.init" in r.json()["error"] and "dataset_roots" in r.json()["error"]
+        assert coord.store.jobs() == []
+        r = await post_job(http, job(str(roots / "adapter")))
+        assert r.status_code == 201, r.text
+
+    run_coordinator(tmp_path, body, jobs={"dataset_roots": [str(roots)]})
