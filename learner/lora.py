@@ -20,6 +20,7 @@ import copy
 import json
 import logging
 import os
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from echo.models.lora import (
 )
 from echo.models.spec import ModelSpec, build_model, load_tokenizer
 from echo.models.weights import (
+    DTYPES,
     export_state,
     load_state,
     state_digest,
@@ -286,3 +288,41 @@ def build_lora(
         trainer.shape,
     )
     return trainer, adapters, ckpt
+
+
+def export_adapter(job_dir: Path, spec: JobSpec, version: int, digest: str, out: Path) -> list[str]:
+    """Write version ``version`` of a LoRA job as a peft adapter folder at ``out`` (which must
+    not exist): the adapter as nodes received it (the checkpoint's master weights in the publish
+    dtype), checked against ``digest``, the learner's signed digest of base and adapter, before
+    the folder is renamed into place. ``PeftModel.from_pretrained`` loads it onto the base
+    (``<job dir>/lora_base.safetensors``). Returns the names of the files written.
+
+    :raises ValueError: the version's checkpoint is not kept or does not reproduce ``digest``.
+    :raises FileExistsError: ``out`` exists.
+    """
+    assert spec.lora is not None
+    if out.exists():
+        raise FileExistsError(f"{out} exists")
+    try:
+        master = checkpoint.load_model_state(job_dir / "checkpoints", version)
+    except FileNotFoundError as exc:
+        raise ValueError(str(exc)) from None
+    adapter = {n: t.to(DTYPES[spec.publish_dtype]).contiguous() for n, t in master.items()}
+    base_digest = state_digest(load_file(str(job_dir / BASE_FILE)))
+    if lora_digest(base_digest, adapter) != digest:
+        raise ValueError(
+            f"the checkpoint of version {version} does not hold the adapter the learner "
+            "published for it"
+        )
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        write_peft_folder(tmp, adapter, shape_of(spec.lora))
+        back = read_peft_folder(tmp, shape_of(spec.lora))
+        if lora_digest(base_digest, back) != digest:
+            raise ValueError(f"{tmp}: the adapter written does not read back as published")
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return sorted(p.name for p in out.iterdir())

@@ -259,3 +259,38 @@ def test_the_torch_engine_serves_adapters_exactly_and_reports_what_it_holds(
     # Back to a full-weight job: the plain model again.
     engine.load_state(trainer.base)
     assert engine.state_digest() == trainer.base_digest and engine.lora_served == ""
+
+
+def test_an_exported_adapter_loads_with_peft_and_computes_as_the_learner(tmp_path: Path) -> None:
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from echo.learner.export import ExportError, export_version
+    from echo.models.spec import build_model
+    from echo.models.weights import load_state
+
+    job = lora_job()
+    trainer, _ = LoraTrainer.build(job, SPEC, tmp_path / "job")
+    assert isinstance(trainer, LoraTrainer)
+    engine = TorchEngine(SPEC)
+    engine.load_adapter(trainer.base, trainer.published_state(), adapter_ref(
+        trainer.shape, trainer.base_digest, False))  # fmt: skip
+    trainer.learner.step(groups_from(engine, 3, seed=7, version=0))
+    checkpoint.save(tmp_path / "job" / "checkpoints", trainer.make_checkpoint(0, b""))
+    digest = lora_digest(trainer.base_digest, trainer.published_state())
+    files = export_version(tmp_path / "job", job, 1, digest, tmp_path / "out")
+    assert files == ["adapter_config.json", "adapter_model.safetensors"]
+
+    base = build_model(SPEC)
+    load_state(base, load_file(str(tmp_path / "job" / "lora_base.safetensors")))
+    peft_model = PeftModel.from_pretrained(base, str(tmp_path / "out")).eval()
+    ids = torch.tensor([encode_prompt(SPEC, TASK.prompt(3))])
+    with torch.no_grad():
+        want = trainer.learner.model(input_ids=ids).logits
+        got = peft_model(input_ids=ids).logits
+    assert torch.allclose(got, want, atol=1e-6, rtol=0), (got - want).abs().max()
+    with pytest.raises(ExportError, match="does not hold the adapter"):
+        export_version(tmp_path / "job", job, 1, "0" * 64, tmp_path / "out2")
+    assert not (tmp_path / "out2").exists()
+    with pytest.raises(ExportError, match="no checkpoint of version 5"):
+        export_version(tmp_path / "job", job, 5, digest, tmp_path / "out3")
