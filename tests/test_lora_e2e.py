@@ -1,5 +1,6 @@
-"""End to end, a LoRA job: the real programs on loopback (coordinator, its learner, a torch node
-and a llama.cpp node where it is installed), driven by scripts/local_swarm.py. Versions are
+"""End to end, a LoRA job: the real programs on loopback (coordinator, its learner, and one node
+per engine this machine has: torch, llama.cpp where it is installed, vLLM where .venv-vllm is),
+driven by scripts/local_swarm.py. Versions are
 adapters of a base the nodes fetched once, and every node ends on the final adapter with its
 digest computed from its engine's own weights."""
 
@@ -21,7 +22,7 @@ from echo.protocol import signing
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
-from local_swarm import job_toml, node_engines  # noqa: E402
+from local_swarm import HEADS, VLLM_HEADS, job_toml, node_engines  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -38,17 +39,18 @@ target_modules = ["q_proj", "v_proj", "up_proj", "down_proj"]
 def lora_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("lora-swarm")
     job = out.parent / f"{out.name}-job.toml"
+    engines = node_engines("mixed")
+    vllm = "vllm" in engines  # vLLM's CPU attention needs a head size of 32; it starts slowly
     job.write_text(
         job_toml("lora", steps=STEPS, group_size=8, batch_groups=4, anchor_every=4, warmup=30,
-                 lr=5e-3, eval_every=4)
+                 lr=5e-3, eval_every=4, heads=VLLM_HEADS if vllm else HEADS)
         + LORA_TABLE
     )  # fmt: skip
-    engines = [e for e in node_engines("mixed") if e != "vllm"]  # vLLM serves no adapters yet
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "local_swarm.py"), "--out", str(out), "--quiet",
          "--nodes", str(len(engines)), "--engines", ",".join(engines), "--job", str(job),
-         "--timeout", "240"],
-        cwd=ROOT, capture_output=True, text=True, timeout=360,
+         "--timeout", "600" if vllm else "240"],
+        cwd=ROOT, capture_output=True, text=True, timeout=1200 if vllm else 360,
     )  # fmt: skip
     if proc.returncode != 0:
         logs = "\n".join(
@@ -63,7 +65,7 @@ def test_a_lora_job_trains_through_the_swarm_and_every_node_ends_on_the_final_ad
 ) -> None:
     s = json.loads((lora_run / "summary.json").read_text())
     assert s["status"] == "done" and s["versions"] == STEPS, s
-    engines = [e for e in node_engines("mixed") if e != "vllm"]
+    engines = node_engines("mixed")
     assert set(s["engines"]) == set(engines)
     assert all(s["accepted_by_engine"][e] > 0 for e in engines), s["accepted_by_engine"]
     assert s["rollouts_rejected"] <= 0.01 * s["rollouts_accepted"] + 1, s
