@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 import os
 import shutil
 from collections.abc import Mapping
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from safetensors.torch import load_file, save_file
 
 from echo.learner import checkpoint
@@ -50,11 +50,10 @@ from echo.models.weights import (
     state_digests,
     state_to_bytes,
 )
+from echo.p2p.chunkstore import ChunkStore
 from echo.protocol import messages as m
 from echo.protocol.jobspec import JobSpec, LoraSection
 from echo.tasks.registry import make_task
-
-log = logging.getLogger("echo.learner")
 
 BASE_FILE = "lora_base.safetensors"
 # peft's adapter folder: its files, and the prefix its saved tensor names carry.
@@ -238,9 +237,9 @@ class AdapterPublisher(Publisher):
 
     def __init__(
         self,
-        key: Any,
+        key: Ed25519PrivateKey,
         job_id: str,
-        store: Any,
+        store: ChunkStore,
         anchor_every: int,
         base: Mapping[str, torch.Tensor],
         shape: LoraShape,

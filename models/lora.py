@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -183,23 +183,3 @@ def load_adapter_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor]
     with torch.no_grad():
         for name, src in state.items():
             params[name].copy_(src)
-
-
-def shape_of_adapter(state: Mapping[str, torch.Tensor]) -> tuple[int, set[str]]:
-    """The rank and the wrapped module names an adapter state implies (for checking a peft
-    folder or a manifest against its tensors). :raises ValueError: no adapter tensors, or
-    A matrices of different ranks."""
-    ranks = {int(t.shape[0]) for n, t in state.items() if ".lora_A." in n}
-    if len(ranks) != 1:
-        raise ValueError(f"adapter tensors of ranks {sorted(ranks)}: expected one rank")
-    modules = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in state if is_adapter_name(n)}
-    return ranks.pop(), modules
-
-
-def target_names(shape: LoraShape, names: Sequence[str]) -> list[str]:
-    """Of the plain model's tensor ``names``, the weights the adapter wraps."""
-    return [
-        n for n in names
-        if n.endswith(".weight") and n.removesuffix(".weight").rsplit(".", 1)[-1]
-        in shape.target_modules
-    ]
