@@ -1,6 +1,7 @@
-"""End to end, a LoRA job: the real programs on loopback (coordinator, its learner, and one node
-per engine this machine has: torch, llama.cpp where it is installed, vLLM where .venv-vllm is),
-driven by scripts/local_swarm.py. Versions are
+"""End to end, a LoRA job: the real programs on loopback (coordinator, its learner and nodes),
+driven by scripts/local_swarm.py: a swarm of a torch node and a llama.cpp node where it is
+installed, and, where .venv-vllm exists, a swarm of one vLLM node (vLLM starts in minutes on a
+loaded CPU, by which time a short job is over in a swarm of faster engines). Versions are
 adapters of a base the nodes fetched once, and every node ends on the final adapter with its
 digest computed from its engine's own weights."""
 
@@ -35,11 +36,19 @@ target_modules = ["q_proj", "v_proj", "up_proj", "down_proj"]
 """
 
 
-@pytest.fixture(scope="module")
-def lora_run(tmp_path_factory) -> Path:
+SWARMS = {
+    "torch+llamacpp": [e for e in node_engines("mixed") if e != "vllm"],
+    "vllm": [e for e in node_engines("mixed") if e == "vllm"],
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SWARMS))
+def lora_run(request, tmp_path_factory) -> tuple[Path, list[str]]:
+    engines = SWARMS[request.param]
+    if not engines:
+        pytest.skip(".venv-vllm does not exist here (scripts/vllm_env.sh makes it)")
     out = tmp_path_factory.mktemp("lora-swarm")
     job = out.parent / f"{out.name}-job.toml"
-    engines = node_engines("mixed")
     vllm = "vllm" in engines  # vLLM's CPU attention needs a head size of 32; it starts slowly
     job.write_text(
         job_toml("lora", steps=STEPS, group_size=8, batch_groups=4, anchor_every=4, warmup=30,
@@ -57,21 +66,21 @@ def lora_run(tmp_path_factory) -> Path:
             f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(out.rglob("*.log"))
         )
         pytest.fail(f"LoRA swarm failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{logs}")
-    return out
+    return out, engines
 
 
 def test_a_lora_job_trains_through_the_swarm_and_every_node_ends_on_the_final_adapter(
-    lora_run: Path,
+    lora_run: tuple[Path, list[str]],
 ) -> None:
-    s = json.loads((lora_run / "summary.json").read_text())
+    out, engines = lora_run
+    s = json.loads((out / "summary.json").read_text())
     assert s["status"] == "done" and s["versions"] == STEPS, s
-    engines = node_engines("mixed")
     assert set(s["engines"]) == set(engines)
     assert all(s["accepted_by_engine"][e] > 0 for e in engines), s["accepted_by_engine"]
     assert s["rollouts_rejected"] <= 0.01 * s["rollouts_accepted"] + 1, s
 
-    (job_dir,) = (lora_run / "coordinator" / "jobs").iterdir()
-    db = sqlite3.connect(lora_run / "coordinator" / "coordinator.sqlite")
+    (job_dir,) = (out / "coordinator" / "jobs").iterdir()
+    db = sqlite3.connect(out / "coordinator" / "coordinator.sqlite")
     rows = db.execute("SELECT version, manifest FROM versions ORDER BY version").fetchall()
     assert [v for v, _ in rows] == list(range(STEPS + 1))
     manifests = [signing.open_record(bytes(env), m.Manifest)[1] for _, env in rows]
@@ -88,12 +97,12 @@ def test_a_lora_job_trains_through_the_swarm_and_every_node_ends_on_the_final_ad
     assert state_digest(base) == base_digest
     final = manifests[-1]
     for i in range(len(engines)):
-        meta = json.loads((lora_run / f"node-{i}" / "policy.json").read_text())
+        meta = json.loads((out / f"node-{i}" / "policy.json").read_text())
         assert meta["version"] == STEPS
         assert meta["state_digest"] == final.state_digest
         # Computed from the engine's own weights (llama.cpp: read back from its GGUF files).
         assert meta["engine_state_digest"] == final.state_digest, meta["engine"]
-        adapter = state_from_bytes((lora_run / f"node-{i}" / "policy.safetensors").read_bytes())
+        adapter = state_from_bytes((out / f"node-{i}" / "policy.safetensors").read_bytes())
         assert lora_digest(base_digest, adapter) == final.state_digest
-        log = (lora_run / f"node-{i}.log").read_text()
+        log = (out / f"node-{i}.log").read_text()
         assert "wrong_weights" not in log
