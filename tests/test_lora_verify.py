@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import torch
+
 from echo.learner.lora import AdapterPublisher, LoraTrainer, adapter_ref
 from echo.models.lora import lora_digest
 from echo.node.engines.torch_engine import TorchEngine
@@ -66,6 +68,78 @@ def test_base_only_and_stale_adapters_are_refused_with_wrong_weights(tmp_path: P
         assert await outcome(leases[1], lora_digest(trainer.base_digest, None)) == R.WRONG_WEIGHTS
         assert await outcome(leases[2], stale.lora_served) == R.WRONG_WEIGHTS
         assert await outcome(leases[3], current.lora_served) == "accepted"
+
+    run_with_coordinator(tmp_path / "coord", body)
+
+
+def test_a_late_joiner_fetches_the_base_once_then_adapters(tmp_path: Path) -> None:
+    """A node joining at v5 (anchors every 4) fetches the base with v0, then the v4 adapter
+    anchor and the v5 patch, all from the learner's chunks over libp2p, each hash-checked; the
+    next version is a patch of the adapter alone, and the engine serves the signed digest."""
+    from echo.node.adapter_sync import load_into_engine
+    from echo.node.weights import WeightSync
+    from echo.p2p.chunkstore import serve_chunks
+
+    trainer, _ = LoraTrainer.build(lora_job(), SPEC, tmp_path / "learner")
+    assert isinstance(trainer, LoraTrainer)
+    ref = adapter_ref(trainer.shape, trainer.base_digest, False)
+    sampler = TorchEngine(SPEC)
+    adapters = []
+    for v in range(7):
+        if v:
+            sampler.load_adapter(trainer.base, adapters[-1], ref)
+            trainer.learner.step(groups_from(sampler, 2, seed=v, version=v - 1))
+        adapters.append(trainer.published_state())
+
+    async def body(coord, client) -> None:
+        job_id = submit_job(coord, lora=LORA, warmup={"steps": 2}, anchor_every=4, steps=20)
+        ident = Identity.load_or_create(coord.job_dir(job_id) / "learner.key")
+        store = ChunkStore(tmp_path / "chunks", keep_versions=2)
+        pub = AdapterPublisher(ident.private_key, job_id, store, 4, trainer.base, trainer.shape)
+        learner = await client(ident)
+        serve_chunks(learner.host, store)
+        hello = m.LearnerHello(job_id=job_id, peer_id=str(learner.host.peer_id),
+                               addrs=learner.host.listen_multiaddrs, timestamp=time.time())
+        await learner.call(ids.PROTO_LEARNER_HELLO, learner.seal(hello))  # fmt: skip
+        published = {}
+        for version in range(7):
+            published[version] = pub.publish(adapters[version], version)
+            report = m.StepReport(job_id=job_id, version=version,
+                                  manifest=published[version].envelope, trained=[])
+            ack = m.decode(
+                m.StepAck, await learner.call(ids.PROTO_LEARNER_REPORT, learner.seal(report))
+            )  # fmt: skip
+            assert ack.ok, ack.message
+            if version == 5:
+                break
+        assert sorted(store.versions()) == [0, 4, 5]  # v1-v3 pruned, the base kept
+
+        node = await client()
+        (job,) = (await node.register()).jobs
+        sync = WeightSync(node.host, job, node.coord, ChunkStore(tmp_path / "node"))
+        await sync.add_source_addrs(job.learner_addrs)
+        assert await sync.sync_to(5)
+        assert sync.base_digest == trainer.base_digest and sync.base is not None
+        assert all(torch.equal(sync.state[n], adapters[5][n]) for n in adapters[5])
+        assert sync.digest == published[5].manifest.state_digest
+        fetched = sum(published[v].payload_bytes for v in (0, 4, 5))
+        assert sync.bytes_received == fetched
+        engine = TorchEngine(SPEC)
+        load_into_engine(engine, sync.adapter, sync.base, sync.state, sync.digest)
+        assert engine.lora_served == published[5].manifest.state_digest
+
+        published[6] = pub.publish(adapters[6], 6)
+        report = m.StepReport(job_id=job_id, version=6, manifest=published[6].envelope,
+                              trained=[])  # fmt: skip
+        await learner.call(ids.PROTO_LEARNER_REPORT, learner.seal(report))
+        assert await sync.sync_to(6)
+        # The base is not fetched again: v6 is a patch of the adapter alone.
+        assert sync.bytes_received == fetched + published[6].payload_bytes
+        assert published[6].manifest.kind == "patch"
+        assert all(torch.equal(sync.state[n], adapters[6][n]) for n in adapters[6])
+        assert not engine.holds_base("0" * 64) and engine.holds_base(trainer.base_digest)
+        load_into_engine(engine, sync.adapter, sync.base, sync.state, sync.digest)
+        assert engine.lora_served == published[6].manifest.state_digest
 
     run_with_coordinator(tmp_path / "coord", body)
 
