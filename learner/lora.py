@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 from echo.learner import checkpoint
 from echo.learner.grpo import GRPOLearner
 from echo.learner.publish import Publisher
+from echo.learner.rescore import Rescorer
 from echo.learner.trainer import Trainer
 from echo.models.lora import (
     LoraShape,
@@ -185,15 +186,20 @@ class LoraTrainer(Trainer):
         if ckpt is not None:
             learner.opt.load_state_dict(ckpt.optim_state)
             learner.version = ckpt.version
-        trainer = cls(spec, model_spec, learner, task, tokenizer)
-        trainer.shape = shape
-        trainer.base = base_state(model, spec.publish_dtype)
-        trainer.base_digest = state_digest(trainer.base)
+        base = base_state(model, spec.publish_dtype)
         # The re-scorer holds the base once; a version it remembers is an adapter.
-        rescorer_model = inject(build_model(model_spec), shape).to(learner.device).eval()
-        load_base_state(rescorer_model, trainer.base)
-        trainer.rescorer.model = rescorer_model
-        trainer.rescorer.load_into = load_adapter_state
+        rescorer_model = inject(build_model(model_spec), shape)
+        load_base_state(rescorer_model, base)
+        rescorer = Rescorer(
+            model_spec,
+            keep=spec.staleness + 1,
+            temperature=spec.sampling.temperature,
+            device=learner.device,
+            model=rescorer_model,
+            load_into=load_adapter_state,
+        )
+        trainer = cls(spec, model_spec, learner, task, tokenizer, rescorer)
+        trainer.shape, trainer.base, trainer.base_digest = shape, base, state_digest(base)
         trainer.rescorer.remember(learner.version, trainer.published_state())
         return trainer, ckpt
 

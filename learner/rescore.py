@@ -100,12 +100,16 @@ class Rescorer:
         temperature: float,
         engine_thresholds: dict[str, float] | None = None,
         device: torch.device | str = "cpu",
+        model: torch.nn.Module | None = None,
+        load_into: Callable[[torch.nn.Module, dict[str, torch.Tensor]], None] = load_state,
     ) -> None:
-        self.model = build_model(spec).to(device)
+        """``model`` and ``load_into``: the model remembered states are scored with (default: a
+        fresh one of ``spec`` on ``device``) and how a state enters it (default: a whole state;
+        a LoRA trainer passes its base with an adapter and an adapter-only load,
+        ``echo.learner.lora``)."""
+        self.model = (model if model is not None else build_model(spec)).to(device)
         self.model.eval()
-        # How a remembered state enters the model: a whole state here; a LoRA trainer swaps in
-        # an adapter-only load (echo.learner.lora), the base staying in the model.
-        self.load_into: Callable[[torch.nn.Module, dict[str, torch.Tensor]], None] = load_state
+        self.load_into = load_into
         self.temperature = temperature
         self.keep = keep
         self.thresholds = engine_thresholds or MISMATCH_THRESHOLDS
