@@ -292,20 +292,24 @@ class JobsSection(BaseModel):
 
         :raises SpecError: naming the key (``job: task.params.<key>``) and the roots.
         """
-        roots = self.roots(data_dir)
         for key, value in params.items():
-            if not is_local_path_param(key) or value is None:
-                continue
-            where = f"job: task.params.{key}"
-            if not isinstance(value, str) or not value or "\x00" in value:
-                raise SpecError(f"{where}: must be a file path")
-            real = Path(os.path.realpath(value))  # '..' and symlinks resolved
-            if not any(real.is_relative_to(root) for root in roots):
-                named = ", ".join(str(r) for r in roots) or "none"
-                raise SpecError(
-                    f"{where}: {value} is not inside this coordinator's dataset roots "
-                    f"({named}; the operator sets them in coordinator.toml, [jobs] dataset_roots)"
-                )
+            if is_local_path_param(key) and value is not None:
+                self.check_local_path(f"job: task.params.{key}", value, data_dir)
+
+    def check_local_path(self, where: str, value: Any, data_dir: Path) -> None:
+        """Refuse ``value`` (a job's file or folder on this machine, such as ``lora.init``)
+        outside :meth:`roots`, without opening or stat'ing it. :raises SpecError: naming
+        ``where``."""
+        roots = self.roots(data_dir)
+        if not isinstance(value, str) or not value or "\x00" in value:
+            raise SpecError(f"{where}: must be a file path")
+        real = Path(os.path.realpath(value))  # '..' and symlinks resolved
+        if not any(real.is_relative_to(root) for root in roots):
+            named = ", ".join(str(r) for r in roots) or "none"
+            raise SpecError(
+                f"{where}: {value} is not inside this coordinator's dataset roots "
+                f"({named}; the operator sets them in coordinator.toml, [jobs] dataset_roots)"
+            )
 
 
 def write_private(path: Path, text: str) -> None:

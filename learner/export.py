@@ -152,6 +152,13 @@ def export_version(
     :raises FileExistsError: ``out`` exists.
     :raises OSError: a file cannot be read or written.
     """
+    if spec.lora is not None:  # the version is an adapter: a peft folder
+        from echo.learner.lora import export_adapter
+
+        try:
+            return export_adapter(job_dir, spec, version, digest, out)
+        except ValueError as exc:
+            raise ExportError(str(exc)) from None
     if out.exists():
         raise FileExistsError(f"{out} exists")
     root = job_dir / "checkpoints"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -57,10 +58,11 @@ class Publisher:
             or version != self._prev_version + 1
         )
         if anchor:
-            payload = state_to_bytes(state)
+            payload = self._anchor_payload(state, version)
             kind, base = "anchor", -1
             self._anchor_version = version
         else:
+            assert self._prev is not None
             payload = encode_patch(to_bits(self._prev), to_bits(state))
             kind, base = "patch", self._prev_version
         encode_s = time.perf_counter() - t0
@@ -75,14 +77,29 @@ class Publisher:
             kind=kind,
             total_size=len(payload),
             chunks=refs,
-            tensor_digests=state_digests(state),
-            state_digest=state_digest(state),
             anchor_version=self._anchor_version,
             created_at=time.time(),
+            **self._identity(state, version, kind),
         )
         envelope = signing.seal_record(self.key, manifest)
         self._prev = {k: v.clone() for k, v in state.items()}
         self._prev_version = version
         # Keep every version back to the newest anchor so a node can always catch up by patches.
-        self.store.prune(keep=set(range(self._anchor_version, version + 1)))
+        self.store.prune(keep=self._keep(version))
         return Published(manifest, envelope, len(payload), encode_s)
+
+    # Hooks of a publisher whose versions are not whole states (echo.learner.lora).
+
+    def _keep(self, version: int) -> set[int]:
+        """The versions whose chunks stay in the store after ``version`` is published."""
+        return set(range(self._anchor_version, version + 1))
+
+    def _anchor_payload(self, state: Mapping[str, torch.Tensor], version: int) -> bytes:
+        """The bytes of a full anchor of ``state``."""
+        return state_to_bytes(state)
+
+    def _identity(
+        self, state: Mapping[str, torch.Tensor], version: int, kind: str
+    ) -> dict[str, Any]:
+        """The manifest fields that name what the version's payload rebuilds."""
+        return {"tensor_digests": state_digests(state), "state_digest": state_digest(state)}

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -99,9 +100,16 @@ class Rescorer:
         temperature: float,
         engine_thresholds: dict[str, float] | None = None,
         device: torch.device | str = "cpu",
+        model: torch.nn.Module | None = None,
+        load_into: Callable[[torch.nn.Module, dict[str, torch.Tensor]], None] = load_state,
     ) -> None:
-        self.model = build_model(spec).to(device)
+        """``model`` and ``load_into``: the model remembered states are scored with (default: a
+        fresh one of ``spec`` on ``device``) and how a state enters it (default: a whole state;
+        a LoRA trainer passes its base with an adapter and an adapter-only load,
+        ``echo.learner.lora``)."""
+        self.model = (model if model is not None else build_model(spec)).to(device)
         self.model.eval()
+        self.load_into = load_into
         self.temperature = temperature
         self.keep = keep
         self.thresholds = engine_thresholds or MISMATCH_THRESHOLDS
@@ -149,7 +157,7 @@ class Rescorer:
                 by_version.setdefault(g.version, []).append(gi)
         for version, members in by_version.items():
             if self._loaded != version:
-                load_state(self.model, self._states[version])
+                self.load_into(self.model, self._states[version])
                 self._loaded = version
             stats = self._token_stats([groups[i] for i in members])
             for gi, st in zip(members, stats, strict=True):

@@ -31,6 +31,7 @@ import torch
 import trio
 
 from echo.learner import checkpoint, fence
+from echo.learner.lora import AdapterInitError, build_lora
 from echo.learner.publish import Publisher
 from echo.learner.tracking import Tracker, TrackingError, open_tracker
 from echo.learner.trainer import Trainer
@@ -157,7 +158,12 @@ class Learner:
 
     def build(self) -> None:
         """Build (or restore) the model; runs in a worker thread."""
-        self.trainer, ckpt = Trainer.build(self.spec, self.model_spec, self.job_dir, self.device)
+        if self.spec.lora is not None:  # versions are adapters of a base fixed at the start
+            self.trainer, self.publisher, ckpt = build_lora(self.spec, self.job_dir, self.device,
+                                                            self.publisher)
+        else:
+            self.trainer, ckpt = Trainer.build(self.spec, self.model_spec, self.job_dir,
+                                               self.device)
         if ckpt is not None:
             self.version = ckpt.version
             self.pending_report = ckpt.report
@@ -494,6 +500,9 @@ def main() -> None:
     try:
         run_until_signalled(learner.run)
     except* LedgerAhead as group:  # one clear line in learner.log, and no restart
+        log.error("%s", group.exceptions[0])
+        raise SystemExit(EXIT_CANNOT_RESUME) from None
+    except* AdapterInitError as group:  # a bad [job.lora] init folder: a restart fails alike
         log.error("%s", group.exceptions[0])
         raise SystemExit(EXIT_CANNOT_RESUME) from None
     except* Superseded as group:  # a newer learner holds the job: stop, and stay stopped

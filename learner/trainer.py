@@ -71,13 +71,15 @@ class Trainer:
         learner: GRPOLearner,
         task: Any,
         tokenizer: Any = None,
+        rescorer: Rescorer | None = None,
     ) -> None:
+        """``rescorer``: default, one over a fresh model of ``model_spec``."""
         self.spec = spec
         self.model_spec = model_spec
         self.learner = learner
         self.task = task
         self.tokenizer = tokenizer
-        self.rescorer = Rescorer(
+        self.rescorer = rescorer or Rescorer(
             model_spec,
             keep=spec.staleness + 1,
             temperature=spec.sampling.temperature,

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 
 import trio
 
+from echo.node.adapter_sync import load_into_engine
 from echo.node.config import NodeConfig
 from echo.node.display import Display
 from echo.node.engines.base import Engine
@@ -254,7 +255,17 @@ class PolicyFollower:
             self._nursery = None
         if changed:
             assert self.engine is not None and sync.state is not None
-            await trio.to_thread.run_sync(self.engine.load_state, sync.state)
+            if sync.adapter is not None:  # the base loads once; versions switch the adapter
+                assert sync.base is not None
+                try:
+                    await trio.to_thread.run_sync(
+                        load_into_engine, self.engine, sync.adapter, sync.base, sync.state,
+                        sync.digest,
+                    )  # fmt: skip
+                except NotImplementedError as exc:  # retrying cannot help: say so and stop
+                    raise NodeError(f"job {sync.job.job_id} is a LoRA job: {exc}") from None
+            else:
+                await trio.to_thread.run_sync(self.engine.load_state, sync.state)
             if self.cfg.keep_weights:
                 await trio.to_thread.run_sync(self._save_weights)
             await self.send_status()

@@ -21,6 +21,7 @@ import torch
 import trio
 
 from echo.models.weights import from_bits, state_digest, state_digests, state_from_bytes, to_bits
+from echo.node.adapter_sync import decode_adapter_version
 from echo.p2p.chunkstore import ChunkHashMismatch, ChunkStore, fetch_chunk
 from echo.p2p.host import EchoHost
 from echo.p2p.rpc import RpcError
@@ -88,6 +89,11 @@ class WeightSync:
         # Pushed versions come with verified manifests, and their chunks stay in the store
         # when a sync prunes it.
         self.broadcasts = broadcasts
+        # A LoRA job's base model (fetched once, with version 0) and what its versions are;
+        # ``state`` then holds the adapter (echo.node.adapter_sync).
+        self.base: dict[str, torch.Tensor] | None = None
+        self.base_digest = ""
+        self.adapter: m.AdapterRef | None = None
 
     async def add_source_addrs(self, addrs: list[str]) -> None:
         """Add the first of ``addrs`` that can be dialled to the peers chunks are fetched from
@@ -151,6 +157,15 @@ class WeightSync:
             return False
         t0 = time.perf_counter()
         latest, _ = await self.manifest(target)
+        base, base_digest = self.base, self.base_digest
+        if latest.adapter is not None and base_digest != latest.adapter.base_digest:
+            rebase = True  # a new base: its adapters start from an anchor
+            if latest.anchor_version > 0:  # the base comes with version 0, fetched once
+                v0, _ = await self.manifest(0)
+                base, _ = await trio.to_thread.run_sync(
+                    decode_adapter_version, v0, await self._fetch_payload(v0), "", None
+                )
+                base_digest = latest.adapter.base_digest
         if rebase or self.version < 0 or self.version < latest.anchor_version:
             plan, state, held = range(latest.anchor_version, target + 1), None, -1
         else:
@@ -162,9 +177,19 @@ class WeightSync:
                 raise WeightError(f"patch v{man.version} is against v{man.base_version}, "
                                   f"not v{held}")
             payload = await self._fetch_payload(man)
-            state = await trio.to_thread.run_sync(self._decode, man, payload, state)
+            if man.adapter is not None:
+                got, state = await trio.to_thread.run_sync(
+                    decode_adapter_version, man, payload, base_digest, state
+                )
+                if got is not None:
+                    base, base_digest = got, man.adapter.base_digest
+            else:
+                state = await trio.to_thread.run_sync(self._decode, man, payload, state)
             held, received = man.version, received + len(payload)
         self.state, self.version, self.digest = state, latest.version, latest.state_digest
+        self.base, self.base_digest, self.adapter = base, base_digest, latest.adapter
+        if latest.adapter is not None:
+            self.store.pinned.add(0)  # the base's chunks, for peers that fetch it from us
         elapsed = time.perf_counter() - t0
         self.download_bps = received / max(elapsed, 1e-6)
         carried = self.broadcasts.carried_versions() if self.broadcasts else set()

@@ -305,6 +305,8 @@ class Node:
     async def _work(self, work: list[tuple[m.Lease, list[int]]], sync: WeightSync) -> None:
         assert self.engine is not None
         version, digest = sync.version, sync.digest
+        if sync.adapter is not None:  # what the engine serves, as computed when it loaded
+            digest = self.engine.lora_served
         leases = [lease for lease, _ in work]
         reqs = [lease_request(lease, prompt) for lease, prompt in work]
         t0 = time.perf_counter()

@@ -63,6 +63,9 @@ class ChunkStore:
     def __init__(self, root: Path, keep_versions: int = 4) -> None:
         self.root = root
         self.keep_versions = keep_versions
+        # Versions never pruned: a LoRA job's version 0 holds the base model every late joiner
+        # fetches once (echo.learner.lora).
+        self.pinned: set[int] = set()
         root.mkdir(parents=True, exist_ok=True)
         self._index: dict[bytes, Path] = {}
         self._version_bytes: dict[int, int] = {}  # bytes held per version (sizes the budget)
@@ -125,9 +128,10 @@ class ChunkStore:
         return sorted(int(p.name) for p in self.root.iterdir() if p.is_dir() and p.name.isdigit())
 
     def prune(self, keep: set[int] | None = None) -> None:
-        """Forget all but the newest ``keep_versions`` versions (and any in ``keep``)."""
+        """Forget all but the newest ``keep_versions`` versions (and any in ``keep`` or
+        ``pinned``)."""
         vs = self.versions()
-        keep = set(keep or ()) | set(vs[-self.keep_versions :])
+        keep = set(keep or ()) | set(vs[-self.keep_versions :]) | self.pinned
         dropped = {str(v) for v in vs if v not in keep}
         for v in dropped:
             shutil.rmtree(self.root / v, ignore_errors=True)

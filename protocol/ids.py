@@ -24,7 +24,10 @@
 # 9: a TrainingGroup carries the group in the form the learner trains on (token ids and
 #    log-probs as lists, messages.TrainingCompletion), encoded once when the coordinator accepts
 #    it: the learner no longer unpacks the node's arrays a second time (issue 29).
-PROTOCOL_VERSION = 9
+# 10: LoRA jobs: Manifest.adapter (messages.AdapterRef: the base model's digest, rank, alpha,
+#     modules); such a version's payload is the adapter (version 0 carries the base too) and its
+#     state digest binds base and adapter, so a v9 node could not apply or report it.
+PROTOCOL_VERSION = 10
 
 # libp2p stream protocols (request/response, one frame each way).
 PROTO_REGISTER = "/echo/register/1.0.0"  # node -> coordinator

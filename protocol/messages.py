@@ -239,11 +239,29 @@ class ChunkRef(Record):
     size: int = Field(ge=0)
 
 
+class AdapterRef(Record):
+    """What a LoRA version (protocol 9) is an adapter of, and how it applies.
+
+    ``base_digest`` is the state digest (``echo.models.weights.state_digest``) of the base model
+    the adapter is trained on; ``carries_base`` marks the one version whose payload holds the
+    base's tensors beside the adapter's (version 0), which a node fetches once. The manifest's
+    ``state_digest`` is then ``echo.models.lora.lora_digest(base_digest, adapter digest)``: a node
+    serving the base alone, or another adapter, reports a digest that differs.
+    """
+
+    base_digest: ShortStr
+    rank: int = Field(ge=1, le=1024)
+    alpha: float = Field(gt=0, le=1e6, allow_inf_nan=False)
+    target_modules: list[ShortStr] = Field(min_length=1, max_length=16)
+    carries_base: bool = False
+
+
 class Manifest(Record):
     """Signed by the learner's key, which nodes pin from the job.
 
     ``KIND`` is the envelope kind; the field ``kind`` says whether the version is an anchor or
-    a patch.
+    a patch. ``adapter`` (protocol 9) is set for a LoRA job: the payload then holds the adapter's
+    tensors (and, where ``adapter.carries_base``, the base's), and patches change the adapter.
     """
 
     KIND: ClassVar[str] = "manifest"
@@ -258,6 +276,7 @@ class Manifest(Record):
     state_digest: ShortStr
     anchor_version: int = Field(ge=0)  # the newest anchor at or before this version
     created_at: float = Field(allow_inf_nan=False)
+    adapter: AdapterRef | None = None
 
 
 class ManifestRequest(Record):

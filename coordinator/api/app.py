@@ -278,6 +278,10 @@ def build_app(coord: ApiBackend) -> Starlette:
         try:
             spec = parse_submitted(body, request.headers.get("content-type", ""))
             coord.config.jobs.check_task_paths(spec.task.params, coord.config.data_dir)
+            if spec.lora is not None and spec.lora.init is not None:  # read by the learner
+                coord.config.jobs.check_local_path(
+                    "job: lora.init", spec.lora.init, coord.config.data_dir
+                )
             coord.config.jobs.check_gym(spec.task.name, spec.task.params)
         except SpecError as exc:
             return JSONResponse({"error": str(exc)}, status_code=400)

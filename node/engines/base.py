@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -83,6 +83,28 @@ class Engine(ABC):
         """Release what the engine holds outside this process's memory (worker processes,
         temporary files). Idempotent; the default holds nothing of the kind."""
         return None
+
+    # What a LoRA job's node reports it samples from: ``echo.models.lora.lora_digest`` of the
+    # base and adapter the engine holds, computed from its own weights when it loaded them (the
+    # base alone gives the digest of no adapter). "" until an engine serves an adapter job.
+    lora_served: str = ""
+
+    def holds_base(self, base_digest: str) -> bool:
+        """Whether the engine holds the base model of state digest ``base_digest`` (so that a
+        LoRA version of it needs only its adapter)."""
+        return False
+
+    def load_adapter(
+        self, base: dict[str, torch.Tensor] | None, adapter: dict[str, torch.Tensor], ref: Any
+    ) -> None:
+        """Serve LoRA ``adapter`` (``ref``: its ``messages.AdapterRef``) on the base model whose
+        state digest is ``ref.base_digest``: ``base`` is that base's state, or None when the
+        engine holds it already, so that switching adapters loads no model.
+
+        :raises NotImplementedError: this engine serves no adapters.
+        :raises ValueError: no ``base`` and another one held, or tensors that do not fit.
+        """
+        raise NotImplementedError(f"the {self.name} engine does not serve LoRA adapters")
 
     @abstractmethod
     def state_digest(self) -> str:

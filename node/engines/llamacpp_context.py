@@ -102,6 +102,9 @@ class LlamaContext:
         self.ctx: Any = None
         self._batch: Any = None
         self._batch_size = 0
+        # The LoRA adapter set on the context (llama.cpp frees it with the model), kept across
+        # a context that is made anew.
+        self.adapter: Any = None
         if not LlamaContext._backend_ready:
             ll.llama_backend_init()
             LlamaContext._backend_ready = True
@@ -158,8 +161,44 @@ class LlamaContext:
             self.unload()
             raise RuntimeError("llama.cpp could not create a context (out of memory?)")
         self.ctx = ctx
+        if self.adapter is not None:
+            self._apply_adapter(self.adapter)
         self._batch_size = int(cparams.n_batch)
         self._batch = ll.llama_batch_init(self._batch_size, 0, 1)
+
+    def set_adapter(self, path: Path | None) -> None:
+        """Compute with the GGUF LoRA adapter at ``path`` from now on (None: the base alone),
+        without reloading the model: the adapter's tensors load beside the mapped base and the
+        context switches to them. RuntimeError (the previous adapter kept) when llama.cpp
+        cannot load or apply it."""
+        ll = self._ll
+        if self.model is None or self.ctx is None:
+            raise RuntimeError("no model is loaded to apply an adapter to")
+        new = None
+        if path is not None:
+            new = ll.llama_adapter_lora_init(self.model, str(path).encode())
+            if not new:
+                raise RuntimeError(f"llama.cpp could not load the LoRA adapter {path}")
+        try:
+            self._apply_adapter(new)
+        except RuntimeError:
+            if new is not None:
+                ll.llama_adapter_lora_free(new)
+            raise
+        old, self.adapter = self.adapter, new
+        if old is not None:
+            ll.llama_adapter_lora_free(old)
+
+    def _apply_adapter(self, adapter: Any) -> None:
+        ll = self._ll
+        if adapter is None:
+            failed = ll.llama_set_adapters_lora(self.ctx, None, 0, None)
+        else:
+            adapters = (ll.llama_adapter_lora_p_ctypes * 1)(adapter)
+            scales = (ctypes.c_float * 1)(1.0)  # the adapter's own alpha / r scales it
+            failed = ll.llama_set_adapters_lora(self.ctx, adapters, 1, scales)
+        if failed:
+            raise RuntimeError("llama.cpp could not set the LoRA adapter on its context")
 
     def _free_context(self) -> None:
         ll = self._ll
@@ -175,6 +214,9 @@ class LlamaContext:
         self._free_context()
         if self.model is not None:
             ll = self._ll
+            if self.adapter is not None:
+                ll.llama_adapter_lora_free(self.adapter)
+                self.adapter = None
             ll.llama_model_free(self.model)
             self.model = None
 

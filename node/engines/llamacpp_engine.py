@@ -31,6 +31,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -50,6 +51,7 @@ from echo.node.engines.llamacpp_context import (
     pad_cells,
     route_llama_log,
 )
+from echo.node.engines.llamacpp_lora import LlamaLora
 from echo.node.engines.llamacpp_sampler import sample, sample_rng
 
 
@@ -165,6 +167,7 @@ class LlamaCppEngine(Engine):
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.gguf_path = self.workdir / "policy.gguf"
         self._file: GGUFFile | None = None
+        self._lora: LlamaLora | None = None  # the LoRA adapters served on the base GGUF
         self._llama = LlamaContext(
             llama_cpp,
             vocab_size=self.vocab_size,
@@ -191,6 +194,8 @@ class LlamaCppEngine(Engine):
         until the next successful call), OSError when the file cannot be written.
         """
         check_state(self.layout, state)
+        if self._lora is not None:  # a full-weight version: no adapter computes on it
+            self._lora.drop()
         stats = LoadStats()
         t0 = time.perf_counter()
         held = self._file
@@ -239,8 +244,24 @@ class LlamaCppEngine(Engine):
 
     def state_digest(self) -> str:
         """Digest of the weights read back from the GGUF llama.cpp has mapped (unpermuted, in the
-        published dtypes); RuntimeError before the first :meth:`load_state`."""
+        published dtypes), with the LoRA adapter's read back from its GGUF where one is set;
+        RuntimeError before the first :meth:`load_state`."""
+        if self._lora is not None and self._lora.active:
+            return self._lora.served_digest()
         return digest_of(self.held_state())
+
+    def holds_base(self, base_digest: str) -> bool:
+        return self._lora is not None and self._lora.holds_base(base_digest)
+
+    def load_adapter(
+        self, base: dict[str, torch.Tensor] | None, adapter: dict[str, torch.Tensor], ref: Any
+    ) -> None:
+        """Serve a LoRA adapter as a GGUF adapter beside the untouched base GGUF
+        (:mod:`echo.node.engines.llamacpp_lora`): the base loads once, adapters switch on the
+        running context."""
+        if self._lora is None:
+            self._lora = LlamaLora(self)
+        self.lora_served = self._lora.load(base, adapter, ref)
 
     def held_state(self) -> dict[str, torch.Tensor]:
         """The state as read back from the GGUF (what :meth:`state_digest` hashes);

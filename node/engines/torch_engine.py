@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import torch
 
@@ -25,6 +26,7 @@ from echo.models.weights import DTYPES, export_state
 from echo.models.weights import load_state as load_model_state
 from echo.models.weights import state_digest as digest_of
 from echo.node.engines.base import Completion, Engine, GenRequest, SamplingParams
+from echo.node.engines.torch_lora import TorchLora
 
 
 class TorchEngine(Engine):
@@ -57,18 +59,37 @@ class TorchEngine(Engine):
         # float32 weights loaded from a bfloat16 state still matches the learner's bf16 digest.
         self._state_dtype = dtype
         self.last_stats: dict[str, float] = {"tokens": 0, "seconds": 0.0, "tokens_per_s": 0.0}
+        self._lora: TorchLora | None = None  # set while the engine serves LoRA adapters
 
     # -- weights ------------------------------------------------------------------------------
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         """Copy ``state`` into the model (exact; cast to the engine's dtype if it differs)."""
+        if self._lora is not None:  # back from serving adapters: the plain model again
+            self.model = build_model(self.spec).to(self.device, DTYPES[self.dtype]).eval()
+            self._lora, self.lora_served = None, ""
         load_model_state(self.model, state)
         floats = [t.dtype for t in state.values() if t.is_floating_point()]
         if floats:
             self._state_dtype = str(floats[0]).removeprefix("torch.")
 
     def state_digest(self) -> str:
+        if self._lora is not None:
+            return self._lora.served_digest()
         return digest_of(export_state(self.model, self._state_dtype))
+
+    def holds_base(self, base_digest: str) -> bool:
+        return self._lora is not None and self._lora.holds_base(base_digest)
+
+    def load_adapter(
+        self, base: dict[str, torch.Tensor] | None, adapter: dict[str, torch.Tensor], ref: Any
+    ) -> None:
+        """Serve a LoRA adapter through the learner's own ``peft`` layers
+        (:mod:`echo.node.engines.torch_lora`); the base loads once, adapters switch in place."""
+        lora = self._lora or TorchLora(self.spec, self.device, self.dtype)
+        self.lora_served = lora.load(base, adapter, ref)
+        assert lora.model is not None
+        self._lora, self.model = lora, lora.model
 
     # -- generation ---------------------------------------------------------------------------
 

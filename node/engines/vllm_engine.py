@@ -53,6 +53,7 @@ import torch
 from echo.models.spec import ModelSpec, eos_token_id
 from echo.models.weights import DTYPES, digest_entries, dtype_name
 from echo.node.engines.base import Completion, Engine, GenRequest
+from echo.node.engines.vllm_lora import VllmLora
 from echo.node.engines.vllm_worker import read_plan
 
 # vLLM clamps temperatures in (0, 0.01) up to 0.01 (sampling_params._MAX_TEMP) and treats them
@@ -148,6 +149,7 @@ class VLLMEngine(Engine):
         self.logprobs_before_top_p = False
         self.last_load = LoadStats()
         self.last_stats: dict[str, float] = {"tokens": 0, "seconds": 0.0, "tokens_per_s": 0.0}
+        self._lora: VllmLora | None = None  # the LoRA adapters served on the base
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -211,6 +213,7 @@ class VLLMEngine(Engine):
             gpu_memory_utilization=self.gpu_memory_fraction,
             worker_extension_cls=_EXTENSION,
             seed=0,
+            **(self._lora.start_args() if self._lora is not None else {}),
         )
         self.logprobs_before_top_p = all(self._llm.collective_rpc("echo_logprobs_before_top_p"))
         with contextlib.suppress(AttributeError):  # what vLLM derived (rope scaling etc.)
@@ -218,6 +221,11 @@ class VLLMEngine(Engine):
         if self.threads is None:  # vLLM's own choice, as its worker applied it
             self.threads = self._llm.collective_rpc("echo_threads")[0]
         # The first step of a fresh engine is slow (lazy set-up): take it here, not in a lease.
+        self.warm_up()
+
+    def warm_up(self) -> None:
+        """One tiny generation (with the current LoRA adapter, if any): vLLM's lazy set-up,
+        and loading an adapter, happen here rather than in a lease."""
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -225,7 +233,25 @@ class VLLMEngine(Engine):
             [TokensPrompt(prompt_token_ids=[self.eos_id])],
             VSamplingParams(max_tokens=2, temperature=1.0, seed=0, logprobs=0, detokenize=False),
             use_tqdm=False,
+            lora_request=self._lora_request(),
         )
+
+    def _lora_request(self) -> Any:
+        return self._lora.request if self._lora is not None else None
+
+    # -- LoRA adapters (echo.node.engines.vllm_lora) ----------------------------------------------
+
+    def holds_base(self, base_digest: str) -> bool:
+        return self._lora is not None and self._lora.holds_base(base_digest)
+
+    def load_adapter(
+        self, base: dict[str, torch.Tensor] | None, adapter: dict[str, torch.Tensor], ref: Any
+    ) -> None:
+        """Serve a LoRA adapter through ``LoRARequest`` on the base loaded once with LoRA
+        enabled; later adapters of the same base are hot-swapped (no weight reload)."""
+        if self._lora is None:
+            self._lora = VllmLora(self)
+        self.lora_served = self._lora.load(base, adapter, ref)
 
     # -- weights --------------------------------------------------------------------------------
 
@@ -233,6 +259,10 @@ class VLLMEngine(Engine):
         """Write ``state`` and make vLLM compute with it (see the module docstring). Raises
         ValueError for a state that does not fit the model, leaving the engine unchanged."""
         self._check_state(state)
+        if self._lora is not None and self._lora.request is not None:
+            # A full-weight version after adapters: vLLM runs without LoRA again.
+            self.close_llm()
+            self._lora, self.lora_served = None, ""
         stats = LoadStats(first=self._llm is None)
         t0 = time.perf_counter()
         if self._llm is None:
@@ -271,18 +301,24 @@ class VLLMEngine(Engine):
         RuntimeError before the first :meth:`load_state`."""
         if self._llm is None:
             raise RuntimeError("the vllm engine holds no weights yet: call load_state first")
+        if self._lora is not None and self._lora.request is not None:
+            return self._lora.served_digest()
         plan = read_plan(self._meta)
         replies = self._llm.collective_rpc("echo_tensor_digests", args=(plan,))
         entries = replies[0]  # tensor-parallel workers would each hold a shard: one worker here
         meta = {n: _meta_of(dtype, shape) for n, (dtype, shape, _) in entries.items()}
         return digest_entries(meta, {n: d for n, (_, _, d) in entries.items()})
 
-    def close(self) -> None:
-        """Stop vLLM's processes and remove a temporary workdir. Idempotent."""
+    def close_llm(self) -> None:
+        """Stop vLLM's processes (the workdir stays). Idempotent."""
         llm, self._llm = self._llm, None
         if llm is not None:
             with contextlib.suppress(Exception):
                 llm.llm_engine.engine_core.shutdown(timeout=2)
+
+    def close(self) -> None:
+        """Stop vLLM's processes and remove a temporary workdir. Idempotent."""
+        self.close_llm()
         if self._own_workdir and self.workdir.exists():
             shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -340,7 +376,10 @@ class VLLMEngine(Engine):
                 )
             )
         start = time.perf_counter()
-        outputs = self._llm.generate(prompts, params, use_tqdm=False)
+        lora = self._lora_request()
+        outputs = self._llm.generate(
+            prompts, params, use_tqdm=False, lora_request=[lora] * len(prompts) if lora else None
+        )
         seconds = time.perf_counter() - start
         result = []
         for r, out in zip(requests, outputs, strict=True):
