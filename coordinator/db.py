@@ -23,7 +23,9 @@ from echo.protocol.errors import ProtocolError
 
 # 2: a rollout keeps its decoded group (rollouts.engine, the completions table), so a batch is
 #    built from rows; the node's envelope stays for audit only.
-SCHEMA_VERSION = 2
+# 3: the credit ledger (credit, credit_totals, credit_cursor; append-only by trigger) and the
+#    indexes the dashboard's time series read (echo.coordinator.store_credit, dash_data).
+SCHEMA_VERSION = 3
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -169,18 +171,21 @@ class Database:
         with db._tx() as tx:
             _add_columns(tx)
         row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-        if row is None:
-            conn.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-        elif int(row[0]) == 1:
-            with db._tx() as tx:
-                _migrate_1_to_2(tx)
-                tx.execute(
-                    "UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),)
-                )
-        elif int(row[0]) != SCHEMA_VERSION:
+        have = SCHEMA_VERSION if row is None else int(row[0])
+        if not 1 <= have <= SCHEMA_VERSION:
             raise StoreError(
                 f"database {path} has schema {row[0]}, this build expects {SCHEMA_VERSION}"
             )
+        with db._tx() as tx:
+            if row is None:
+                _create_credit(tx)
+                tx.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            elif have < SCHEMA_VERSION:  # every step in one transaction: all of them or none
+                for step in range(have, SCHEMA_VERSION):
+                    _MIGRATIONS[step](tx)
+                tx.execute(
+                    "UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),)
+                )
         return db
 
     def close(self) -> None:
@@ -249,6 +254,61 @@ def _migrate_1_to_2(db: sqlite3.Connection) -> None:
             continue
         db.execute("UPDATE rollouts SET engine=? WHERE rollout_id=?", (sub.engine, rollout_id))
         insert_completions(db, rollout_id, sub.completions)
+
+
+# The credit ledger (schema 3). Entries are never changed or deleted: the triggers refuse it, so
+# no code path (retention included) can rewrite what a volunteer was paid. ``ref_key`` names what
+# an entry pays for and is unique: nothing is paid twice. ``credit_totals`` keeps each node's
+# sum, entry count and chain head (the next entry's ``prev``); ``credit_cursor`` the last version
+# of each job whose trained groups were paid.
+_CREDIT_DDL = (
+    """CREATE TABLE IF NOT EXISTS credit (
+        node_id TEXT NOT NULL,
+        seq INTEGER NOT NULL,
+        kind TEXT NOT NULL,
+        job_id TEXT NOT NULL,
+        version INTEGER NOT NULL,
+        ref_key TEXT NOT NULL UNIQUE,
+        amount INTEGER NOT NULL,
+        at REAL NOT NULL,
+        envelope BLOB NOT NULL,
+        PRIMARY KEY (node_id, seq)
+    )""",
+    """CREATE TABLE IF NOT EXISTS credit_totals (
+        node_id TEXT PRIMARY KEY,
+        total INTEGER NOT NULL,
+        entries INTEGER NOT NULL,
+        head BLOB NOT NULL
+    )""",
+    "CREATE INDEX IF NOT EXISTS credit_totals_rank ON credit_totals (total)",
+    """CREATE TABLE IF NOT EXISTS credit_cursor (
+        job_id TEXT PRIMARY KEY, version INTEGER NOT NULL
+    )""",
+    """CREATE TRIGGER IF NOT EXISTS credit_no_update BEFORE UPDATE ON credit
+        BEGIN SELECT RAISE(ABORT, 'the credit ledger is append-only'); END""",
+    """CREATE TRIGGER IF NOT EXISTS credit_no_delete BEFORE DELETE ON credit
+        BEGIN SELECT RAISE(ABORT, 'the credit ledger is append-only'); END""",
+    # The groups a version trained (what the ledger pays for, version by version).
+    "CREATE INDEX IF NOT EXISTS rollouts_trained ON rollouts (job_id, trained_version)",
+    # The dashboard's per-job time series: groups and rejections by time.
+    "CREATE INDEX IF NOT EXISTS rollouts_job_time ON rollouts (job_id, created_at)",
+    "CREATE INDEX IF NOT EXISTS rejections_job_time ON rejections (job_id, at)",
+)
+
+
+def _create_credit(db: sqlite3.Connection) -> None:
+    for stmt in _CREDIT_DDL:
+        db.execute(stmt)
+
+
+def _migrate_2_to_3(db: sqlite3.Connection) -> None:
+    """Add the credit ledger. No cursor is written: the coordinator's credit book then pays the
+    groups trained before the ledger existed too, signed when it first runs."""
+    _create_credit(db)
+
+
+# Migration from schema N to N + 1, by N.
+_MIGRATIONS = {1: _migrate_1_to_2, 2: _migrate_2_to_3}
 
 
 def insert_completions(

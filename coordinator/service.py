@@ -23,10 +23,13 @@ from libp2p.peer.id import ID
 
 from echo.coordinator.api import serve_http
 from echo.coordinator.config import CoordinatorConfig
+from echo.coordinator.credit import CreditBook
+from echo.coordinator.dash_data import EdgeRates, Snapshots
 from echo.coordinator.dissemination import Dissemination
 from echo.coordinator.job_control import JobControl
 from echo.coordinator.learner_rpc import LearnerRPC
 from echo.coordinator.leases import Leases
+from echo.coordinator.live import LiveFeed
 from echo.coordinator.metrics import Metrics
 from echo.coordinator.node_rpc import NodeRPC, active_nodes
 from echo.coordinator.penalties import Penalties
@@ -120,6 +123,14 @@ class Coordinator:
         )
         self.learner_rpc.placement = self.placement
         self.relay = None  # the circuit relay, while run() serves it (echo.p2p.circuit_relay)
+        # Credit and the dashboard: confirmed relaying is paid as the receipts come in, trained
+        # groups by the book's own task; the dashboard draws each timed relay edge.
+        self.credit = CreditBook(store, identity)
+        self.edge_rates = EdgeRates()
+        self.dissemination.on_relay_credit = self.credit.relayed
+        self.dissemination.on_edge = self.edge_rates.record
+        snapshots = Snapshots(self)
+        self.live = LiveFeed(snapshots.full, snapshots.public)
 
     async def run(
         self, *, task_status: trio.TaskStatus[Coordinator] = trio.TASK_STATUS_IGNORED
@@ -144,6 +155,8 @@ class Coordinator:
                 nursery.start_soon(run_reachability, host, self.dissemination)
                 nursery.start_soon(self.placement.run_forever)
                 nursery.start_soon(self._serve_relay, host)
+                nursery.start_soon(self.credit.run_forever)
+                nursery.start_soon(self.live.run_forever)
                 task_status.started(self)
                 await trio.sleep_forever()
 

@@ -10,7 +10,9 @@ transaction that records the version it went into).
 :mod:`~echo.coordinator.store_jobs` (jobs, versions, per-job reports),
 :mod:`~echo.coordinator.store_nodes` (nodes and their rejections),
 :mod:`~echo.coordinator.store_leases` (leases), :mod:`~echo.coordinator.store_ledger` (rollouts,
-batches, publishing a version), :mod:`~echo.coordinator.store_prune` (retention) --
+batches, publishing a version), :mod:`~echo.coordinator.store_prune` (retention),
+:mod:`~echo.coordinator.store_credit` (the volunteers' credit ledger),
+:mod:`~echo.coordinator.store_dash` (the dashboard's reads) --
 over the one connection of :mod:`~echo.coordinator.db`, which
 also owns the schema and its migrations. Reads return the typed rows of
 :mod:`~echo.coordinator.rows`.
@@ -22,6 +24,8 @@ cost more than the query).
 from __future__ import annotations
 
 from echo.coordinator.db import StoreError
+from echo.coordinator.store_credit import CreditTables
+from echo.coordinator.store_dash import DashReads
 from echo.coordinator.store_epochs import LearnerEpochs
 from echo.coordinator.store_jobs import JobTables
 from echo.coordinator.store_leases import LeaseTables
@@ -30,7 +34,9 @@ from echo.coordinator.store_nodes import NodeTables
 from echo.coordinator.store_prune import Pruning
 
 
-class Store(JobTables, NodeTables, LeaseTables, Ledger, Pruning, LearnerEpochs):
+class Store(
+    JobTables, NodeTables, LeaseTables, Ledger, Pruning, LearnerEpochs, CreditTables, DashReads
+):
     """One SQLite database file; open with :meth:`open`, close with :meth:`close`.
 
     Write methods raise :class:`StoreError` for a transition the stored state does not allow
