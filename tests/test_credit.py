@@ -222,7 +222,8 @@ def test_a_schema_2_database_gains_the_ledger_and_pays_its_history(tmp_path) -> 
     store._db.execute("UPDATE meta SET value='2' WHERE key='schema_version'")
     store.close()
     store = Store.open(tmp_path / "db.sqlite")
-    assert store._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == "3"
+    schema = store._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+    assert schema[0] == "3"
     coord = Identity.generate()
     assert CreditBook(store, coord).book_trained() == 3  # what trained before the ledger
     ledger = verify_entries(_envelopes(store, "node-a"), coord.public_key_bytes, "node-a")
