@@ -10,7 +10,7 @@ import time
 import httpx
 import trio
 
-from echo.p2p.identity import public_key_from_peer_id
+from echo.p2p.identity import Identity, public_key_from_peer_id
 from echo.protocol import ids, signing
 from echo.protocol import messages as m
 from echo.protocol import reasons as R
@@ -182,5 +182,49 @@ def test_sse_streams_snapshots_live_behind_the_token_with_a_cap(tmp_path) -> Non
             assert snap["jobs_running"] == 1 and snap["leaderboard"][0]["node_id"] == node_a
             full = (await http.get("/v1/dashboard", headers=AUTH)).json()
             assert full["jobs"][0]["job_id"] == job_id
+
+    run_with_coordinator(tmp_path, body)
+
+
+def test_echo_node_credit_shows_the_verified_ledger_of_a_stopped_node(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from echo.node.cli import app
+
+    data_dir = tmp_path / "node"
+    data_dir.mkdir()
+    ident = Identity.load_or_create(data_dir / "identity.key")
+
+    async def body(coord, client) -> None:
+        job_id, learner = await start_job(coord, client)
+        node = await client(ident)  # the node, under the identity its data dir holds
+        await node.register()
+        lease = open_lease(coord, (await node.leases(job_id, have=0, n=1)).leases[0])
+        assert (await node.submit(node.seal(group_for(lease)))).accepted
+        await take_batch(learner, job_id)
+        await publish(learner, job_id, 1, [lease.lease_id])
+        with trio.fail_after(10):
+            while coord.store.credit_total(ident.peer_id_str)[1] == 0:
+                await trio.sleep(0.1)
+        api, joined = coord.http_addrs[0], coord.multiaddrs[0]
+        runner = CliRunner()
+
+        def cli(*args: str):
+            return runner.invoke(app, ["credit", "--api", api, "--data-dir", str(data_dir), *args])
+
+        ok = await trio.to_thread.run_sync(cli, "--coordinator", joined)
+        assert ok.exit_code == 0, ok.output
+        total = coord.store.credit_total(ident.peer_id_str)[0]
+        assert f"credit: {total / 1e6:.6f} in 1 entries" in ok.output
+        assert "key from the coordinator you joined" in ok.output
+        assert "1 groups" in ok.output
+        # Checked against another coordinator's key, the same ledger is refused.
+        other = f"/ip4/127.0.0.1/tcp/1/p2p/{Identity.generate().peer_id_str}"
+        bad = await trio.to_thread.run_sync(cli, "--coordinator", other)
+        assert bad.exit_code == 1 and "does not verify" in bad.output
+        gone = await trio.to_thread.run_sync(
+            lambda: runner.invoke(app, ["credit", "--api", "http://127.0.0.1:9", "--node", "x"])
+        )
+        assert gone.exit_code == 1 and "cannot reach the coordinator" in gone.output
 
     run_with_coordinator(tmp_path, body)
