@@ -83,9 +83,10 @@ def _finite(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
-def _bins(now: float) -> tuple[float, int]:
-    """The first bin's start and the number of bins of the window ending at ``now``."""
-    start = math.floor((now - WINDOW_S) / BIN_S) * BIN_S
+def _bins(now: float, since: float) -> tuple[float, int]:
+    """The first bin's start and the number of bins of the window ending at ``now``: the last
+    :data:`WINDOW_S`, or from ``since`` (the job's start) when that is later."""
+    start = math.floor(max(now - WINDOW_S, min(since, now - BIN_S)) / BIN_S) * BIN_S
     return start, int(math.ceil((now - start) / BIN_S))
 
 
@@ -99,7 +100,7 @@ def job_series(store: Store, row: JobRow, now: float) -> dict[str, Any]:
         if "eval_accuracy" in v.metrics:
             evals.append([v.version, v.metrics["eval_accuracy"]])
     stale = [[v, mean, mx] for v, mean, mx in store.staleness_by_version(job_id)]
-    start, n = _bins(now)
+    start, n = _bins(now, row.created_at)
     group_size = int(row.spec.get("group_size", 1))
     rollouts = [0.0] * n
     for b, count in store.groups_per_bin(job_id, start, BIN_S).items():

@@ -31,7 +31,7 @@ async def publish(learner, job_id: str, version: int, trained, verdicts=()) -> N
         job_id=job_id, version=version,
         manifest=signing.seal_record(learner.identity.private_key, man),
         trained=list(trained), verdicts=list(verdicts),
-        metrics={"eval_accuracy": 0.25, "staleness_mean": 0.0},
+        metrics={"eval_accuracy": 0.25, "staleness_mean": 0.0, "staleness_max": 0.0},
     )
     ack = m.decode(m.StepAck, await learner.call(ids.PROTO_LEARNER_REPORT, learner.seal(rep)))
     assert ack.ok, ack.message

@@ -129,7 +129,8 @@ function chart(key, el, series, data, opts = {}) {
   if (!c || c._names !== names) {
     if (c) c.destroy();
     el.replaceChildren();
-    c = new uPlot({ width, height: 220, scales: { x: { time: !!opts.time } }, series: [{}, ...series],
+    const y = opts.zero ? { range: (u, lo, hi) => [0, Math.max(1, hi * 1.1)] } : {};
+    c = new uPlot({ width, height: 220, scales: { x: { time: !!opts.time }, y }, series: [{}, ...series],
       axes: [{}, { size: 50 }] }, data, el);
     c._names = names;
     state.charts[key] = c;
@@ -150,15 +151,15 @@ function renderJob(job) {
     [versions, versions.map((v) => rw.get(v) ?? null), versions.map((v) => ev.get(v) ?? null)]);
   chart("throughput", $("#chart-throughput"),
     [{ label: "rollouts/s", stroke: COLORS[2] }, { label: "versions/min", stroke: COLORS[4] }],
-    [s.t, s.rollouts_per_s, s.versions_per_min], { time: true });
+    [s.t, s.rollouts_per_s, s.versions_per_min], { time: true, zero: true });
   chart("staleness", $("#chart-staleness"),
     [{ label: "mean", stroke: COLORS[0] }, { label: "max", stroke: COLORS[3] }],
-    [s.staleness.map((r) => r[0]), s.staleness.map((r) => r[1]), s.staleness.map((r) => r[2])]);
+    [s.staleness.map((r) => r[0]), s.staleness.map((r) => r[1]), s.staleness.map((r) => r[2])], { zero: true });
   const reasons = Object.keys(s.rejections).sort();
   chart("rejections", $("#chart-rejections"),
     reasons.length ? reasons.map((r, i) => ({ label: r, stroke: COLORS[i % COLORS.length] }))
       : [{ label: "none", stroke: COLORS[7] }],
-    [s.t, ...(reasons.length ? reasons.map((r) => s.rejections[r]) : [s.t.map(() => 0)])], { time: true });
+    [s.t, ...(reasons.length ? reasons.map((r) => s.rejections[r]) : [s.t.map(() => 0)])], { time: true, zero: true });
   renderTree(job.tree);
 }
 
