@@ -96,6 +96,13 @@ def fetch_ledger(api: str, node_id: str, coordinator: str = "") -> Fetched:
     return Fetched(ledger, answer, source)
 
 
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
 def show(console: Console, node_id: str, got: Fetched, last: int) -> None:
     """Print the node's total, its ``last`` entries and its recent rejections."""
     ledger = got.ledger
@@ -109,7 +116,7 @@ def show(console: Console, node_id: str, got: Fetched, last: int) -> None:
         for e in ledger.entries[-last:]:
             when = datetime.datetime.fromtimestamp(e.at).strftime("%Y-%m-%d %H:%M:%S")
             what = (
-                f"{len(e.refs)} groups, {e.tokens} tokens x {e.params / 1e6:.0f}M params"
+                f"{len(e.refs)} groups, {e.tokens} tokens x {_count(e.params)} params"
                 if e.kind == "rollouts"
                 else f"{e.nbytes / 1e6:.1f} MB to {e.refs[0][-8:]}"
             )

@@ -11,6 +11,7 @@ import trio
 import zstandard
 from libp2p.custom_types import TProtocol
 
+from echo.coordinator.db import SCHEMA_VERSION
 from echo.coordinator.store import Store
 from echo.models.tokenizer import EOS_ID, encode
 from echo.p2p.identity import Identity
@@ -354,6 +355,8 @@ def test_a_schema_1_database_keeps_its_buffer_trainable(tmp_path) -> None:
         assert group.rollout.rollout_id == "r1" and group.rollout.engine == sub.engine
         assert list(group.completions) == sub.completions
         assert store.take_batch("job", 8, 0) == []
-        assert store._db.execute("SELECT value FROM meta").fetchone()[0] == "2"
+        # Migrated through every step to the current schema (3 adds the credit ledger).
+        assert store._db.execute("SELECT value FROM meta").fetchone()[0] == str(SCHEMA_VERSION)
+        assert store.credit_cursors() == {}
     finally:
         store.close()

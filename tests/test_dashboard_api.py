@@ -8,6 +8,7 @@ import json
 import time
 
 import httpx
+import pytest
 import trio
 
 from echo.p2p.identity import Identity, public_key_from_peer_id
@@ -228,3 +229,39 @@ def test_echo_node_credit_shows_the_verified_ledger_of_a_stopped_node(tmp_path) 
         assert gone.exit_code == 1 and "cannot reach the coordinator" in gone.output
 
     run_with_coordinator(tmp_path, body)
+
+
+def test_a_viewer_that_stops_reading_is_cut_off_and_a_closed_feed_builds_nothing() -> None:
+    from echo.coordinator.live import MAX_MISSED, QUEUE, LiveFeed
+
+    builds = [0]
+
+    def build() -> dict:
+        builds[0] += 1
+        return {"n": builds[0]}
+
+    async def main() -> None:
+        feed = LiveFeed(build, lambda: {"public": True}, tick_s=0.0)
+        feed.publish()
+        assert builds[0] == 0  # nobody watches: nothing is built
+        slow = feed.subscribe(public=False)
+        fast = feed.subscribe(public=True)
+        assert slow is not None and fast is not None
+        got = []
+        for _ in range(QUEUE + MAX_MISSED):
+            feed.publish()
+            got.append(json.loads(fast.receive_nowait()))
+        # The fast viewer got every tick; the slow one kept its queue, then was cut off.
+        assert got[-1] == {"public": True} and len(got) == QUEUE + MAX_MISSED
+        assert [v.public for v in feed.viewers] == [True]
+        held = []
+        with pytest.raises(trio.EndOfChannel):
+            while True:
+                held.append(json.loads(await slow.receive()))
+        assert len(held) == QUEUE  # the primed snapshot and the first ticks, then the end
+        fast.close()
+        before = builds[0]
+        feed.publish()  # the last viewer left: no more builds
+        assert builds[0] == before and feed.viewers == []
+
+    trio.run(main)
