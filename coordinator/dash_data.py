@@ -37,6 +37,9 @@ MAX_NODES = 500
 # Measured edges remembered (the newest; a plan of a thousand nodes has about that many edges).
 MAX_EDGES = 4096
 LEADERBOARD = 20
+# Finished jobs shown beside the live ones (the newest): a long-lived coordinator's history
+# would otherwise grow every snapshot.
+FINISHED_SHOWN = 10
 MOVES_SHOWN = 50
 
 
@@ -191,7 +194,11 @@ class Snapshots:
         """Everything the operator's page shows (see the module docstring)."""
         now = time.time() if now is None else now
         coord, jobs = self.coord, []
-        for row in coord.store.jobs():
+        rows = coord.store.jobs()
+        done = [r.job_id for r in rows if r.status in FINISHED][-FINISHED_SHOWN:]
+        rows = [r for r in rows if r.status not in FINISHED or r.job_id in done]
+        self._done = {j: v for j, v in self._done.items() if j in done}
+        for row in rows:
             if row.status in FINISHED:
                 cached = self._done.get(row.job_id)
                 if cached is None or cached[0] != row.updated_at:

@@ -45,6 +45,12 @@ BUNDLE = {
 MAX_ENTRIES_PAGE = 1000
 MAX_NODE_ID = 128
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# The page loads only its own bundle and talks only to this server: a job name or node id that
+# carries markup could not load or send anything elsewhere even if it reached the page as HTML.
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+}
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -72,13 +78,13 @@ def dashboard_routes(coord: DashboardHost, guard: Callable[[Handler], Handler]) 
     """The routes of the module docstring; ``guard`` wraps the token-only ones."""
 
     async def index(request: Request) -> Response:
-        return FileResponse(STATIC / "index.html", media_type="text/html")
+        return FileResponse(STATIC / "index.html", media_type="text/html", headers=PAGE_HEADERS)
 
     async def static(request: Request) -> Response:
         name = request.path_params["name"]
         if name not in BUNDLE:
             return _bad("no such file", 404)
-        return FileResponse(STATIC / name, media_type=BUNDLE[name])
+        return FileResponse(STATIC / name, media_type=BUNDLE[name], headers=PAGE_HEADERS)
 
     def events(public: bool) -> Handler:
         async def stream(request: Request) -> Response:
