@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+import trio
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -65,6 +66,22 @@ class DashboardHost(DashBackend, Protocol):
     def identity(self) -> Identity: ...
 
 
+class _FeedResponse(StreamingResponse):
+    """An SSE response that gives its feed slot back as soon as it ends, however it ends (the
+    client left, the server stops): its receiving channel is closed here, not whenever the
+    abandoned generator is collected."""
+
+    def __init__(self, recv: trio.MemoryReceiveChannel[bytes]) -> None:
+        super().__init__(sse_stream(recv), media_type="text/event-stream", headers=SSE_HEADERS)
+        self._recv = recv
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._recv.close()
+
+
 def _bad(msg: str, status: int = 400) -> JSONResponse:
     return JSONResponse({"error": msg}, status_code=status)
 
@@ -91,9 +108,7 @@ def dashboard_routes(coord: DashboardHost, guard: Callable[[Handler], Handler]) 
             recv = coord.live.subscribe(public)
             if recv is None:
                 return _bad("too many dashboard viewers; try again later", 503)
-            return StreamingResponse(
-                sse_stream(recv), media_type="text/event-stream", headers=SSE_HEADERS
-            )
+            return _FeedResponse(recv)
 
         return stream
 

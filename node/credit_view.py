@@ -121,7 +121,7 @@ def show(console: Console, node_id: str, got: Fetched, last: int) -> None:
                 else f"{e.nbytes / 1e6:.1f} MB to {e.refs[0][-8:]}"
             )
             t.add_row(
-                str(e.seq), when, e.kind, e.job_id[-12:], str(e.version), what,
+                str(e.seq), when, e.kind, e.job_id[:24], str(e.version), what,
                 f"{e.amount / UCREDITS_PER_CREDIT:.6f}",
             )
         console.print(t)
@@ -130,4 +130,4 @@ def show(console: Console, node_id: str, got: Fetched, last: int) -> None:
         console.print("recent rejections (rejected work earns nothing):")
         for r in rejections[:10]:
             when = datetime.datetime.fromtimestamp(r["at"]).strftime("%H:%M:%S")
-            console.print(f"  {when} {r['reason']} (job {str(r['job_id'])[-12:]})")
+            console.print(f"  {when} {r['reason']} (job {str(r['job_id'])[:24]})")
