@@ -1,7 +1,9 @@
 """The dashboard's live feed: one snapshot built per tick, sent to every viewer as an SSE event.
 
-:class:`LiveFeed` owns the viewers: at most :attr:`LiveFeed.max_clients` at once (a viewer over
-the cap is refused), each with a queue of :data:`QUEUE` events. The feed builds a snapshot only
+:class:`LiveFeed` owns the viewers: at most :attr:`LiveFeed.max_operator` operators and
+:attr:`LiveFeed.max_public` public viewers at once, counted apart so that strangers holding
+every public slot never lock the operator out (a viewer over its cap is refused), each with a
+queue of :data:`QUEUE` events. The feed builds a snapshot only
 while someone watches, once per tick whatever the number of viewers, so a closed dashboard costs
 the coordinator nothing and an open one the same for one viewer or thirty. A viewer whose queue
 is full misses that tick (each event is a whole snapshot: the next one replaces it), and one
@@ -28,7 +30,8 @@ TICK_S = 2.0
 QUEUE = 4
 MAX_MISSED = 15
 HEARTBEAT_S = 15.0
-MAX_CLIENTS = 32
+MAX_PUBLIC = 32
+MAX_OPERATOR = 8
 
 
 @dataclass
@@ -58,12 +61,14 @@ class LiveFeed:
         build_public: Callable[[], dict[str, Any]],
         *,
         tick_s: float = TICK_S,
-        max_clients: int = MAX_CLIENTS,
+        max_public: int = MAX_PUBLIC,
+        max_operator: int = MAX_OPERATOR,
     ) -> None:
         self.build_full = build_full
         self.build_public = build_public
         self.tick_s = tick_s
-        self.max_clients = max_clients
+        self.max_public = max_public
+        self.max_operator = max_operator
         self.viewers: list[_Viewer] = []
         self.latest = _Latest()
         self.builds = 0  # snapshots built, and the CPU they took (benchmarks/dashboard.py)
@@ -71,9 +76,10 @@ class LiveFeed:
         self.refused = 0
 
     def subscribe(self, public: bool) -> trio.MemoryReceiveChannel[bytes] | None:
-        """A new viewer's channel, primed with the latest snapshot; None when the feed has
-        :attr:`max_clients` viewers already."""
-        if len(self.viewers) >= self.max_clients:
+        """A new viewer's channel, primed with the latest snapshot; None when the feed has as
+        many viewers of that kind as its cap (:attr:`max_public`, :attr:`max_operator`)."""
+        cap = self.max_public if public else self.max_operator
+        if sum(1 for v in self.viewers if v.public == public) >= cap:
             self.refused += 1
             return None
         send, recv = trio.open_memory_channel[bytes](QUEUE)

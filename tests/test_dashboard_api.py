@@ -165,17 +165,21 @@ def test_sse_streams_snapshots_live_behind_the_token_with_a_cap(tmp_path) -> Non
                         if snap["jobs"][0]["current_version"] == 2 and node_a in paid:
                             break
                     assert {n["node_id"]: n for n in snap["nodes"]}[node_a]["credits"] > 0
-                    # The cap: one viewer is watching; a second is refused while the cap is 1.
-                    coord.live.max_clients = 1
+                    # The caps, counted apart: one operator watches, a second is refused while
+                    # the operator cap is 1; public viewers have slots of their own.
+                    coord.live.max_operator = 1
                     r = await http.get("/v1/events", headers=AUTH)
                     assert r.status_code == 503 and "too many" in r.json()["error"]
+                    async with http.stream("GET", "/v1/public/events") as pub:
+                        assert pub.status_code == 200
+                    coord.live.max_public = 0
                     r = await http.get("/v1/public/events")
                     assert r.status_code == 503
             # The viewer left: its slot is freed at the next tick (the response closes its end).
             with trio.fail_after(5):
                 while coord.live.viewers:
                     await trio.sleep(0.1)
-            coord.live.max_clients = 4
+            coord.live.max_public = 4
             with trio.fail_after(10):
                 async with http.stream("GET", "/v1/public/events") as resp:
                     snap = await next_snapshot(resp.aiter_lines())
