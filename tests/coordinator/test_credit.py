@@ -39,10 +39,21 @@ def _accept(store: Store, job_id: str, node: str, n: int, tokens: int, *, buffer
     store.add_leases(
         [LeaseRow(lease_id, job_id, node, n, 2, 16, n, 0, now, now + 60, "open")]
     )
-    comp = m.CompletionRecord(
-        token_ids=m.pack_tokens([1] * (tokens // 2)),
-        logprobs=m.pack_logprobs([-0.1] * (tokens // 2)),
-        finish_reason="length",
+    # Stored as the submit path encodes it: the learner's form of the group.
+    comp = m.TrainingCompletion(
+        token_ids=[1] * (tokens // 2), logprobs=[-0.1] * (tokens // 2), finish_reason="length"
+    )
+    group = m.encode(
+        m.TrainingGroup(
+            rollout_id=lease_id,
+            node_id=node,
+            prompt_id=n,
+            prompt_tokens=[1],
+            version=0,
+            engine="torch",
+            rewards=[1.0, 0.0] if buffered else [1.0, 1.0],
+            completions=[comp, comp],
+        )
     )
     store.accept_rollout(
         lease_id=lease_id,
@@ -51,7 +62,7 @@ def _accept(store: Store, job_id: str, node: str, n: int, tokens: int, *, buffer
         version=0,
         prompt_id=n,
         engine="torch",
-        completions=[comp, comp],
+        group=group,
         rewards=[1.0, 0.0] if buffered else [1.0, 1.0],
         tokens=tokens,
         content_hash=lease_id.encode().ljust(32, b"\0")[:32],
@@ -214,23 +225,23 @@ def test_confirmed_relaying_is_paid_once_and_only_across_networks(tmp_path) -> N
     store.close()
 
 
-def test_a_schema_2_database_gains_the_ledger_and_pays_its_history(tmp_path) -> None:
+def test_a_schema_3_database_gains_the_ledger_and_pays_its_history(tmp_path) -> None:
     store, _, trained = _store_with_history(tmp_path)
-    # Back to schema 2: no credit tables (DROP TABLE fires no DELETE trigger).
+    # Back to schema 3 (the one before the ledger): no credit tables (DROP TABLE fires no DELETE trigger).
     for t in ("credit", "credit_totals", "credit_cursor"):
         store._db.execute(f"DROP TABLE {t}")
-    store._db.execute("UPDATE meta SET value='2' WHERE key='schema_version'")
+    store._db.execute("UPDATE meta SET value='3' WHERE key='schema_version'")
     store.close()
     store = Store.open(tmp_path / "db.sqlite")
     schema = store._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-    assert schema[0] == "3"
+    assert schema[0] == "4"
     coord = Identity.generate()
     assert CreditBook(store, coord).book_trained() == 3  # what trained before the ledger
     ledger = verify_entries(_envelopes(store, "node-a"), coord.public_key_bytes, "node-a")
     assert sorted(r for e in ledger.entries for r in e.refs) == [r for r, _ in trained["node-a"]]
-    store._db.execute("UPDATE meta SET value='4' WHERE key='schema_version'")
+    store._db.execute("UPDATE meta SET value='5' WHERE key='schema_version'")
     store.close()
     from echo.coordinator.store.db import StoreError
 
-    with pytest.raises(StoreError, match="schema 4"):
+    with pytest.raises(StoreError, match="schema 5"):
         Store.open(tmp_path / "db.sqlite")
