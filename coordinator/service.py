@@ -24,6 +24,9 @@ from libp2p.peer.id import ID
 
 from echo.coordinator.api.app import serve_http
 from echo.coordinator.config import CoordinatorConfig
+from echo.coordinator.credit import CreditBook
+from echo.coordinator.dashboard.data import EdgeRates, Snapshots
+from echo.coordinator.dashboard.live import LiveFeed
 from echo.coordinator.dissemination.dialbacks import run_reachability
 from echo.coordinator.dissemination.planning import Dissemination
 from echo.coordinator.jobs.control import JobControl
@@ -126,6 +129,14 @@ class Coordinator:
         )
         self.learner_rpc.placement = self.placement
         self.relay = None  # the circuit relay, while run() serves it (echo.p2p.nat.circuit_relay)
+        # Credit and the dashboard: confirmed relaying is paid as the receipts come in, trained
+        # groups by the book's own task; the dashboard draws each timed relay edge.
+        self.credit = CreditBook(store, identity)
+        self.edge_rates = EdgeRates()
+        self.dissemination.on_relay_credit = self.credit.relayed
+        self.dissemination.on_edge = self.edge_rates.record
+        snapshots = Snapshots(self)
+        self.live = LiveFeed(snapshots.full, snapshots.public)
 
     async def run(
         self, *, task_status: trio.TaskStatus[Coordinator] = trio.TASK_STATUS_IGNORED
@@ -150,6 +161,8 @@ class Coordinator:
                 nursery.start_soon(run_reachability, host, self.dissemination)
                 nursery.start_soon(self.placement.run_forever)
                 nursery.start_soon(self._serve_relay, host)
+                nursery.start_soon(self.credit.run_forever)
+                nursery.start_soon(self.live.run_forever)
                 task_status.started(self)
                 await trio.sleep_forever()
 

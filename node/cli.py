@@ -189,5 +189,46 @@ def identity(data_dir: Annotated[Path | None, typer.Option()] = None) -> None:
     print(Identity.load_or_create(cfg.data_dir / "identity.key").peer_id_str)
 
 
+@app.command()
+def credit(
+    api: Annotated[
+        str,
+        typer.Option(
+            "--api",
+            envvar="ECHO_COORDINATOR_API",
+            help="the coordinator's HTTP address, e.g. http://HOST:8000",
+        ),
+    ],
+    coordinator: Annotated[
+        str | None,
+        typer.Option("--coordinator", "-C", help="its multiaddr: the key entries must verify by"),
+    ] = None,
+    config: Annotated[Path | None, typer.Option("--config", "-c")] = None,
+    data_dir: Annotated[Path | None, typer.Option()] = None,
+    node: Annotated[
+        str | None, typer.Option(help="another node's peer id (default: this node's)")
+    ] = None,
+    last: Annotated[int, typer.Option(help="entries to list (the newest)")] = 10,
+) -> None:
+    """Show this node's credit from the coordinator's public ledger, every entry verified
+    (signature, price, chain); works while the node is stopped."""
+    from echo.node.credit_view import CreditViewError, fetch_ledger, show
+    from echo.p2p.identity import Identity
+
+    cfg = _config(config, coordinator=coordinator, data_dir=data_dir)
+    if node is None:
+        key = cfg.data_dir / "identity.key"
+        if not key.exists():
+            console.print(f"[red]no identity at {key}[/red]: pass --data-dir or --node")
+            raise typer.Exit(2)
+        node = Identity.load_or_create(key).peer_id_str
+    try:
+        got = fetch_ledger(api, node, cfg.coordinator)
+    except CreditViewError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(1) from None
+    show(Console(), node, got, max(0, last))
+
+
 if __name__ == "__main__":
     app()

@@ -1,7 +1,9 @@
 """The coordinator's HTTP API (Starlette on hypercorn/trio), its dashboard and /metrics.
 
-Routes under ``/v1`` need ``Authorization: Bearer <token>``; ``/healthz``, ``/metrics`` and the
-read-only dashboard ``/`` do not. Bad job specs get 400 with one line per bad key; a body that
+Routes under ``/v1`` need ``Authorization: Bearer <token>``; ``/healthz``, ``/metrics``,
+``/v1/info``, the dashboard's static page ``/`` and the volunteers' public routes
+(:mod:`echo.coordinator.dashboard.routes`: credit, leaderboard, a node's own row) do not.
+Bad job specs get 400 with one line per bad key; a body that
 is not a job table (a string, null, a list, nesting past any job's depth), a tracking folder
 outside the job's folder and a dataset file outside the operator's ``[jobs] dataset_roots`` are
 400s too, and no 400 quotes what a dataset file holds. A submitted spec never answers 500.
@@ -16,7 +18,6 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
-from html import escape
 from typing import Any
 
 import trio
@@ -27,7 +28,6 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import (
     FileResponse,
-    HTMLResponse,
     JSONResponse,
     PlainTextResponse,
     Response,
@@ -36,6 +36,7 @@ from starlette.routing import Route
 
 from echo.coordinator.api.exports import Exports, ExportUnavailable
 from echo.coordinator.api.ports import ApiBackend
+from echo.coordinator.dashboard.routes import dashboard_routes
 from echo.coordinator.jobs.context import check_job
 from echo.coordinator.jobs.control import FINISHED
 from echo.coordinator.jobs.learners import tail
@@ -391,12 +392,8 @@ def build_app(coord: ApiBackend) -> Starlette:
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(coord.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def dashboard(request: Request) -> Response:
-        return HTMLResponse(render_dashboard(coord))
-
     return Starlette(
         routes=[
-            Route("/", dashboard),
             Route("/healthz", healthz),
             Route("/metrics", metrics),
             Route("/v1/info", info),
@@ -410,40 +407,8 @@ def build_app(coord: ApiBackend) -> Starlette:
             Route("/v1/jobs/{job_id}/export", export, methods=["POST"]),
             Route("/v1/jobs/{job_id}/export/{version}/{name}", export_file),
             Route("/v1/nodes", nodes),
+            *dashboard_routes(coord, guard),
         ]
-    )
-
-
-def render_dashboard(coord: ApiBackend) -> str:
-    """The read-only HTML dashboard: jobs with their reward curve's ends, and nodes."""
-
-    rows = []
-    for r in coord.store.jobs():
-        st = job_status(coord, r.job_id) or {}
-        curve = st.get("reward_by_version", [])
-        last = f"{curve[-1]['mean_reward']:.3f}" if curve else "-"
-        first = f"{curve[0]['mean_reward']:.3f}" if curve else "-"
-        rows.append(
-            f"<tr><td>{escape(r.job_id)}</td><td>{escape(r.status)}</td>"
-            f"<td>{r.current_version}</td><td>{first} → {last}</td>"
-            f"<td>{st.get('rollouts', {}).get('trained', 0)}</td></tr>"
-        )
-    nrows = "".join(
-        f"<tr><td>{escape(n['node_id'][-12:])}</td><td>{escape(n['engine'])}</td>"
-        f"<td>{n['version']}</td><td>{n['tokens_per_s']:.0f}</td><td>{n['accepted']}</td>"
-        f"<td>{n['rejected']}</td><td>{'yes' if n['excluded'] else ''}</td></tr>"
-        for n in node_list(coord)
-    )
-    return (
-        "<!doctype html><meta http-equiv=refresh content=3><title>Echo swarm</title>"
-        "<style>body{font-family:sans-serif}td,th{padding:2px 10px}</style>"
-        "<h1>Echo swarm coordinator</h1><h2>Jobs</h2><table><tr><th>job</th><th>status</th>"
-        "<th>version</th><th>reward first → last</th><th>groups trained</th></tr>"
-        + "".join(rows)
-        + "</table><h2>Nodes</h2><table><tr><th>node</th><th>engine</th>"
-        "<th>version</th><th>tok/s</th><th>accepted</th><th>rejected</th><th>excluded</th></tr>"
-        + nrows
-        + "</table>"
     )
 
 

@@ -11,13 +11,19 @@ runs; it raises nothing.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from echo.coordinator.config import CoordinatorConfig
 from echo.coordinator.metrics import Metrics
 from echo.coordinator.store import Store
 from echo.p2p.identity import Identity
 from echo.protocol.jobspec import JobSpec
+
+if TYPE_CHECKING:  # the dashboard's parts import the store and the scheduler, which import us
+    from echo.coordinator.dashboard.data import EdgeRates
+    from echo.coordinator.dashboard.live import LiveFeed
+    from echo.coordinator.dissemination.planning import Dissemination
+    from echo.coordinator.scheduling.placement import Placement
 
 
 class LearnerHost(Protocol):
@@ -72,3 +78,21 @@ class ApiBackend(Protocol):
 
     def job_schedule(self, job_id: str) -> dict[str, Any]:
         """The job's placement: its nodes, measured need, learner starved or saturated."""
+
+    # What the dashboard reads (echo.coordinator.dashboard.routes.DashboardHost).
+
+    @property
+    def dissemination(self) -> Dissemination:
+        """The relay planner (the dashboard draws its current plans)."""
+
+    @property
+    def placement(self) -> Placement:
+        """The scheduler's placement (nodes' jobs, its moves)."""
+
+    @property
+    def edge_rates(self) -> EdgeRates:
+        """The measured rate of each relay edge."""
+
+    @property
+    def live(self) -> LiveFeed:
+        """The dashboard's live feed."""

@@ -254,6 +254,10 @@ class Dissemination:
         self.links: dict[str, NodeLink] = {}
         # Called with a node whose addresses await a dial-back (the prober's queue sets it).
         self.on_new_addrs: Callable[[str], None] | None = None
+        # Called (job, version, parent, child, bytes) for each relay edge credited by a receipt
+        # (:meth:`delivered`), and (job, version, parent, child, B/s) for each receipt timed.
+        self.on_relay_credit: Callable[[str, int, str, str, float], None] | None = None
+        self.on_edge: Callable[[str, int, str, str, float], None] | None = None
         # Per job: the plan versions are patched from, and the inputs of a due full re-plan.
         # plan() and refresh() run in worker threads: the lock guards these maps.
         self._plans: dict[str, TreePlan] = {}
@@ -393,10 +397,13 @@ class Dissemination:
         if timing is None or node_id in timing.arrived:
             return
         timing.arrived.add(node_id)
+        elapsed = max(self._clock() - timing.started, timing.floor_s, 1e-3)
+        if self.on_edge is not None:  # what the dashboard draws, credible or not
+            for parent, nbytes in timing.owed.get(node_id, ()):
+                self.on_edge(job_id, version, parent, node_id, nbytes / elapsed)
         network = self._credible_network(node_id, accepted)
         if network is None:
             return
-        elapsed = max(self._clock() - timing.started, timing.floor_s, 1e-3)
         for parent, nbytes in timing.owed.get(node_id, ()):
             plink = self.links.get(parent)
             if plink is None or (node_id, parent) in timing.stalled or plink.network == network:
@@ -408,6 +415,8 @@ class Dissemination:
             credit.nbytes += nbytes
             credit.elapsed = max(credit.elapsed, elapsed)
             self.confirm(parent, (job_id, version), credit.nbytes / credit.elapsed)
+            if self.on_relay_credit is not None:  # the credit ledger pays what is confirmed here
+                self.on_relay_credit(job_id, version, parent, node_id, nbytes)
 
     def upload_of(self, node_id: str) -> float:
         """The uplink a plan gives the node: 0 while demoted; else what it says (its reported
@@ -607,6 +616,11 @@ class Dissemination:
             if job_id not in self._due:  # no newer patch arrived meanwhile
                 self._plans[job_id] = full
         return True
+
+    def current_plan(self, job_id: str) -> TreePlan | None:
+        """The plan the job's next version is patched from (its last, or its re-plan)."""
+        with self._lock:
+            return self._plans.get(job_id)
 
     def forget(self, job_id: str) -> None:
         """Drop a finished job's plans and timings."""

@@ -76,6 +76,8 @@ PASS_COALESCE_S = 0.25
 # leaves at most FORGET_S of them behind. Placement is soft state: a node that comes back later
 # is placed afresh, as after a coordinator restart.
 FORGET_S = 10 * ACTIVE_S
+# Scheduler moves remembered for the dashboard (soft state, like the placement itself).
+MOVES_KEPT = 200
 
 
 @dataclass
@@ -146,6 +148,10 @@ class Placement:
         self._params_count: dict[str, int] = {}
         self._misfits: dict[str, str] = {}  # node -> why no running job fits it
         self._rates: dict[str, dict[str, float]] = {}  # node -> job -> rollouts/s, last pass
+        # The last MOVES_KEPT moves, (when, node, from, to, why), for the operator's dashboard.
+        self.moves: deque[tuple[float, str, str | None, str | None, str]] = deque(
+            maxlen=MOVES_KEPT
+        )
         self.passes = 0  # scheduling passes run so far
         self._last_pass = -math.inf  # time.monotonic() of the last one
 
@@ -420,6 +426,7 @@ class Placement:
                 node.switches += 1
                 self.switches_into[move.dst] += 1
             node.job, node.since = move.dst, now
+            self.moves.append((now, move.node_id, move.src, move.dst, move.why))
             log.info(
                 "node %s: %s -> %s (%s)",
                 move.node_id[-8:],

@@ -10,7 +10,9 @@ transaction that records the version it went into).
 :mod:`~echo.coordinator.store.jobs` (jobs, versions, per-job reports),
 :mod:`~echo.coordinator.store.nodes` (nodes and their rejections),
 :mod:`~echo.coordinator.store.leases` (leases), :mod:`~echo.coordinator.store.ledger` (rollouts,
-batches, publishing a version), :mod:`~echo.coordinator.store.prune` (retention) --
+batches, publishing a version), :mod:`~echo.coordinator.store.prune` (retention),
+:mod:`~echo.coordinator.store.credit` (the volunteers' credit ledger),
+:mod:`~echo.coordinator.store.dash` (the dashboard's reads) --
 over the one connection of :mod:`~echo.coordinator.store.db`, which
 also owns the schema and its migrations. Reads return the typed rows of
 :mod:`~echo.coordinator.store.rows`.
@@ -21,6 +23,8 @@ cost more than the query).
 
 from __future__ import annotations
 
+from echo.coordinator.store.credit import CreditTables
+from echo.coordinator.store.dash import DashReads
 from echo.coordinator.store.db import StoreError
 from echo.coordinator.store.epochs import LearnerEpochs
 from echo.coordinator.store.jobs import JobTables
@@ -30,7 +34,9 @@ from echo.coordinator.store.nodes import NodeTables
 from echo.coordinator.store.prune import Pruning
 
 
-class Store(JobTables, NodeTables, LeaseTables, Ledger, Pruning, LearnerEpochs):
+class Store(
+    JobTables, NodeTables, LeaseTables, Ledger, Pruning, LearnerEpochs, CreditTables, DashReads
+):
     """One SQLite database file; open with :meth:`open`, close with :meth:`close`.
 
     One class over one connection: every write is one transaction on it, and the transitions of

@@ -22,7 +22,9 @@ from typing import Self
 # 3: a lease keeps its prompt's token ids (leases.prompt_tokens, rendered once when it is
 #    issued) and an accepted rollout its encoded TrainingGroup (rollouts.training_group, the form
 #    the learner trains on, made once when it is accepted): a batch hands out stored bytes.
-SCHEMA_VERSION = 3
+# 4: the credit ledger (credit, credit_totals, credit_cursor; append-only by trigger) and the
+#    indexes the dashboard's time series read (echo.coordinator.store.credit, .dash).
+SCHEMA_VERSION = 4
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -162,18 +164,22 @@ class Database:
         with db._tx() as tx:
             _add_columns(tx)
         row = conn.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-        if row is None:
-            conn.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-        elif int(row[0]) in (1, 2):
-            with db._tx() as tx:
-                _migrate_to_3(tx)
-                tx.execute(
-                    "UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),)
-                )
-        elif int(row[0]) != SCHEMA_VERSION:
+        have = SCHEMA_VERSION if row is None else int(row[0])
+        if not 1 <= have <= SCHEMA_VERSION:
             raise StoreError(
                 f"database {path} has schema {row[0]}, this build expects {SCHEMA_VERSION}"
             )
+        with db._tx() as tx:  # every step in one transaction: all of them or none
+            if row is None:
+                _create_credit(tx)
+                tx.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            elif have < SCHEMA_VERSION:
+                if have < 3:
+                    _migrate_to_3(tx)
+                _migrate_3_to_4(tx)
+                tx.execute(
+                    "UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),)
+                )
         return db
 
     def close(self) -> None:
@@ -245,3 +251,54 @@ def _migrate_to_3(db: sqlite3.Connection) -> None:
         " WHERE status IN ('accepted', 'in_batch')"
     )
     db.execute("DELETE FROM leases WHERE status='open'")
+
+
+# The credit ledger (schema 4). Entries are never changed or deleted: the triggers refuse it, so
+# no code path (retention included) can rewrite what a volunteer was paid. ``ref_key`` names what
+# an entry pays for and is unique: nothing is paid twice. ``credit_totals`` keeps each node's
+# sum, entry count and chain head (the next entry's ``prev``); ``credit_cursor`` the last version
+# of each job whose trained groups were paid.
+_CREDIT_DDL = (
+    """CREATE TABLE IF NOT EXISTS credit (
+        node_id TEXT NOT NULL,
+        seq INTEGER NOT NULL,
+        kind TEXT NOT NULL,
+        job_id TEXT NOT NULL,
+        version INTEGER NOT NULL,
+        ref_key TEXT NOT NULL UNIQUE,
+        amount INTEGER NOT NULL,
+        at REAL NOT NULL,
+        envelope BLOB NOT NULL,
+        PRIMARY KEY (node_id, seq)
+    )""",
+    """CREATE TABLE IF NOT EXISTS credit_totals (
+        node_id TEXT PRIMARY KEY,
+        total INTEGER NOT NULL,
+        entries INTEGER NOT NULL,
+        head BLOB NOT NULL
+    )""",
+    "CREATE INDEX IF NOT EXISTS credit_totals_rank ON credit_totals (total)",
+    """CREATE TABLE IF NOT EXISTS credit_cursor (
+        job_id TEXT PRIMARY KEY, version INTEGER NOT NULL
+    )""",
+    """CREATE TRIGGER IF NOT EXISTS credit_no_update BEFORE UPDATE ON credit
+        BEGIN SELECT RAISE(ABORT, 'the credit ledger is append-only'); END""",
+    """CREATE TRIGGER IF NOT EXISTS credit_no_delete BEFORE DELETE ON credit
+        BEGIN SELECT RAISE(ABORT, 'the credit ledger is append-only'); END""",
+    # The groups a version trained (what the ledger pays for, version by version).
+    "CREATE INDEX IF NOT EXISTS rollouts_trained ON rollouts (job_id, trained_version)",
+    # The dashboard's per-job time series: groups and rejections by time.
+    "CREATE INDEX IF NOT EXISTS rollouts_job_time ON rollouts (job_id, created_at)",
+    "CREATE INDEX IF NOT EXISTS rejections_job_time ON rejections (job_id, at)",
+)
+
+
+def _create_credit(db: sqlite3.Connection) -> None:
+    for stmt in _CREDIT_DDL:
+        db.execute(stmt)
+
+
+def _migrate_3_to_4(db: sqlite3.Connection) -> None:
+    """Add the credit ledger. No cursor is written: the coordinator's credit book then pays the
+    groups trained before the ledger existed too, signed when it first runs."""
+    _create_credit(db)

@@ -14,6 +14,7 @@ from libp2p.custom_types import TProtocol
 
 from echo.coordinator.rpc.common import admission
 from echo.coordinator.store import Store
+from echo.coordinator.store.db import SCHEMA_VERSION
 from echo.models.tokenizer import EOS_ID, encode
 from echo.p2p.identity import Identity
 from echo.p2p.rpc import RemoteError
@@ -322,7 +323,7 @@ def test_lease_quota_grows_with_a_run_of_valid_results(tmp_path) -> None:
                          buffer_groups=100)
 
 
-def test_a_schema_1_database_opens_at_schema_3_without_its_buffer(tmp_path) -> None:
+def test_a_schema_1_database_opens_at_the_current_schema_without_its_buffer(tmp_path) -> None:
     """Schema 3 stores each group with its lease's prompt, which older files never kept and
     only the task can render again: their buffered groups are dropped (not held against their
     nodes), their open leases forgotten, and their trained record kept."""
@@ -375,10 +376,13 @@ def test_a_schema_1_database_opens_at_schema_3_without_its_buffer(tmp_path) -> N
     store = Store.open(path)
     try:
         assert store.take_batch("job", 8, 0) == []
-        assert store._db.execute("SELECT value FROM meta").fetchone()[0] == "3"
+        # Migrated through every step to the current schema (3: prompts stored with leases;
+        # 4: the credit ledger, whose cursor starts empty so past groups get paid).
+        assert store._db.execute("SELECT value FROM meta").fetchone()[0] == str(SCHEMA_VERSION)
         status = dict(store._db.execute("SELECT rollout_id, status || '/' || reason FROM rollouts"))
         assert status == {"r1": "dropped/upgraded", "r0": "trained/"}
         assert store.lease("open1") is None and store.lease("r0").prompt_ids == ()
         assert store.rejection_counts(ident.peer_id_str) == {}  # nothing held against a node
+        assert store.credit_cursors() == {}
     finally:
         store.close()
