@@ -5,9 +5,9 @@ the re-scorer with the weights of the versions a group may still claim, the task
 held-out evaluation. :meth:`Trainer.train` takes one batch through three stages, each in its
 own module: the wire records as GRPO groups (:func:`train_groups`: the coordinator verified and
 decoded them once, so nothing is unpacked here), the re-scoring gate (``echo.learner.rescore``),
-and the GRPO step (``echo.learner.grpo``, which refuses a token id outside the vocabulary). It does
-no I/O: the learner process (``echo.learner.service``) publishes, checkpoints and reports what it
-returns.
+and the GRPO step (``echo.learner.grpo``, which refuses a token id outside the vocabulary). It
+does no I/O: the learner process (``echo.learner.service``) publishes, checkpoints and reports
+what it returns.
 """
 
 from __future__ import annotations

@@ -3,12 +3,12 @@
 Fail closed and cheapest first (the node's admission was decided before, by
 :func:`~echo.coordinator.rpc.common.admission`): size → envelope and signature → schema → node
 key and lease → version window → group shape, tokens, log-probs and termination → weights
-digest. Then the
-reward is recomputed from the decoded texts, in the job's scoring sandbox
-(:mod:`echo.coordinator.submissions.scoring`: never in this process, never on the event loop), and
-:func:`check_claimed_rewards` compares it with what the node claimed: a node's reward is never
-used, and one that claims others is lying. Re-scoring under the claimed version (step 5)
-happens at the learner, which computes those log-probs anyway.
+digest. This is the one place the node's packed arrays are decoded: :class:`Checked` carries
+them on in the learner's form. Then the reward is recomputed from the decoded texts, in the
+job's scoring sandbox (:mod:`echo.coordinator.submissions.scoring`: never in this process, never
+on the event loop), and :func:`check_claimed_rewards` compares it with what the node claimed: a
+node's reward is never used, and one that claims others is lying. Re-scoring under the claimed
+version (step 5) happens at the learner, which computes those log-probs anyway.
 
 :func:`check_submission` is pure over the jobs' :class:`JobContext` and the lease lookup passed
 in, so it is benchmarked without a network (``benchmarks/verify.py``).
