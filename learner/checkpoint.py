@@ -4,6 +4,8 @@ One folder per version under ``<job dir>/checkpoints`` (the newest :data:`KEEP`)
 temporary name and renamed, so a crash leaves the previous checkpoint intact; ``echo-job export``
 reads their model weights back (:func:`load_model_state`). Only local files of our own are read
 back: tensors through safetensors, optimizer state through ``torch.load(weights_only=True)``.
+A version the FSDP2 learner wrote is a sharded DCP checkpoint (:mod:`~echo.learner.dcp_checkpoint`);
+:func:`latest` and :func:`load_model_state` read it whole, so a job may go back to one process.
 """
 
 from __future__ import annotations
@@ -92,6 +94,10 @@ def load_model_state(root: Path, version: int) -> dict[str, torch.Tensor]:
     :raises FileNotFoundError: no checkpoint of ``version`` is kept under ``root``.
     """
     path = _dir(root, version) / "model.safetensors"
+    from echo.learner import dcp_checkpoint  # it builds on this module
+
+    if dcp_checkpoint.is_dcp(path.parent):  # written by the FSDP2 learner
+        return dcp_checkpoint.load_full(path.parent)["model"]
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint of version {version} under {root}")
     return load_file(str(path))
@@ -100,8 +106,12 @@ def load_model_state(root: Path, version: int) -> dict[str, torch.Tensor]:
 def latest(root: Path) -> Checkpoint | None:
     if not root.exists():
         return None
+    from echo.learner import dcp_checkpoint  # it builds on this module
+
     for d in sorted((p for p in root.iterdir() if p.name.startswith("v")), reverse=True):
         try:
+            if dcp_checkpoint.is_dcp(d):  # written by the FSDP2 learner: read with no ranks
+                return dcp_checkpoint.load_for_single(d)
             meta = json.loads((d / "meta.json").read_text())
             return Checkpoint(
                 version=int(meta["version"]),
