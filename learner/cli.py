@@ -87,7 +87,7 @@ def main() -> None:
 
     def stop(code: int) -> SystemExit:
         if ranks is not None:  # torchrun exits 1 whatever a rank's status: leave it here
-            rank_roles.leave_exit_status(args.job_dir, code)
+            rank_roles.leave_exit_status(args.job_dir, code, args.epoch)
         return SystemExit(code)
 
     try:

@@ -38,10 +38,10 @@ log = logging.getLogger("echo.learner")
 EXIT_FILE = "learner.exit"
 
 
-def leave_exit_status(job_dir: Path, code: int) -> None:
-    """Record ``code`` as the learner's exit status for the supervisor (rank 0, before it
-    exits with it)."""
-    (job_dir / EXIT_FILE).write_text(f"{code}\n")
+def leave_exit_status(job_dir: Path, code: int, epoch: int) -> None:
+    """Record ``code`` as the exit status of the learner of ``epoch`` for the supervisor
+    (rank 0, before it exits with it)."""
+    (job_dir / EXIT_FILE).write_text(f"{code} {epoch}\n")
 
 
 class Leader:
