@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 
 from echo.learner.service import (
@@ -73,22 +74,26 @@ def main() -> None:
     )
     for noisy in ("libp2p", "multiaddr", "async_service"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    ranks = None
-    if args.backend == "fsdp2":
+    sharded = args.backend == "fsdp2"
+    if sharded:
         from echo.learner import ranks as rank_roles
 
+    def stop(code: int, why: object) -> SystemExit:
+        """Exit with ``code``, saying ``why`` in one line of learner.log."""
+        log.error("%s", why)
+        # torchrun exits 1 whatever a rank's status: rank 0 leaves it for the supervisor.
+        if sharded and os.environ.get("RANK") == "0":
+            rank_roles.leave_exit_status(args.job_dir, code, args.epoch, str(why))
+        return SystemExit(code)
+
+    ranks = None
+    if sharded:
         try:
             ranks = rank_roles.start(args.job_dir, args.device, args.threads)
-        except ValueError as exc:
-            log.error("%s", exc)
-            raise SystemExit(EXIT_CANNOT_RESUME) from None
+        except ValueError as exc:  # a device it lacks, not started by torchrun
+            raise stop(EXIT_CANNOT_RESUME, exc) from None
         if ranks is None:  # a follower rank: it computed alongside rank 0 until it stopped
             return
-
-    def stop(code: int) -> SystemExit:
-        if ranks is not None:  # torchrun exits 1 whatever a rank's status: leave it here
-            rank_roles.leave_exit_status(args.job_dir, code, args.epoch)
-        return SystemExit(code)
 
     try:
         learner = Learner(
@@ -103,17 +108,14 @@ def main() -> None:
         )
     except (TrackingError, ValueError) as exc:  # one clear line in learner.log, no traceback
         # A device this machine lacks, a tracker that cannot start: a restart would fail alike.
-        log.error("%s", exc)
-        raise stop(EXIT_CANNOT_RESUME) from None
+        raise stop(EXIT_CANNOT_RESUME, exc) from None
     # The coordinator stops us with SIGTERM (job cancelled, or it is shutting down).
     try:
         run_until_signalled(learner.run)
     except* LedgerAhead as group:  # one clear line in learner.log, and no restart
-        log.error("%s", group.exceptions[0])
-        raise stop(EXIT_CANNOT_RESUME) from None
+        raise stop(EXIT_CANNOT_RESUME, group.exceptions[0]) from None
     except* Superseded as group:  # a newer learner holds the job: stop, and stay stopped
-        log.error("%s", group.exceptions[0])
-        raise stop(EXIT_SUPERSEDED) from None
+        raise stop(EXIT_SUPERSEDED, group.exceptions[0]) from None
     finally:
         if ranks is not None:
             rank_roles.finish(learner.trainer if hasattr(learner, "trainer") else None)

@@ -55,10 +55,11 @@ def init(device: torch.device) -> Dist:
     """Join the process group torchrun set up; ``device`` is the one the learner resolved
     (``cuda`` becomes ``cuda:LOCAL_RANK``).
 
-    :raises RuntimeError: not started by torchrun, or the rendezvous failed.
+    :raises ValueError: not started by torchrun (a restart cannot help).
+    :raises RuntimeError: the rendezvous failed.
     """
     if not launched_by_torchrun():
-        raise RuntimeError(
+        raise ValueError(
             "backend fsdp2 runs under torchrun (python -m torch.distributed.run); "
             "RANK and WORLD_SIZE are not set"
         )

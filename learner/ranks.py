@@ -38,10 +38,10 @@ log = logging.getLogger("echo.learner")
 EXIT_FILE = "learner.exit"
 
 
-def leave_exit_status(job_dir: Path, code: int, epoch: int) -> None:
-    """Record ``code`` as the exit status of the learner of ``epoch`` for the supervisor
-    (rank 0, before it exits with it)."""
-    (job_dir / EXIT_FILE).write_text(f"{code} {epoch}\n")
+def leave_exit_status(job_dir: Path, code: int, epoch: int, why: str) -> None:
+    """Record ``code`` as the exit status of the learner of ``epoch`` for the supervisor, and
+    ``why`` (rank 0, before it exits with it)."""
+    (job_dir / EXIT_FILE).write_text(f"{code} {epoch}\n{why}\n")
 
 
 class Leader:
@@ -139,7 +139,7 @@ def start(job_dir: Path, device: str, threads: int) -> Dist | None:
     place in the group back and goes on to be the learner; any other rank follows rank 0 here
     until it is done, and gets None.
 
-    :raises ValueError: a ``device`` this machine cannot compute on.
+    :raises ValueError: a ``device`` this machine cannot compute on, or not under torchrun.
     """
     torch.set_num_threads(threads)
     d = distributed.init(resolve_device(device))
