@@ -212,3 +212,21 @@ def test_the_single_learner_resumes_from_a_sharded_checkpoint(reference: dict) -
         trainer.train([m.decode(m.TrainingGroup, g, max_bytes=1 << 26) for g in b])
         trainer.remember(trainer.version, trainer.published_state())
     assert_close(trainer.published_state(), reference["restart_state"])
+
+
+def test_two_ranks_resume_from_the_single_learners_checkpoint(reference: dict) -> None:
+    """A job may switch to fsdp2 between restarts: the ranks read the single learner's
+    checkpoint (weights whole, the positional optimizer state by parameter name)."""
+    root = reference["root"]
+    job = job_dir(root, "from-single")
+    trainer, _ = Trainer.build(JOB, SPEC, job, "cpu")
+    batches = codec.unpackb((reference["batches"] / "a").read_bytes(), max_bytes=1 << 28)
+    trainer.train([m.decode(m.TrainingGroup, g, max_bytes=1 << 26) for g in batches[0]])
+    trainer.save_checkpoint(job / "checkpoints", 0, b"v1")
+    out = root / "out-from-single"
+    torchrun(2, job, reference["batches"] / "dc", out)
+    got = json.loads((out / "results.json").read_text())
+    assert got["resumed"] == 1 and got["version"] == 3
+    for step, want in zip(got["steps"], reference["restart_results"], strict=True):
+        assert step["verdicts"] == verdicts(want)
+    assert_close(load_file(str(out / "state.safetensors")), reference["restart_state"])
