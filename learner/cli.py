@@ -117,5 +117,6 @@ def main() -> None:
     except* Superseded as group:  # a newer learner holds the job: stop, and stay stopped
         raise stop(EXIT_SUPERSEDED, group.exceptions[0]) from None
     finally:
-        if ranks is not None:
-            rank_roles.finish(learner.trainer if hasattr(learner, "trainer") else None)
+        if ranks is not None:  # the other ranks wait for rank 0's calls: release them
+            # (a learner that failed before it built its trainer has none to stop).
+            rank_roles.finish(getattr(learner, "trainer", None))
