@@ -11,6 +11,9 @@ The rules of the single learner's checkpoints hold: every rank writes its shard 
 folder (DCP fsyncs each file), then rank 0 alone -- the only rank that reports -- writes the
 report and the metadata, fsyncs them, and renames the folder into place; the report naming the
 version is sent only after that. ``meta.json`` carries ``"format": "dcp"``.
+
+DCP's ``.metadata`` is a pickle: like the single learner's ``optim.pt``, only checkpoints this
+learner wrote into its own job folder are ever read, never anything a peer sent.
 """
 
 from __future__ import annotations
