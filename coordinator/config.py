@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import platformdirs
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from echo.models.device import DEVICE_PATTERN
 from echo.protocol.jobspec import SpecError, explain_validation, is_local_path_param, read_toml
@@ -158,8 +158,8 @@ class RetentionSection(BaseModel):
 
 
 class LearnerSection(BaseModel):
-    """``[learner]``: whether the coordinator runs each job's learner, its torch threads and
-    the device it computes on."""
+    """``[learner]``: whether the coordinator runs each job's learner, its torch threads, the
+    device it computes on, and whether it is one process or FSDP2 ranks under torchrun."""
 
     model_config = ConfigDict(extra="forbid")
     local: bool = Field(default=True, description="start a learner subprocess per job")
@@ -170,6 +170,22 @@ class LearnerSection(BaseModel):
         description="where learners train and re-score: auto (a CUDA GPU if torch sees one, "
         "else the CPU), cpu, cuda, cuda:N or mps",
     )
+    backend: Literal["single", "fsdp2"] = Field(
+        default="single",
+        description="single: one learner process; fsdp2: nproc_per_node ranks started by "
+        "torchrun, the model sharded with FSDP2 (NCCL on CUDA, gloo on the CPU)",
+    )
+    nproc_per_node: int = Field(
+        default=1, ge=1, le=64, description="ranks of an fsdp2 learner (one per GPU on CUDA)"
+    )
+
+    @model_validator(mode="after")
+    def _ranks_need_fsdp2(self) -> LearnerSection:
+        if self.nproc_per_node > 1 and self.backend != "fsdp2":
+            raise ValueError('nproc_per_node > 1 needs backend = "fsdp2"')
+        if self.backend == "fsdp2" and self.device == "mps":
+            raise ValueError("backend fsdp2 runs on cuda or cpu, not mps")
+        return self
 
 
 class BroadcastSection(BaseModel):

@@ -4,6 +4,8 @@ One folder per version under ``<job dir>/checkpoints`` (the newest :data:`KEEP`)
 temporary name and renamed, so a crash leaves the previous checkpoint intact; ``echo-job export``
 reads their model weights back (:func:`load_model_state`). Only local files of our own are read
 back: tensors through safetensors, optimizer state through ``torch.load(weights_only=True)``.
+A version the FSDP2 learner wrote is a sharded DCP checkpoint (:mod:`~echo.learner.dcp_checkpoint`);
+:func:`latest` and :func:`load_model_state` read it whole, so a job may go back to one process.
 """
 
 from __future__ import annotations
@@ -11,42 +13,20 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-KEEP = 2
-
-
-@dataclass
-class Checkpoint:
-    version: int
-    anchor_version: int
-    model_state: dict[str, torch.Tensor]
-    optim_state: dict
-    report: bytes  # the signed StepReport of this version (re-sent after a restart)
-
-
-def _dir(root: Path, version: int) -> Path:
-    return root / f"v{version:08d}"
-
-
-def _fsync(path: Path) -> None:
-    """Flush ``path`` (a file, or a folder's entries) to the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+from echo.learner import dcp_checkpoint
+from echo.learner.checkpoint_files import Checkpoint, fsync, keep_newest, version_dir
 
 
 def save(root: Path, ckpt: Checkpoint) -> None:
     """Write ``ckpt`` under ``root`` durably (fsynced, then renamed into place) and keep only
     the newest :data:`KEEP`. :raises OSError: the disk refused."""
     root.mkdir(parents=True, exist_ok=True)
-    final = _dir(root, ckpt.version)
+    final = version_dir(root, ckpt.version)
     tmp = root / f".tmp-{ckpt.version}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -61,13 +41,12 @@ def save(root: Path, ckpt: Checkpoint) -> None:
     # Durable before visible, and visible before the report naming this version is sent: the
     # ledger (fsynced by SQLite) must never be ahead of the newest checkpoint after a power loss.
     for name in ("model.safetensors", "optim.pt", "report.bin", "meta.json"):
-        _fsync(tmp / name)
-    _fsync(tmp)
+        fsync(tmp / name)
+    fsync(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    _fsync(root)
-    for old in sorted(p for p in root.iterdir() if p.name.startswith("v"))[:-KEEP]:
-        shutil.rmtree(old, ignore_errors=True)
+    fsync(root)
+    keep_newest(root)
 
 
 def versions(root: Path) -> list[int]:
@@ -91,7 +70,9 @@ def load_model_state(root: Path, version: int) -> dict[str, torch.Tensor]:
 
     :raises FileNotFoundError: no checkpoint of ``version`` is kept under ``root``.
     """
-    path = _dir(root, version) / "model.safetensors"
+    path = version_dir(root, version) / "model.safetensors"
+    if dcp_checkpoint.is_dcp(path.parent):  # written by the FSDP2 learner
+        return dcp_checkpoint.load_full(path.parent)["model"]
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint of version {version} under {root}")
     return load_file(str(path))
@@ -102,6 +83,8 @@ def latest(root: Path) -> Checkpoint | None:
         return None
     for d in sorted((p for p in root.iterdir() if p.name.startswith("v")), reverse=True):
         try:
+            if dcp_checkpoint.is_dcp(d):  # written by the FSDP2 learner: read with no ranks
+                return dcp_checkpoint.load_for_single(d)
             meta = json.loads((d / "meta.json").read_text())
             return Checkpoint(
                 version=int(meta["version"]),

@@ -53,6 +53,19 @@ TokenStats = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 Gate = Callable[[list[tuple[torch.Tensor, ...]]], list[bool]]
 
 
+class Across:
+    """How the step's sums and maxima span the processes that share its batch: here, one
+    process holds all of it. The FSDP2 learner passes one that reduces over its ranks
+    (``echo.learner.fsdp_trainer``), so the loss is divided by the whole batch's token count
+    and the metrics describe the whole batch, whichever rank computes them."""
+
+    def sum(self, values: torch.Tensor) -> torch.Tensor:
+        return values
+
+    def max(self, values: torch.Tensor) -> torch.Tensor:
+        return values
+
+
 @dataclass
 class TrainGroup:
     """One GRPO group as the learner consumes it.
@@ -153,11 +166,13 @@ class GRPOLearner:
         cfg: GRPOConfig | None = None,
         temperature: float = 1.0,
         reference: torch.nn.Module | None = None,
+        across: Across | None = None,
     ) -> None:
         """``reference``: the policy the KL term (``kl_coef``) holds the model near; a frozen
         copy of ``model`` as given when None (a learner restored from a checkpoint passes the
-        policy it started from instead). :raises ValueError: if ``temperature`` is not positive
-        (greedy samples carry no policy gradient)."""
+        policy it started from instead). ``across``: the reductions over the processes that
+        share each batch (see :class:`Across`). :raises ValueError: if ``temperature`` is not
+        positive (greedy samples carry no policy gradient)."""
         if not temperature > 0:
             raise ValueError("temperature must be > 0 (greedy samples carry no policy gradient)")
         # Eval mode throughout (gradients still flow): dropout would make our log-probs a
@@ -179,10 +194,18 @@ class GRPOLearner:
             ref = reference if reference is not None else copy.deepcopy(model)
             self.reference = ref.to(self.device).eval().requires_grad_(False)
         self.version = 0  # number of steps taken; groups sampled at version v are version - v old
+        self.across = across or Across()
 
     # -- batching and log-probs ---------------------------------------------------------------
 
     def _batch(self, groups: list[TrainGroup]) -> PaddedBatch:
+        if not groups:
+            # A rank whose share of the batch is empty still takes part in the sharded
+            # forward and backward (their collectives need every rank): one row of two pads,
+            # predicting nothing.
+            ids = torch.full((1, 2), self.pad_id, dtype=torch.long, device=self.device)
+            target = torch.zeros((1, 1), dtype=torch.bool, device=self.device)
+            return PaddedBatch(ids, torch.ones_like(ids), target, [])
         for g in groups:
             g.check(self.vocab_size)
         return pad_batch(
@@ -278,31 +301,47 @@ class GRPOLearner:
         start = time.perf_counter()
         batch = self._batch(groups)
         dev = self.device
+        across = self.across
+
+        def total(*values: float | torch.Tensor) -> list[float]:
+            """Sums over every process's share of the batch."""
+            t = torch.tensor([float(v) for v in values], dtype=torch.float64)
+            return across.sum(t).tolist()
 
         # Per-token advantage and behaviour log-prob, in the same flat order as _logprobs.
         adv_groups = [group_advantages(g.rewards, cfg.adv_eps) for g in groups]
-        adv_rows = torch.cat(adv_groups)
-        adv = torch.repeat_interleave(adv_rows, torch.tensor(batch.lengths)).to(dev)
+        adv_rows = torch.cat(adv_groups) if adv_groups else torch.zeros(0)
+        adv = torch.repeat_interleave(adv_rows, torch.tensor(batch.lengths, dtype=torch.long)).to(
+            dev
+        )
         behaviour = torch.tensor(
             [x for g in groups for lp in g.behaviour_logprobs for x in lp], dtype=torch.float32
         ).to(dev)
-        n_tokens = int(behaviour.numel())
         rewards = [r for g in groups for r in g.rewards]
         staleness = [self.version - g.version for g in groups]
+        signal, n_tokens, reward_sum, n_rewards, stale_sum, n_groups = total(
+            sum(bool(a.any()) for a in adv_groups),
+            behaviour.numel(),
+            sum(rewards),
+            len(rewards),
+            sum(staleness),
+            len(staleness),
+        )
+        stale_max = across.max(torch.tensor([max(staleness, default=-(1 << 30))]))
         metrics: dict[str, float] = {
             # Groups whose samples scored differently: the only ones the policy gradient sees.
-            "signal_groups": float(sum(bool(a.any()) for a in adv_groups)),
-            "reward": sum(rewards) / len(rewards),
-            "tokens": float(n_tokens),
-            "staleness_max": float(max(staleness)),
-            "staleness_mean": sum(staleness) / len(staleness),
+            "signal_groups": signal,
+            "reward": reward_sum / n_rewards,
+            "tokens": n_tokens,
+            "staleness_max": float(stale_max[0]),
+            "staleness_mean": stale_sum / n_groups,
         }
         if n_tokens == 0:  # nothing to learn from (all completions empty)
             metrics.update(loss=0.0, mismatch=0.0, is_w=1.0, clip_frac=0.0, grad_norm=0.0)
             metrics["step_s"] = time.perf_counter() - start
             return metrics
 
-        keep = torch.ones(n_tokens, device=dev)  # tokens of groups the gate lets through
+        keep = torch.ones(behaviour.numel(), device=dev)  # tokens the gate lets through
         reference = self._reference_logp(batch)
         for epoch in range(cfg.ppo_epochs):
             gated = epoch == 0 and gate is not None
@@ -316,17 +355,19 @@ class GRPOLearner:
                 logp = self._logprobs(batch)
             if epoch == 0:
                 first = logp.detach()
-                metrics["mismatch"] = float((first - behaviour).abs().mean())
+                (abs_diff,) = total((first - behaviour).abs().sum())
+                metrics["mismatch"] = abs_diff / n_tokens
                 if gate is not None:
                     sizes = [sum(len(c) for c in g.completions) for g in groups]
                     # The gate judges on the CPU (a few numbers at a time): one copy each.
                     parts = [first.cpu().split(sizes), *(t.cpu().split(sizes) for t in extra)]
                     verdicts = gate(list(zip(*parts, strict=True)))
                     keep = torch.repeat_interleave(
-                        torch.tensor(verdicts, dtype=torch.float32), torch.tensor(sizes)
+                        torch.tensor(verdicts, dtype=torch.float32),
+                        torch.tensor(sizes, dtype=torch.long),
                     ).to(dev)
-                    metrics["gated_groups"] = float(len(verdicts) - sum(verdicts))
-                    if not bool(keep.any()):  # every group failed re-scoring: no update at all
+                    (metrics["gated_groups"],) = total(len(verdicts) - sum(verdicts))
+                    if total(keep.sum())[0] == 0:  # every group failed re-scoring: no update
                         metrics.update(loss=0.0, is_w=0.0, clip_frac=0.0, grad_norm=0.0)
                         self.version += 1
                         metrics["step_s"] = time.perf_counter() - start
@@ -335,28 +376,34 @@ class GRPOLearner:
                 # pi_theta / mu at the start of the step: how far the policy has moved since
                 # the node sampled (staleness) or how far its engine is from ours.
                 w = torch.exp(first - behaviour)[kept]
-                metrics["is_w"] = float(w.mean())
-                metrics["is_w_outside"] = float(
-                    ((w < 1 - cfg.clip_eps) | (w > 1 + cfg.clip_eps)).float().mean()
+                w_sum, w_outside, n_kept = total(
+                    w.sum(), ((w < 1 - cfg.clip_eps) | (w > 1 + cfg.clip_eps)).sum(), w.numel()
                 )
+                metrics["is_w"] = w_sum / n_kept
+                metrics["is_w_outside"] = w_outside / n_kept
+                # The loss is a token-mean over the whole batch's trained tokens, whichever
+                # process holds them: each divides its own sum by the batch's count.
+                kept_total = torch.tensor(n_kept, dtype=keep.dtype, device=dev)
             ratio = torch.exp(logp - behaviour)
             clipped = ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps)
             surrogate = torch.minimum(ratio * adv, clipped * adv)
             surrogate = torch.where(
                 adv < 0, torch.maximum(surrogate, cfg.dual_clip * adv), surrogate
             )
-            loss = -(keep * surrogate).sum() / keep.sum()  # token-mean over the trained tokens
+            loss = -(keep * surrogate).sum() / kept_total  # token-mean over the trained tokens
             if token_kl is not None:
-                mean_kl = (keep * token_kl).sum() / keep.sum()
+                mean_kl = (keep * token_kl).sum() / kept_total
                 loss = loss + cfg.kl_coef * mean_kl
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+            if hasattr(grad_norm, "full_tensor"):  # sharded parameters: a DTensor norm
+                grad_norm = grad_norm.full_tensor()
             self.opt.step()
             if epoch == 0:
                 if token_kl is not None:
-                    metrics["kl"] = float(mean_kl.detach())
-                metrics["loss"] = float(loss.detach())
+                    (metrics["kl"],) = total(mean_kl.detach())
+                (metrics["loss"],) = total(loss.detach())
                 metrics["grad_norm"] = float(grad_norm)
             # Tokens whose gradient the trust region (or the dual clip) stopped.
             with torch.no_grad():
@@ -366,7 +413,8 @@ class GRPOLearner:
                     (ratio * adv >= clipped * adv) & (ratio <= cfg.dual_clip),
                 )
                 active |= adv == 0
-                metrics["clip_frac"] = float((~active)[keep > 0].float().mean())
+                (stopped,) = total((~active)[keep > 0].sum())
+                metrics["clip_frac"] = stopped / n_kept
 
         self.version += 1
         metrics["step_s"] = time.perf_counter() - start

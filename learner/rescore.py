@@ -133,6 +133,12 @@ class Rescorer:
             [[list(c) for c in g.completions] for g in groups],
             self.pad_id,
         )
+        return self._stats_from(groups, logits, tokens)
+
+    def _stats_from(
+        self, groups: list[TrainGroup], logits: torch.Tensor, tokens: torch.Tensor
+    ) -> list[tuple[torch.Tensor, ...]]:
+        """:meth:`_token_stats` from the logits predicting each completion token."""
         logp = torch.log_softmax(logits.float() / self.temperature, dim=-1)
         chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
         sizes = [sum(len(c) for c in g.completions) for g in groups]
@@ -157,14 +163,31 @@ class Rescorer:
                 by_version.setdefault(g.version, []).append(gi)
         for version, members in by_version.items():
             if self._loaded != version:
-                self.load_into(self.model, self._states[version])
+                self._load(version)
                 self._loaded = version
-            stats = self._token_stats([groups[i] for i in members])
-            for gi, st in zip(members, stats, strict=True):
+            mine = self._share(members)
+            stats = self._token_stats([groups[i] for i in mine])
+            for gi, st in zip(mine, stats, strict=True):
                 engine = engines[gi] if engines else "torch"
                 out[gi] = self.judge(groups[gi], finish[gi], engine, *st)
+        if by_version:
+            self._gather(out)
         self.last_seconds = time.perf_counter() - t0
         return [v for v in out if v is not None]
+
+    # Hooks of the FSDP2 learner's sharded re-scorer (echo.learner.fsdp_trainer), where each
+    # rank scores its share of a version's groups and the verdicts are gathered.
+
+    def _load(self, version: int) -> None:
+        """Put the weights of ``version`` into the model."""
+        self.load_into(self.model, self._states[version])
+
+    def _share(self, members: list[int]) -> list[int]:
+        """The groups of one version (indices) this process scores: all of them here."""
+        return members
+
+    def _gather(self, out: list[Verdict | None]) -> None:
+        """Fill in the verdicts other processes reached: none here."""
 
     def judge(
         self,

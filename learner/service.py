@@ -21,7 +21,6 @@ the coordinator refuses this one (:class:`Superseded`) and it exits with
 
 from __future__ import annotations
 
-import argparse
 import logging
 import socket
 import time
@@ -30,10 +29,11 @@ from pathlib import Path
 import torch
 import trio
 
-from echo.learner import checkpoint, fence
+from echo.learner import fence
+from echo.learner.distributed import Dist
 from echo.learner.lora import AdapterInitError, build_lora
 from echo.learner.publish import Publisher
-from echo.learner.tracking import Tracker, TrackingError, open_tracker
+from echo.learner.tracking import Tracker, open_tracker
 from echo.learner.trainer import Trainer
 from echo.models.device import resolve_device
 from echo.models.spec import ModelSpec
@@ -41,7 +41,6 @@ from echo.p2p.budget import STRANGER_BYTES_PER_S, Audience
 from echo.p2p.chunkstore import ChunkStore, serve_chunks
 from echo.p2p.host import EchoHost, open_host
 from echo.p2p.identity import Identity, public_key_from_peer_id
-from echo.p2p.lifecycle import run_until_signalled
 from echo.p2p.relay import Relay, RelayConfig, open_relay
 from echo.p2p.rpc import RemoteError
 from echo.protocol import ids, limits, signing
@@ -116,6 +115,7 @@ class Learner:
         upload_limit_bps: float | None = None,
         device: str = "cpu",
         epoch: int = 0,
+        ranks: Dist | None = None,
     ) -> None:
         """``epoch`` is the learner epoch the coordinator issued this process (on the command
         line of a learner it starts; ``echo-job learner-epoch`` for an external one); 0 for a
@@ -123,8 +123,11 @@ class Learner:
 
         :raises ValueError: a ``device`` this machine cannot compute on (see
             :func:`~echo.models.device.resolve_device`).
+        ``ranks``: this process is rank 0 of an FSDP2 learner (``echo.learner.ranks``).
+
         :raises TrackingError: the job's tracking backend cannot start."""
-        self.device = resolve_device(device)
+        self.ranks = ranks
+        self.device = ranks.device if ranks is not None else resolve_device(device)
         self.epoch = epoch
         self.job_dir = job_dir
         self.upload_limit_bps = upload_limit_bps
@@ -158,12 +161,21 @@ class Learner:
 
     def build(self) -> None:
         """Build (or restore) the model; runs in a worker thread."""
-        if self.spec.lora is not None:  # versions are adapters of a base fixed at the start
-            self.trainer, self.publisher, ckpt = build_lora(self.spec, self.job_dir, self.device,
-                                                            self.publisher)
+        if self.ranks is not None:  # with the other ranks, which build their shards alike
+            from echo.learner.ranks import Leader, build
+
+            if self.spec.lora is not None:
+                raise AdapterInitError("a LoRA job trains on the single learner backend, not fsdp2")
+            trainer, ckpt = build(self.job_dir, self.ranks)
+            self.trainer: Trainer | Leader = Leader(trainer, self.ranks)
+        elif self.spec.lora is not None:  # versions are adapters of a base fixed at the start
+            self.trainer, self.publisher, ckpt = build_lora(
+                self.spec, self.job_dir, self.device, self.publisher
+            )
         else:
-            self.trainer, ckpt = Trainer.build(self.spec, self.model_spec, self.job_dir,
-                                               self.device)
+            self.trainer, ckpt = Trainer.build(
+                self.spec, self.model_spec, self.job_dir, self.device
+            )
         if ckpt is not None:
             self.version = ckpt.version
             self.pending_report = ckpt.report
@@ -194,9 +206,8 @@ class Learner:
             epoch=self.epoch,
         )
         sealed = signing.seal_record(self.identity.private_key, report)
-        checkpoint.save(
-            self.job_dir / "checkpoints",
-            self.trainer.make_checkpoint(pub.manifest.anchor_version, sealed),
+        self.trainer.save_checkpoint(
+            self.job_dir / "checkpoints", pub.manifest.anchor_version, sealed
         )
         self.trainer.remember(self.version, state)
         if self.tracker is not None:
@@ -441,70 +452,3 @@ class Learner:
         result = self.trainer.train(batch)
         self.version = self.trainer.version
         return self._publish(result.trained, result.verdicts, result.metrics), result.metrics
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(
-        description="Echo swarm learner for one job (started by the "
-        "coordinator; also runnable by hand as an external learner)."
-    )
-    ap.add_argument("--job-dir", type=Path, required=True)
-    ap.add_argument("--job-id", required=True)
-    ap.add_argument("--coordinator", required=True, help="coordinator multiaddr")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument(
-        "--device",
-        default="auto",
-        help="where the policy trains and re-scores: auto (a CUDA GPU if torch sees one), "
-        "cpu, cuda, cuda:N or mps",
-    )
-    ap.add_argument(
-        "--epoch",
-        type=int,
-        default=0,
-        help="the learner epoch the coordinator issued this learner (it passes it to the "
-        "learners it starts; for an external learner, `echo-job learner-epoch JOB` issues "
-        "one); 0: the job never issued one",
-    )
-    ap.add_argument(
-        "--upload-limit-bps",
-        type=float,
-        default=None,
-        help="cap on the learner's pushes to its relay children, bytes/s",
-    )
-    args = ap.parse_args()
-    if args.upload_limit_bps is not None and args.upload_limit_bps <= 0:
-        ap.error("--upload-limit-bps must be positive")
-    if args.epoch < 0:
-        ap.error("--epoch must be >= 0")
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    for noisy in ("libp2p", "multiaddr", "async_service"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    try:
-        learner = Learner(
-            args.job_dir,
-            args.job_id,
-            args.coordinator,
-            args.threads,
-            args.upload_limit_bps,
-            args.device,
-            args.epoch,
-        )
-    except (TrackingError, ValueError) as exc:  # one clear line in learner.log, no traceback
-        # A device this machine lacks, a tracker that cannot start: a restart would fail alike.
-        log.error("%s", exc)
-        raise SystemExit(EXIT_CANNOT_RESUME) from None
-    # The coordinator stops us with SIGTERM (job cancelled, or it is shutting down).
-    try:
-        run_until_signalled(learner.run)
-    except* LedgerAhead as group:  # one clear line in learner.log, and no restart
-        log.error("%s", group.exceptions[0])
-        raise SystemExit(EXIT_CANNOT_RESUME) from None
-    except* AdapterInitError as group:  # a bad [job.lora] init folder: a restart fails alike
-        log.error("%s", group.exceptions[0])
-        raise SystemExit(EXIT_CANNOT_RESUME) from None
-    except* Superseded as group:  # a newer learner holds the job: stop, and stay stopped
-        log.error("%s", group.exceptions[0])
-        raise SystemExit(EXIT_SUPERSEDED) from None

@@ -79,15 +79,19 @@ class Trainer:
         self.learner = learner
         self.task = task
         self.tokenizer = tokenizer
-        self.rescorer = rescorer or Rescorer(
-            model_spec,
-            keep=spec.staleness + 1,
-            temperature=spec.sampling.temperature,
-            device=learner.device,
-        )
+        self.rescorer = rescorer or self.make_rescorer()
         # Verdicts reached ahead of the step, by rollout id, and the seconds spent reaching them.
         self._early: dict[str, Verdict] = {}
         self._early_s = 0.0
+
+    def make_rescorer(self) -> Rescorer:
+        """The re-scorer, holding the weights of the ``staleness + 1`` newest versions."""
+        return Rescorer(
+            self.model_spec,
+            keep=self.spec.staleness + 1,
+            temperature=self.spec.sampling.temperature,
+            device=self.learner.device,
+        )
 
     @classmethod
     def build(
@@ -161,6 +165,20 @@ class Trainer:
             optim_state=self.learner.opt.state_dict(),
             report=report,
         )
+
+    def save_checkpoint(self, root: Path, anchor_version: int, report: bytes) -> None:
+        """Make the current version's checkpoint durable under ``root`` (before its report
+        is sent). :raises OSError: the disk refused."""
+        checkpoint.save(root, self.make_checkpoint(anchor_version, report))
+
+    def share(self, order: list[int]) -> list[int]:
+        """The groups of ``order`` (batch indices) this process steps on: all of them here;
+        one rank's share under FSDP2 (``echo.learner.fsdp_trainer``)."""
+        return order
+
+    def gather_verdicts(self, results: dict[int, Verdict], mine: list[int]) -> None:
+        """Complete ``results`` with the verdicts other processes reached on their shares of
+        the step: none here."""
 
     def published_state(self) -> dict[str, torch.Tensor]:
         """The weights as nodes receive them (in the job's publish dtype)."""
@@ -241,20 +259,22 @@ class Trainer:
         prescore_s = self._early_s
         self._early, self._early_s = {}, 0.0
         order = [i for i in range(len(batch)) if i not in results or results[i].ok]
+        mine = self.share(order)
 
         def gate(stats: list[tuple[torch.Tensor, ...]]) -> list[bool]:
             nonlocal rescore_s
             t0 = time.perf_counter()
-            for i, st in zip(order, stats, strict=True):
+            for i, st in zip(mine, stats, strict=True):
                 if i not in results:
                     results[i] = self.rescorer.judge(decoded[i], finish[i], engines[i], *st)
             rescore_s += time.perf_counter() - t0
-            return [results[i].ok for i in order]
+            return [results[i].ok for i in mine]
 
         if order:
             metrics = self.learner.step(
-                [decoded[i] for i in order], gate=gate, gate_stats=token_stats
+                [decoded[i] for i in mine], gate=gate, gate_stats=token_stats
             )
+            self.gather_verdicts(results, mine)
         else:
             metrics = {"reward": 0.0, "step_s": 0.0}
             self.learner.version += 1

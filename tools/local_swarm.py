@@ -251,11 +251,17 @@ class Swarm:
         """SIGKILL the coordinator's learner subprocess (a crash drill); returns its pid."""
         import psutil
 
-        for child in psutil.Process(self.procs[0].pid).children(recursive=True):
-            if "echo.learner" in " ".join(child.cmdline()):
-                child.kill()
-                return child.pid
-        return None
+        # The learner's own process, or an FSDP2 learner's last rank (not torchrun, which
+        # would leave its ranks running).
+        learners = [
+            child for child in psutil.Process(self.procs[0].pid).children(recursive=True)
+            if "echo.learner" in (cmd := " ".join(child.cmdline()))
+            and "torch.distributed.run" not in cmd
+        ]
+        if not learners:
+            return None
+        learners[-1].kill()
+        return learners[-1].pid
 
     def stop(self) -> None:
         stop(self.procs)
@@ -324,7 +330,12 @@ def main() -> int:
                     help="submit this job file instead of the demo's tiny-model job (the task, "
                     "model and step flags above then do not apply)")
     ap.add_argument("--kill-learner-at", type=int, default=None, metavar="V",
-                    help="crash drill: SIGKILL the learner once version V is out")
+                    help="crash drill: SIGKILL the learner once version V is out (with fsdp2, "
+                    "one of its ranks)")
+    ap.add_argument("--learner-backend", choices=("single", "fsdp2"), default="single",
+                    help="the coordinator's [learner] backend")
+    ap.add_argument("--nproc-per-node", type=int, default=2,
+                    help="ranks of an fsdp2 learner")
     args = ap.parse_args()
 
     exit_on_sigterm()
@@ -338,10 +349,15 @@ def main() -> int:
     t0 = time.time()
     swarm = Swarm(out)
     try:
+        learner_toml = (
+            f'\n[learner]\nbackend = "fsdp2"\nnproc_per_node = {args.nproc_per_node}\n'
+            if args.learner_backend == "fsdp2" else ""
+        )
         # DEMO_COORDINATOR_TOML ends in its [broadcast] table: the line joins that table.
         info = swarm.start_coordinator(
             config_extra=("enabled = false\n" if args.no_broadcast else "")
             + buffer_toml(args.buffer_batches, args.batch_groups)
+            + learner_toml
         )
         console.print(f"coordinator at {swarm.maddr}\nHTTP API {info['http'][0]}")
         job_id = swarm.submit(

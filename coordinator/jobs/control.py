@@ -119,6 +119,23 @@ class JobControl:
         """
         return names.job_dir(self.config.data_dir, job_id)
 
+    def _learner_launcher(self) -> list[str]:
+        """What runs ``-m echo.learner``: Python itself, or torchrun for an FSDP2 learner
+        (its own rendezvous on a free local port; one failed rank ends them all, and the
+        supervisor restarts the learner from its checkpoint, so torchrun restarts nothing)."""
+        lc = self.config.learner
+        if lc.backend != "fsdp2":
+            return [sys.executable, "-m"]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={lc.nproc_per_node}",
+            "--max-restarts=0",
+            "-m",
+        ]
+
     def learner_command(self, job_id: str) -> list[str]:
         """The command line of the job's local learner (it dials the first listen address).
 
@@ -129,8 +146,7 @@ class JobControl:
         """
         epoch = self.store.issue_learner_epoch(job_id)
         cmd = [
-            sys.executable,
-            "-m",
+            *self._learner_launcher(),
             "echo.learner",
             "--job-dir",
             str(self.job_dir(job_id)),
@@ -145,6 +161,8 @@ class JobControl:
             "--epoch",
             str(epoch),
         ]
+        if self.config.learner.backend == "fsdp2":
+            cmd += ["--backend", "fsdp2"]
         bc = self.config.broadcast
         if bc.learner_pace > 0:
             cmd += ["--upload-limit-bps", str(bc.learner_pace * bc.learner_upload_bps)]

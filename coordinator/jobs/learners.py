@@ -55,25 +55,25 @@ async def supervise_learner(host: LearnerHost, job_id: str, scope: trio.CancelSc
         crashes = 0  # in a row, without a version booked in between
         while True:
             started_at = _version(host, job_id)
+            command = host.learner_command(job_id)
             with open(log_path, "ab") as out:
                 proc = await trio.run_process(
-                    host.learner_command(job_id),
-                    check=False,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
+                    command, check=False, stdout=out, stderr=subprocess.STDOUT
                 )
             row = host.store.job(job_id)
             assert row is not None  # jobs are never deleted
             status = row.status
-            if proc.returncode == 0 or status in ("done", "cancelled"):
+            returncode, why = exit_status(proc.returncode, command, host.job_dir(job_id))
+            if returncode == 0 or status in ("done", "cancelled"):
                 log.info("learner of %s exited (%s)", job_id, status)
                 return
-            if proc.returncode == LEARNER_SUPERSEDED:
+            if returncode == LEARNER_SUPERSEDED:
                 log.warning("learner of %s was superseded by a newer one; not restarting", job_id)
                 return
-            if proc.returncode == LEARNER_CANNOT_RESUME:
-                host.store.set_job_status(job_id, "failed", tail(log_path, 4))
-                log.error("learner of %s cannot resume:\n%s", job_id, tail(log_path, 4))
+            if returncode == LEARNER_CANNOT_RESUME:
+                why = why or tail(log_path, 4)
+                host.store.set_job_status(job_id, "failed", why)
+                log.error("learner of %s cannot resume:\n%s", job_id, why)
                 return
             # A learner that booked versions before it crashed is not crash-looping: a long job
             # may lose its learner now and then (out of memory, a kill) and must not fail for
@@ -84,7 +84,7 @@ async def supervise_learner(host: LearnerHost, job_id: str, scope: trio.CancelSc
             log.warning(
                 "learner of %s crashed (exit %s), %d in a row:\n%s",
                 job_id,
-                proc.returncode,
+                returncode,
                 crashes,
                 tail(log_path, 8),
             )
@@ -94,6 +94,24 @@ async def supervise_learner(host: LearnerHost, job_id: str, scope: trio.CancelSc
             "failed",
             f"learner crashed {crashes} times in a row without progress:\n" + tail(log_path),
         )
+
+
+def exit_status(returncode: int, command: list[str], job_dir: Path) -> tuple[int, str]:
+    """The learner's own exit status, and why it exited if it said ("" if not). An FSDP2
+    learner runs under torchrun, which exits 1 whichever status a rank had; its rank 0 leaves
+    the one that matters, its learner epoch and its reason in ``learner.exit``
+    (learner/ranks.py). One left by an earlier learner of the job (an orphan exiting superseded
+    after this one started) names another epoch and is ignored."""
+    if returncode == 0 or "--epoch" not in command:
+        return returncode, ""
+    try:
+        head, _, why = (job_dir / "learner.exit").read_text().partition("\n")
+        code, epoch = head.split()
+        if epoch == command[command.index("--epoch") + 1]:
+            return int(code), why.strip()
+    except (OSError, ValueError, IndexError):
+        pass
+    return returncode, ""
 
 
 def _version(host: LearnerHost, job_id: str) -> int:

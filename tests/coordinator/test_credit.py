@@ -227,7 +227,8 @@ def test_confirmed_relaying_is_paid_once_and_only_across_networks(tmp_path) -> N
 
 def test_a_schema_3_database_gains_the_ledger_and_pays_its_history(tmp_path) -> None:
     store, _, trained = _store_with_history(tmp_path)
-    # Back to schema 3 (the one before the ledger): no credit tables (DROP TABLE fires no DELETE trigger).
+    # Back to schema 3 (the one before the ledger): no credit tables (DROP TABLE fires no DELETE
+    # trigger).
     for t in ("credit", "credit_totals", "credit_cursor"):
         store._db.execute(f"DROP TABLE {t}")
     store._db.execute("UPDATE meta SET value='3' WHERE key='schema_version'")

@@ -1,0 +1,82 @@
+"""One rank of an FSDP2 learner's trainer, for tests and benchmarks (run under torchrun).
+
+``fsdp_worker.py JOB_DIR BATCHES OUT [--save-at V]``: every rank builds the job's sharded trainer
+(restoring the newest checkpoint under JOB_DIR if there is one); rank 0 drives it through
+:class:`echo.learner.ranks.Leader` exactly as the learner process does, the others follow. Each
+batch of BATCHES (msgpack: a list of batches, each a list of encoded TrainingGroups) is trained
+on and published as the learner does; after version V a checkpoint is made. Rank 0 writes
+``OUT/state.safetensors`` (the last published state) and ``OUT/results.json`` (per step: the
+trained ids, verdicts and metrics; and each rank's step seconds and peak memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from echo.learner import distributed, ranks
+from echo.protocol import codec
+from echo.protocol import messages as m
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("job_dir", type=Path)
+    ap.add_argument("batches", type=Path)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--save-at", type=int, default=-1)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    d = distributed.init(torch.device("cpu"))
+    trainer, resumed = ranks.build(args.job_dir, d)
+    if not d.leader:
+        ranks.follow(trainer, d)
+        distributed.close()
+        return
+    lead = ranks.Leader(trainer, d)
+    batches = [
+        [m.decode(m.TrainingGroup, g, max_bytes=1 << 26) for g in b]
+        for b in codec.unpackb(args.batches.read_bytes(), max_bytes=1 << 28)
+    ]
+    steps, state = [], {}
+    for batch in batches:
+        t0 = time.perf_counter()
+        result = lead.train(batch)
+        step_s = time.perf_counter() - t0
+        state = lead.published_state()
+        if lead.version == args.save_at:
+            lead.save_checkpoint(args.job_dir / "checkpoints", 0, f"v{lead.version}".encode())
+        lead.remember(lead.version, state)
+        steps.append(
+            {
+                "trained": result.trained,
+                "verdicts": [[v.rollout_id, v.ok, v.reason] for v in result.verdicts],
+                "metrics": result.metrics,
+                "wall_s": step_s,
+            }
+        )
+    lead.stop()
+    distributed.close()
+    args.out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(args.out / "state.safetensors"))
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    (args.out / "results.json").write_text(
+        json.dumps(
+            {
+                "resumed": resumed.version if resumed else None,
+                "steps": steps,
+                "version": lead.version,
+                "rank0_peak_rss_mb": peak_kb / 1024,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
