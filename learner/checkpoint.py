@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from echo.learner import dcp_checkpoint
-from echo.learner.checkpoint_files import Checkpoint, fsync, keep_newest, version_dir
+from echo.learner.checkpoint_files import KEEP, Checkpoint, fsync, keep_newest, version_dir
 
 
 def save(root: Path, ckpt: Checkpoint) -> None:
@@ -97,3 +97,7 @@ def latest(root: Path) -> Checkpoint | None:
         except (OSError, ValueError, KeyError, RuntimeError):
             continue  # a damaged checkpoint: fall back to the one before
     return None
+
+
+# Callers restore and count checkpoints through this module, whichever format wrote them.
+__all__ = ["KEEP", "Checkpoint", "latest", "load_model_state", "save", "versions"]

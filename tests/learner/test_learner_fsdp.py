@@ -83,9 +83,9 @@ def groups(state: dict, version: int, seeds: range, tamper: int = -1) -> list[m.
     out = []
     for s, comps in zip(seeds, engine.generate(reqs), strict=True):
         recs = [
-            m.CompletionRecord(
-                token_ids=m.pack_tokens(c.token_ids),
-                logprobs=m.pack_logprobs([-0.05] * len(c.logprobs) if s == tamper else c.logprobs),
+            m.TrainingCompletion(
+                token_ids=list(c.token_ids),
+                logprobs=[-0.05] * len(c.logprobs) if s == tamper else list(c.logprobs),
                 finish_reason=c.finish_reason,
             )
             for c in comps
@@ -95,7 +95,7 @@ def groups(state: dict, version: int, seeds: range, tamper: int = -1) -> list[m.
                 rollout_id=f"r{s}",
                 node_id="n",
                 prompt_id=s,
-                prompt_tokens=m.pack_tokens(reqs[len(out)].prompt_ids),
+                prompt_tokens=list(reqs[len(out)].prompt_ids),
                 version=version,
                 engine="torch",
                 rewards=[float(j % 2) for j in range(len(comps))],
