@@ -45,17 +45,21 @@ from pathlib import Path
 from typing import Any
 
 try:
+    from benchmarks import word_problems
     from benchmarks.learning import INTERVAL, check_recipe, ratio_interval
 except ModuleNotFoundError:  # run as a script: benchmarks/ is sys.path[0]
+    import word_problems
     from learning import INTERVAL, check_recipe, ratio_interval
 
 from echo.tools.bench import emit, parse_args, say
 
 ROOT = Path(__file__).resolve().parent.parent
-# The task: two-term sums and differences of numbers below 100, answered in tags; measured
-# against other candidates in docs/results/2026-12-06-real-learning.md.
-TASK = "gym:chain_sum"
-TASK_PARAMS: dict[str, Any] = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}
+# The task: one-step arithmetic word problems in GSM8K's shape (benchmarks/word_problems.py,
+# written into the run folder), graded by math-verify; measured against other candidates in
+# docs/results/2026-12-06-real-learning.md.
+TASK = "dataset"
+DATA_FILE = "word_problems.jsonl"
+TASK_PARAMS: dict[str, Any] = {"eval_fraction": 0.2}
 SYSTEM_PROMPT = "Reply with only the final answer, as <answer>N</answer>."
 # Per version: prompts x group rollouts of at most max_new tokens.
 FULL = {"steps": 40, "prompts": 4, "group": 8, "max_new": 16, "lr": 1e-5,
@@ -76,12 +80,18 @@ def make_recipe(quick: bool, steps: int | None = None, lr: float | None = None) 
         r["lr"] = lr
     if r["steps"] < 1 or r["eval_prompts"] < 1:
         raise ValueError("a recipe needs at least one step and one held-out prompt")
-    return {**r, "task": TASK, "task_params": task_params(r), "chat": "auto",
-            "publish_dtype": "bfloat16", "temperature": 1.0, "model": "smollm2"}
+    return {**r, "task": TASK, "data": {"rows": word_problems.ROWS, "seed": word_problems.SEED},
+            "task_params": {**TASK_PARAMS, "system_prompt": SYSTEM_PROMPT,
+                            "max_new_tokens": r["max_new"]},
+            "chat": "auto", "publish_dtype": "bfloat16", "temperature": 1.0, "model": "smollm2"}
 
 
-def task_params(r: dict[str, Any]) -> dict[str, Any]:
-    return {**TASK_PARAMS, "system_prompt": SYSTEM_PROMPT, "max_new_tokens": r["max_new"]}
+def with_data(recipe: dict[str, Any], out: Path) -> dict[str, Any]:
+    """The recipe with its task reading the problems written into the run folder ``out``."""
+    path = out / DATA_FILE
+    if not path.exists():
+        word_problems.write(path, recipe["data"]["rows"], recipe["data"]["seed"])
+    return {**recipe, "task_params": {**recipe["task_params"], "path": str(path.resolve())}}
 
 
 def model_spec():
@@ -290,7 +300,7 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> Path | None:
             ax.plot(xs, ys, color=f"C{i}", alpha=0.8, marker="o", label=name if j == 0 else None)
     ax.set_xlabel("version (optimizer steps)")
     ax.set_ylabel("held-out greedy accuracy")
-    ax.set_title(f"SmolLM2-135M-Instruct on {TASK}")
+    ax.set_title("SmolLM2-135M-Instruct on one-step word problems")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -323,6 +333,7 @@ def main() -> None:
     out = args.out or ROOT / "runs" / "real-learning" / time.strftime("%Y%m%d-%H%M%S")
     check_recipe(out, recipe)
     say(f"runs kept in {out}; recipe {json.dumps(recipe)}")
+    recipe = with_data(recipe, out)
     results: dict[str, dict[str, Any]] = {}
     skipped: dict[str, str] = {}
     ways: list[tuple[str, Any]] = []

@@ -23,6 +23,7 @@ from benchmarks.real_learning import (
     summarize,
     swarm_result,
     throughput,
+    with_data,
 )
 from echo.protocol.jobspec import parse_job
 
@@ -59,8 +60,19 @@ def test_kept_runs_are_read_back_instead_of_run_again(tmp_path: Path) -> None:
     assert kept(tmp_path / "sync-seed1.json") is None
 
 
+def test_the_task_reads_the_problems_written_into_the_run_folder(tmp_path: Path) -> None:
+    recipe = with_data(make_recipe(True), tmp_path)
+    lines = (tmp_path / "word_problems.jsonl").read_text().splitlines()
+    assert len(lines) == recipe["data"]["rows"]
+    assert recipe["task_params"]["path"] == str((tmp_path / "word_problems.jsonl").resolve())
+    assert "path" not in make_recipe(True)["task_params"]  # recipe.json names no folder
+    first = (tmp_path / "word_problems.jsonl").read_bytes()
+    with_data(make_recipe(True), tmp_path)  # an existing file is the one the runs read
+    assert (tmp_path / "word_problems.jsonl").read_bytes() == first
+
+
 def test_the_swarm_job_is_the_recipe(tmp_path: Path) -> None:
-    recipe = make_recipe(False)
+    recipe = with_data(make_recipe(False), tmp_path)
     job = parse_job(tomllib.loads(job_toml(recipe, str(tmp_path), staleness=2)))
     assert (job.steps, job.group_size, job.batch_groups, job.staleness) == (
         recipe["steps"], recipe["group"], recipe["prompts"], 2)
