@@ -54,15 +54,15 @@ except ModuleNotFoundError:  # run as a script: benchmarks/ is sys.path[0]
 from echo.tools.bench import emit, parse_args, say
 
 ROOT = Path(__file__).resolve().parent.parent
-# The task: one-step arithmetic word problems in GSM8K's shape (benchmarks/word_problems.py,
-# written into the run folder), graded by math-verify; measured against other candidates in
-# docs/results/2026-12-06-real-learning.md.
+# The task: one-step arithmetic word problems in GSM8K's shape (benchmarks/word_problems.py
+# wrote the file; it lives in tests/data, the local swarm's dataset root), graded by
+# math-verify; measured against other candidates in docs/results/2026-12-06-real-learning.md.
 TASK = "dataset"
-DATA_FILE = "word_problems.jsonl"
+DATA_FILE = ROOT / "tests" / "data" / "word_problems.jsonl"
 TASK_PARAMS: dict[str, Any] = {"eval_fraction": 0.2}
 SYSTEM_PROMPT = "Reply with only the final answer, as <answer>N</answer>."
 # Per version: prompts x group rollouts of at most max_new tokens.
-FULL = {"steps": 40, "prompts": 4, "group": 8, "max_new": 16, "lr": 1e-5,
+FULL = {"steps": 40, "prompts": 4, "group": 8, "max_new": 32, "lr": 1e-5,
         "eval_prompts": 64, "eval_every": 10}
 QUICK = {"steps": 2, "prompts": 2, "group": 4, "max_new": 12, "lr": 1e-5,
          "eval_prompts": 8, "eval_every": 2}
@@ -71,26 +71,35 @@ STALENESS = (1, 2)
 SWARM_ENGINES = "torch,llamacpp"  # three nodes take them in turn: torch, llama.cpp, torch
 
 
-def make_recipe(quick: bool, steps: int | None = None, lr: float | None = None) -> dict[str, Any]:
-    """The recipe every way runs, as recorded in the run folder's recipe.json."""
+def make_recipe(quick: bool, **override: Any) -> dict[str, Any]:
+    """The recipe every way runs, as recorded in the run folder's recipe.json: the quick or
+    full budget with the keys in ``override`` (those of :data:`FULL`; None: keep) replaced."""
     r = dict(QUICK if quick else FULL)
-    if steps is not None:
-        r["steps"] = steps
-    if lr is not None:
-        r["lr"] = lr
-    if r["steps"] < 1 or r["eval_prompts"] < 1:
-        raise ValueError("a recipe needs at least one step and one held-out prompt")
+    unknown = set(override) - set(r)
+    if unknown:
+        raise ValueError(f"not a recipe setting: {', '.join(sorted(unknown))}")
+    r.update({k: v for k, v in override.items() if v is not None})
+    if min(r["steps"], r["prompts"], r["group"], r["max_new"], r["eval_prompts"]) < 1:
+        raise ValueError("a recipe needs at least one step, prompt, sample, new token and "
+                         "held-out prompt")
+    if r["group"] < 2:
+        raise ValueError("a group needs at least 2 samples (GRPO's advantage is relative)")
     return {**r, "task": TASK, "data": {"rows": word_problems.ROWS, "seed": word_problems.SEED},
             "task_params": {**TASK_PARAMS, "system_prompt": SYSTEM_PROMPT,
                             "max_new_tokens": r["max_new"]},
             "chat": "auto", "publish_dtype": "bfloat16", "temperature": 1.0, "model": "smollm2"}
 
 
-def with_data(recipe: dict[str, Any], out: Path) -> dict[str, Any]:
-    """The recipe with its task reading the problems written into the run folder ``out``."""
-    path = out / DATA_FILE
-    if not path.exists():
-        word_problems.write(path, recipe["data"]["rows"], recipe["data"]["seed"])
+def with_data(recipe: dict[str, Any], path: Path = DATA_FILE) -> dict[str, Any]:
+    """The recipe with its task reading the problems at ``path``.
+
+    :raises ValueError: the file is not the one the recipe names (its rows and seed).
+    """
+    want = word_problems.rows(recipe["data"]["rows"], recipe["data"]["seed"])
+    have = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if have != want:
+        raise ValueError(f"{path} is not the recipe's problems ({recipe['data']}): rewrite it "
+                         "with benchmarks/word_problems.py")
     return {**recipe, "task_params": {**recipe["task_params"], "path": str(path.resolve())}}
 
 
@@ -322,18 +331,25 @@ def main() -> None:
         ap.add_argument("--seeds", type=int, default=3, help="runs per way")
         ap.add_argument("--steps", type=int, default=None, help="versions per run")
         ap.add_argument("--lr", type=float, default=None)
+        ap.add_argument("--prompts", type=int, default=None, help="groups per version")
+        ap.add_argument("--group", type=int, default=None, help="completions per group")
+        ap.add_argument("--max-new", type=int, default=None, help="tokens per completion")
+        ap.add_argument("--eval-prompts", type=int, default=None, help="held-out prompts")
+        ap.add_argument("--eval-every", type=int, default=None, help="versions between evals")
         ap.add_argument("--staleness", type=int, nargs="+", default=list(STALENESS))
         ap.add_argument("--out", type=Path, default=None,
                         help="folder for the runs; an existing one is gone on from "
                              "(default: runs/real-learning/<date-time>)")
 
     args = parse_args(__doc__.splitlines()[0], setup=setup)
-    recipe = make_recipe(args.quick, args.steps, args.lr)
+    recipe = make_recipe(args.quick, steps=args.steps, lr=args.lr, prompts=args.prompts,
+                         group=args.group, max_new=args.max_new, eval_prompts=args.eval_prompts,
+                         eval_every=args.eval_every)
     seeds = 1 if args.quick else args.seeds
     out = args.out or ROOT / "runs" / "real-learning" / time.strftime("%Y%m%d-%H%M%S")
     check_recipe(out, recipe)
     say(f"runs kept in {out}; recipe {json.dumps(recipe)}")
-    recipe = with_data(recipe, out)
+    recipe = with_data(recipe)
     results: dict[str, dict[str, Any]] = {}
     skipped: dict[str, str] = {}
     ways: list[tuple[str, Any]] = []

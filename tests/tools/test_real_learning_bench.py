@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import word_problems
 from benchmarks.real_learning import (
+    DATA_FILE,
     FULL,
     QUICK,
     check_recipe,
@@ -32,9 +34,14 @@ def test_the_recipe_is_the_quick_or_full_budget_and_refuses_an_empty_run() -> No
     quick, full = make_recipe(True), make_recipe(False)
     assert {k: quick[k] for k in QUICK} == QUICK and {k: full[k] for k in FULL} == FULL
     assert quick["task_params"]["max_new_tokens"] == QUICK["max_new"]
-    assert make_recipe(False, steps=7, lr=3e-5)["steps"] == 7
+    assert make_recipe(False, steps=7, lr=3e-5, group=None)["steps"] == 7
+    assert make_recipe(False, group=None)["group"] == FULL["group"]
     with pytest.raises(ValueError, match="at least one step"):
         make_recipe(True, steps=0)
+    with pytest.raises(ValueError, match="at least 2 samples"):
+        make_recipe(True, group=1)
+    with pytest.raises(ValueError, match="not a recipe setting: lr_decay"):
+        make_recipe(True, lr_decay=0.5)
 
 
 def test_a_folder_takes_its_own_recipe_again_and_refuses_another(tmp_path: Path) -> None:
@@ -60,19 +67,23 @@ def test_kept_runs_are_read_back_instead_of_run_again(tmp_path: Path) -> None:
     assert kept(tmp_path / "sync-seed1.json") is None
 
 
-def test_the_task_reads_the_problems_written_into_the_run_folder(tmp_path: Path) -> None:
-    recipe = with_data(make_recipe(True), tmp_path)
-    lines = (tmp_path / "word_problems.jsonl").read_text().splitlines()
-    assert len(lines) == recipe["data"]["rows"]
-    assert recipe["task_params"]["path"] == str((tmp_path / "word_problems.jsonl").resolve())
-    assert "path" not in make_recipe(True)["task_params"]  # recipe.json names no folder
-    first = (tmp_path / "word_problems.jsonl").read_bytes()
-    with_data(make_recipe(True), tmp_path)  # an existing file is the one the runs read
-    assert (tmp_path / "word_problems.jsonl").read_bytes() == first
+def test_the_task_reads_the_committed_problems_and_refuses_another_file(tmp_path: Path) -> None:
+    recipe = with_data(make_recipe(True))
+    assert recipe["task_params"]["path"] == str(DATA_FILE.resolve())
+    assert "path" not in make_recipe(True)["task_params"]  # recipe.json names no machine path
+    other = word_problems.write(tmp_path / "p.jsonl", n=recipe["data"]["rows"], seed=1)
+    with pytest.raises(ValueError, match="not the recipe's problems"):
+        with_data(make_recipe(True), other)
+    rows = word_problems.rows()
+    assert len(rows) == word_problems.ROWS
+    assert len({r["question"] for r in rows}) > 0.9 * len(rows)  # few repeats across splits
+    assert all(isinstance(r["answer"], int) and r["answer"] > 0 for r in rows)
+    with pytest.raises(ValueError, match="at least one row"):
+        word_problems.rows(0)
 
 
 def test_the_swarm_job_is_the_recipe(tmp_path: Path) -> None:
-    recipe = with_data(make_recipe(False), tmp_path)
+    recipe = with_data(make_recipe(False))
     job = parse_job(tomllib.loads(job_toml(recipe, str(tmp_path), staleness=2)))
     assert (job.steps, job.group_size, job.batch_groups, job.staleness) == (
         recipe["steps"], recipe["group"], recipe["prompts"], 2)
