@@ -140,7 +140,18 @@ def run_sync(recipe: dict[str, Any], seed: int, out: Path) -> dict[str, Any]:
         publish_dtype=recipe["publish_dtype"], sequential_prompts=True,
         grpo=GRPOConfig(lr=recipe["lr"]),
     )  # fmt: skip
-    history, last = run(cfg, log=False, on_start=first.append)
+    def started(acc: float) -> None:
+        first.append(acc)
+        say(f"  sync seed {seed}: held-out accuracy {acc:.3f} at v0 "
+            f"({time.perf_counter() - t0:.0f} s)")
+
+    def stepped(_learner: Any, m: dict[str, float]) -> None:  # progress of a long run
+        greedy = f", held-out accuracy {m['greedy']:.3f}" if "greedy" in m else ""
+        say(f"  sync seed {seed} v{int(m['step']) + 1}: reward {m['reward']:.3f}, generation "
+            f"{m['gen_s']:.0f} s ({m['tok_s']:.0f} tok/s), step {m['step_s']:.0f} s{greedy} "
+            f"({time.perf_counter() - t0:.0f} s)")
+
+    history, last = run(cfg, log=False, on_step=stepped, on_start=started)
     curve = [[0, first[0]]] + [[h["step"] + 1, h["greedy"]] for h in history if "greedy" in h]
     if curve[-1][0] != recipe["steps"]:
         curve.append([recipe["steps"], last])

@@ -33,6 +33,7 @@ VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 FINAL_SYNC_S = 60.0
 FINAL_SYNC_VLLM_S = 300.0
 VLLM_READY = ROOT / ".venv-vllm" / ".echo-vllm-installed"
+SUBMIT_TIMEOUT_S = 120.0
 # vLLM's CPU attention needs a head size of at least 32: with vLLM nodes the demo model (hidden
 # 64) gets 2 heads instead of 4.
 HEADS, VLLM_HEADS = 4, 2
@@ -327,8 +328,12 @@ class Swarm:
     def submit(self, job_toml: str) -> str:
         assert self.api is not None
         (self.out / "job.toml").write_text(job_toml)
+        # The coordinator builds the job before it answers (a real model's tokenizer, a
+        # dataset, its scorer): on a loaded 2-core machine that took more than the 10 s
+        # the status calls are given.
         r = self.api.post(
-            "/v1/jobs", content=job_toml, headers={"content-type": "application/toml"}
+            "/v1/jobs", content=job_toml, headers={"content-type": "application/toml"},
+            timeout=SUBMIT_TIMEOUT_S,
         )
         r.raise_for_status()
         return r.json()["job_id"]
