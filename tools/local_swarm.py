@@ -34,6 +34,7 @@ FINAL_SYNC_S = 60.0
 FINAL_SYNC_VLLM_S = 300.0
 VLLM_READY = ROOT / ".venv-vllm" / ".echo-vllm-installed"
 SUBMIT_TIMEOUT_S = 120.0
+STATUS_TRIES = 5
 # vLLM's CPU attention needs a head size of at least 32: with vLLM nodes the demo model (hidden
 # 64) gets 2 heads instead of 4.
 HEADS, VLLM_HEADS = 4, 2
@@ -363,8 +364,20 @@ class Swarm:
         return proc
 
     def status(self, job_id: str) -> tuple[dict, list[dict]]:
+        """The job's status and the nodes. A call that times out or whose connection drops is
+        tried again (STATUS_TRIES in all): on a loaded 2-core machine a coordinator building a
+        real model's job answered late or reset the connection, and one missed poll must not
+        end a run of an hour."""
         assert self.api is not None
-        return self.api.get(f"/v1/jobs/{job_id}").json(), self.api.get("/v1/nodes").json()
+        for attempt in range(STATUS_TRIES):
+            try:
+                return (self.api.get(f"/v1/jobs/{job_id}").json(),
+                        self.api.get("/v1/nodes").json())
+            except (httpx.TimeoutException, httpx.NetworkError):
+                if attempt == STATUS_TRIES - 1:
+                    raise
+                time.sleep(2.0)
+        raise AssertionError("unreachable")
 
     def wait_finished(
         self, job_id: str, stall_s: float = 120.0, cap_s: float = 900.0
