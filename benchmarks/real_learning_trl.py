@@ -89,8 +89,7 @@ def run_trl(recipe: dict[str, Any], seed: int, spec: Any, task: Any) -> dict[str
             per_device_train_batch_size=prompts * group,
             gradient_accumulation_steps=1,
             num_generations=group,
-            generation_batch_size=prompts * group,
-            steps_per_generation=1,
+            steps_per_generation=1,  # one generation per optimizer step (it sets the batch)
             num_iterations=1,
             max_completion_length=recipe["max_new"],
             temperature=1.0,
