@@ -122,8 +122,9 @@ def keep(path: Path, result: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def run_sync(recipe: dict[str, Any], seed: int, out: Path) -> dict[str, Any]:
-    """The synchronous baseline in this process (or the one kept at ``out``)."""
+def run_sync(recipe: dict[str, Any], seed: int, out: Path, threads: int = 2) -> dict[str, Any]:
+    """The synchronous baseline in this process (or the one kept at ``out``), on ``threads``
+    torch threads."""
     if (k := kept(out)) is not None:
         return k
     from echo.learner.grpo import GRPOConfig
@@ -134,7 +135,7 @@ def run_sync(recipe: dict[str, Any], seed: int, out: Path) -> dict[str, Any]:
     cfg = LocalConfig(
         task=recipe["task"], task_params=recipe["task_params"], spec=model_spec(),
         steps=recipe["steps"], prompts_per_step=recipe["prompts"],
-        samples_per_prompt=recipe["group"], seed=seed, threads=2,
+        samples_per_prompt=recipe["group"], seed=seed, threads=threads,
         temperature=recipe["temperature"], eval_every=recipe["eval_every"],
         eval_prompts=recipe["eval_prompts"], chat=recipe["chat"],
         publish_dtype=recipe["publish_dtype"], sequential_prompts=True,
@@ -162,10 +163,13 @@ def run_sync(recipe: dict[str, Any], seed: int, out: Path) -> dict[str, Any]:
     })  # fmt: skip
 
 
-def run_trl(recipe: dict[str, Any], seed: int, out: Path) -> dict[str, Any]:
-    """TRL's GRPOTrainer on the recipe (or the run kept at ``out``)."""
+def run_trl(recipe: dict[str, Any], seed: int, out: Path, threads: int = 2) -> dict[str, Any]:
+    """TRL's GRPOTrainer on the recipe (or the run kept at ``out``), on ``threads`` threads."""
     if (k := kept(out)) is not None:
         return k
+    import torch
+
+    torch.set_num_threads(threads)
     try:
         from benchmarks.real_learning_trl import run_trl as trl_run
     except ModuleNotFoundError:
@@ -347,6 +351,9 @@ def main() -> None:
         ap.add_argument("--max-new", type=int, default=None, help="tokens per completion")
         ap.add_argument("--eval-prompts", type=int, default=None, help="held-out prompts")
         ap.add_argument("--eval-every", type=int, default=None, help="versions between evals")
+        ap.add_argument("--threads", type=int, default=2,
+                        help="torch threads of sync and trl (on a machine other work loads, 1 "
+                             "is faster than 2: two threads wait on each other)")
         ap.add_argument("--staleness", type=int, nargs="+", default=list(STALENESS))
         ap.add_argument("--out", type=Path, default=None,
                         help="folder for the runs; an existing one is gone on from "
@@ -365,7 +372,7 @@ def main() -> None:
     skipped: dict[str, str] = {}
     ways: list[tuple[str, Any]] = []
     if "sync" in args.modes:
-        ways.append(("sync", lambda s: run_sync(recipe, s, out / f"sync-seed{s}.json")))
+        ways.append(("sync", lambda s: run_sync(recipe, s, out / f"sync-seed{s}.json", args.threads)))
     if "trl" in args.modes:
         try:
             from benchmarks.real_learning_trl import trl_missing
@@ -373,7 +380,7 @@ def main() -> None:
             from real_learning_trl import trl_missing
         why = trl_missing()
         if why is None:
-            ways.append(("trl", lambda s: run_trl(recipe, s, out / f"trl-seed{s}.json")))
+            ways.append(("trl", lambda s: run_trl(recipe, s, out / f"trl-seed{s}.json", args.threads)))
         else:
             skipped["trl"] = why
             say(f"trl: not run: {why}")
