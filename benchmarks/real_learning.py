@@ -372,7 +372,8 @@ def main() -> None:
     skipped: dict[str, str] = {}
     ways: list[tuple[str, Any]] = []
     if "sync" in args.modes:
-        ways.append(("sync", lambda s: run_sync(recipe, s, out / f"sync-seed{s}.json", args.threads)))
+        ways.append(("sync", lambda s: run_sync(recipe, s, out / f"sync-seed{s}.json",
+                                                args.threads)))
     if "trl" in args.modes:
         try:
             from benchmarks.real_learning_trl import trl_missing
@@ -380,7 +381,8 @@ def main() -> None:
             from real_learning_trl import trl_missing
         why = trl_missing()
         if why is None:
-            ways.append(("trl", lambda s: run_trl(recipe, s, out / f"trl-seed{s}.json", args.threads)))
+            ways.append(("trl", lambda s: run_trl(recipe, s, out / f"trl-seed{s}.json",
+                                                  args.threads)))
         else:
             skipped["trl"] = why
             say(f"trl: not run: {why}")
