@@ -32,6 +32,10 @@ VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 FINAL_SYNC_S = 60.0
 FINAL_SYNC_VLLM_S = 300.0
 VLLM_READY = ROOT / ".venv-vllm" / ".echo-vllm-installed"
+# How long a job submission may take (the coordinator builds the job first: a real model's
+# tokenizer, a dataset, its scorer in a fresh sandbox), and how often a status poll is tried.
+SUBMIT_TIMEOUT_S = 120.0
+STATUS_TRIES = 5
 # vLLM's CPU attention needs a head size of at least 32: with vLLM nodes the demo model (hidden
 # 64) gets 2 heads instead of 4.
 HEADS, VLLM_HEADS = 4, 2
@@ -124,10 +128,6 @@ def buffer_toml(batches: int, batch_groups: int) -> str:
     return f"\n[verification]\nbuffer_groups = {batches * batch_groups}\n"
 
 
-# How long a job submission may take (see Swarm.submit).
-SUBMIT_TIMEOUT_S = 60.0
-
-
 class Swarm:
     """The processes of a local swarm under ``out``; :meth:`stop` ends them all."""
 
@@ -212,13 +212,20 @@ class Swarm:
         return proc
 
     def status(self, job_id: str) -> tuple[dict, list[dict]]:
+        """The job's status and the nodes. A call that times out or whose connection drops is
+        tried again (STATUS_TRIES in all): on a loaded 2-core machine a coordinator building a
+        real model's job answered late or reset the connection, and one missed poll must not
+        end a run of an hour."""
         assert self.api is not None
-        try:
-            return self.api.get(f"/v1/jobs/{job_id}").json(), self.api.get("/v1/nodes").json()
-        except httpx.TransportError:
-            # The server closes a keep-alive connection idle for 5 s (hypercorn's default); a
-            # poller starved of CPU for that long reused it as it closed (connection reset).
-            return self.api.get(f"/v1/jobs/{job_id}").json(), self.api.get("/v1/nodes").json()
+        for attempt in range(STATUS_TRIES):
+            try:
+                return (self.api.get(f"/v1/jobs/{job_id}").json(),
+                        self.api.get("/v1/nodes").json())
+            except httpx.TransportError:  # a reset keep-alive connection, a starved poller
+                if attempt == STATUS_TRIES - 1:
+                    raise
+                time.sleep(2.0)
+        raise AssertionError("unreachable")
 
     def wait_finished(
         self, job_id: str, stall_s: float = 120.0, cap_s: float = 900.0

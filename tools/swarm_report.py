@@ -81,7 +81,9 @@ def summarize(st: dict, nodes: list[dict], wall: float) -> dict:
         "eval_first": evals[0][1] if evals else None,
         "eval_last": evals[-1][1] if evals else None,
         "eval_by_version": [{"version": v, "accuracy": a} for v, a in evals],
-        "learner_by_version": [{"version": v["version"], **v["metrics"]} for v in versions],
+        # published_at: when each version came out (the real-learning benchmark's throughput).
+        "learner_by_version": [{"version": v["version"], "published_at": v["published_at"],
+                                **v["metrics"]} for v in versions],
         "versions": st["current_version"],
         "reward_first": curve[0]["mean_reward"] if curve else None,
         "reward_last": curve[-1]["mean_reward"] if curve else None,

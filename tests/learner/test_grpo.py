@@ -234,3 +234,30 @@ def test_the_step_counts_the_groups_that_carry_a_signal() -> None:
     learner = GRPOLearner(build_model(SPEC, seed=1))
     groups = make_groups(learner, [[1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 1.0, 0.0], [0.0] * 4])
     assert learner.step(groups)["signal_groups"] == 1.0
+
+
+def test_sequential_prompts_and_the_start_accuracy(tmp_path: Path, monkeypatch) -> None:
+    """``sequential_prompts`` samples prompt ids 0, 1, 2, ... in order (the coordinator's
+    order, the one the real-learning benchmark gives every way), and ``on_start`` gets the
+    held-out accuracy before the first step, the figure the final one is compared with."""
+    from echo.tools import grpo_local
+    from echo.tools.grpo_local import LocalConfig, run
+
+    asked: list[int] = []
+    prompt = grpo_local._Codec.prompt
+
+    def recording(self, prompt_id: int) -> list[int]:
+        asked.append(prompt_id)
+        return prompt(self, prompt_id)
+
+    monkeypatch.setattr(grpo_local._Codec, "prompt", recording)
+    starts: list[float] = []
+    cfg = LocalConfig(task_params={"max_operand": 4}, steps=3, seed=0, cache_dir=str(tmp_path),
+                      eval_every=0, threads=1, prompts_per_step=4, sequential_prompts=True)
+    threads = torch.get_num_threads()
+    try:
+        run(cfg, log=False, on_start=starts.append)
+    finally:
+        torch.set_num_threads(threads)
+    assert asked == list(range(12))
+    assert len(starts) == 1 and 0.0 <= starts[0] <= 1.0
