@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from echo.learner import checkpoint, dcp_checkpoint, distributed
+from echo.learner.checkpoint_files import version_dir
 from echo.learner.distributed import Dist
 from echo.learner.grpo import Across, GRPOLearner, TrainGroup, pad_batch
 from echo.learner.rescore import Rescorer, Verdict
@@ -234,7 +235,7 @@ def build(
     # Rank 0 decides which checkpoint every rank reads: they must agree whatever they see.
     newest = str(max(checkpoint.versions(root), default=-1)).encode() if d.leader else None
     version = int(distributed.broadcast_bytes(d, newest))
-    found = checkpoint._dir(root, version) if version >= 0 else None
+    found = version_dir(root, version) if version >= 0 else None
 
     def initial(m: torch.nn.Module) -> torch.nn.Module:
         """``m`` after the job's format warm-up (computed once, on rank 0)."""

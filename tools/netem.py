@@ -149,7 +149,7 @@ def _tbf(rate_bps: float) -> list[str]:
     return ["tbf", "rate", f"{int(rate_bps * 8)}bit", "burst", str(burst), "limit", str(limit)]
 
 
-def _shape(tc: list[str], dev: str, rate_bps: float, shaper: str, delay_ms: float,
+def shape(tc: list[str], dev: str, rate_bps: float, shaper: str, delay_ms: float,
            queue_s: float = _QUEUE_S, peers: Sequence[tuple[str, str]] = ()) -> None:
     """Shape egress of ``dev`` (``tc`` is the tc prefix, with ``-n NS`` for a namespace).
 
@@ -292,9 +292,9 @@ def up(
             applied = h.delay_ms if delay_ok else 0.0
             # Upload where it leaves the host, download where the bridge hands it over.
             others = [str(net.network_address + j + 2) for j in range(len(hosts)) if j != i]
-            _shape(["tc", "-n", ns], inner, h.up_bps, shaper, applied, queue_s,
+            shape(["tc", "-n", ns], inner, h.up_bps, shaper, applied, queue_s,
                    [("dst", o) for o in others])
-            _shape(["tc"], outer, h.down_bps, shaper, 0.0, queue_s, [("src", o) for o in others])
+            shape(["tc"], outer, h.down_bps, shaper, 0.0, queue_s, [("src", o) for o in others])
             infos.append(HostInfo(h.name, ns, ip, h.up_bps, h.down_bps, delay, inner, outer))
         _state_path(prefix).write_text(json.dumps([asdict(i) for i in infos], indent=1))
     except BaseException:
