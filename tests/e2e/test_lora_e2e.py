@@ -41,7 +41,13 @@ SWARMS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(SWARMS))
+# vLLM's own LoRA swarm starts its engine for minutes on a CPU; tests/node/test_vllm_lora.py
+# checks its adapters against the learner in every run, so the swarm is a soak run.
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(name, marks=pytest.mark.soak) if name == "vllm" else name
+            for name in sorted(SWARMS)],
+)
 def lora_run(request, tmp_path_factory) -> tuple[Path, list[str]]:
     engines = SWARMS[request.param]
     if not engines:
