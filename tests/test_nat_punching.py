@@ -6,6 +6,7 @@ coordinator pairs them; the hole punch itself is tested in tests/test_nat_holepu
 
 from __future__ import annotations
 
+import pytest
 import trio
 
 from echo.coordinator.dissemination import Dissemination
@@ -20,6 +21,7 @@ from echo.protocol.reachability import PROTO_PUNCH, PunchRequest
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
 
+@pytest.mark.slow
 def test_the_coordinator_connects_two_nodes_and_books_the_path() -> None:
     async def body() -> None:
         ids = [Identity.generate() for _ in range(4)]
