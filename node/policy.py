@@ -168,6 +168,8 @@ class PolicyFollower:
                     continue
                 if ann is not None:
                     self.announced = max(self.announced, ann.version)
+                    if self.session.volunteers is not None:  # public peers may offer relays
+                        self.session.volunteers.saw_plan(ann)
         finally:
             # The node's next job subscribes again (one subscription per topic and host).
             with trio.CancelScope(shield=True), trio.move_on_after(5.0):
