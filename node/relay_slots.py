@@ -32,6 +32,7 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from echo.node.display import Display
+from echo.p2p import dcutr
 from echo.p2p.circuit import RelayRefused, Reservation, keep_reservation
 from echo.p2p.circuit_relay import CONTROL_RELAY_LIMITS, offer_relay
 from echo.p2p.host import EchoHost
@@ -158,13 +159,14 @@ class VolunteerRelays:
                 while True:
                     await trio.sleep(REPORT_S)
                     now = (len(relay.reservations), relay.circuits_opened,
-                           relay.circuits_limited, relay.bytes_relayed)
+                           relay.circuits_limited, relay.bytes_relayed, dcutr.upgrades(self.host))
                     if now != last:
                         last = now
                         self.display.say(
                             f"volunteer relay: {now[0]} reservations held, {now[1]} circuits "
                             f"opened ({now[2]} cut at a limit), {now[3]} bytes relayed, "
-                            f"refused {dict(relay.refused) or 'none'}"
+                            f"refused {dict(relay.refused) or 'none'}; {now[4]} peers behind NAT "
+                            "dialled us back when asked over their relay (DCUtR)"
                         )
             finally:
                 self.relay = None
