@@ -68,6 +68,10 @@ def test_plans_announce_circuits_only_through_vouched_relays() -> None:
 
 
 def test_a_peer_known_by_its_circuit_is_reached_for_control_and_asked_to_dial_back() -> None:
+    """A knows B only by its circuit address: a control connection goes through the relay;
+    DCUtR over it makes B dial A (B's side of the direct connection is outbound); and
+    Peers.connect(direct=True), the push path, ends with a direct connection too."""
+
     async def body() -> None:
         async with (
             open_host(Identity.generate(), pubsub=False) as r,
@@ -83,15 +87,23 @@ def test_a_peer_known_by_its_circuit_is_reached_for_control_and_asked_to_dial_ba
                 with trio.fail_after(30):
                     await peers.connect(bid)  # control: through the relay
                     assert peers.connected(bid) and not has_direct_connection(a, b.peer_id)
-                    assert all(is_relayed(c) for c in a.libp2p.get_network().connections[b.peer_id])
+                    conns = a.libp2p.get_network().connections[b.peer_id]
+                    assert all(is_relayed(c) for c in conns)
                     assert relay.circuits_opened == 1
-                    await peers.connect(bid, direct=True)  # bulk: B is asked to dial A
-                assert has_direct_connection(a, b.peer_id)
-                # B dialled: the direct connection is outbound on B's side.
+                    assert await dcutr.upgrade(a, b.peer_id)
+                assert dcutr.upgrades(a) == 1 and has_direct_connection(a, b.peer_id)
                 direct = [
                     c for c in b.libp2p.get_network().connections[a.peer_id] if not is_relayed(c)
                 ]
-                assert direct and dcutr.upgrades(a) == 1
+                assert direct and all(c.direction.name == "OUTBOUND" for c in direct)
+                # The push path: B's direct connection dropped, A asks again and gets one.
+                for c in direct:
+                    await c.close()
+                with trio.fail_after(30):
+                    while has_direct_connection(a, b.peer_id):
+                        await trio.sleep(0.05)
+                    await peers.connect(bid, direct=True)
+                assert has_direct_connection(a, b.peer_id)
 
     trio.run(body)
 
