@@ -23,20 +23,27 @@ is, :func:`echo.p2p.rpc.is_relayed`).
 Owns: the DCUtR handler on a host (while :func:`serve_dcutr`'s registration lasts; hosts are
 closed with it) and the dials of one :func:`upgrade` call (the connection it opens belongs to
 the host). Raises nothing: :func:`upgrade` says whether a direct connection exists afterwards.
+
+Bounds (a CONNECT makes the responder dial what it names): DCUtR only over relayed
+connections, :data:`PEER_EXCHANGES` per peer per :data:`PEER_WINDOW_S`, at most
+:data:`MAX_DIAL_ADDRS` of the peer's addresses.
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
+from contextlib import suppress
 
 import trio
 from libp2p.abc import IHost
 from libp2p.peer.id import ID
 from libp2p.relay.circuit_v2.dcutr import PROTOCOL_ID, DCUtRProtocol
 
+from echo.p2p.budget import LruMap
 from echo.p2p.circuit import has_direct_connection
 from echo.p2p.host import EchoHost, _as_peer_id
+from echo.p2p.rpc import is_relayed
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +52,14 @@ log = logging.getLogger(__name__)
 READ_TIMEOUT_S = 10
 DIAL_TIMEOUT_S = 5
 UPGRADE_TIMEOUT_S = 20.0
+# A CONNECT makes the responder dial the addresses it names, and anyone a relay admits can send
+# one: a peer gets PEER_EXCHANGES exchanges per PEER_WINDOW_S (the spec's initiator tries up to
+# three times), only over a relayed connection (the spec's case), and at most MAX_DIAL_ADDRS of
+# its addresses are dialled (a stranger cannot aim a node at twenty hosts at once).
+PEER_EXCHANGES = 3
+PEER_WINDOW_S = 60.0
+MAX_DIAL_ADDRS = 4
+_MAX_PEERS_REMEMBERED = 4096
 
 
 class _DCUtR(DCUtRProtocol):
@@ -62,6 +77,9 @@ class _DCUtR(DCUtRProtocol):
 
     async def _verify_direct_connection(self, peer_id: ID) -> bool:
         return has_direct_connection(self.echo_host, peer_id)
+
+    def _decode_observed_addrs(self, addr_bytes: list[bytes]) -> list:  # type: ignore[override]
+        return super()._decode_observed_addrs(addr_bytes)[:MAX_DIAL_ADDRS]
 
     async def _try_unilateral_upgrade(self, peer_id: ID) -> bool:
         # The spec's step 0 (a plain dial of the peer's known addresses first) only costs time
@@ -85,8 +103,16 @@ def _proto(host: EchoHost) -> _DCUtR:
 def serve_dcutr(host: EchoHost) -> None:
     """Answer DCUtR on ``host``: a peer connected through a relay may ask us to dial it."""
     proto = _proto(host)
+    recent: LruMap[ID, list[float]] = LruMap(_MAX_PEERS_REMEMBERED)
 
     async def handle(stream) -> None:  # type: ignore[no-untyped-def]
+        peer, now = stream.muxed_conn.peer_id, trio.current_time()
+        times = [t for t in recent.setdefault(peer, list) if now - t < PEER_WINDOW_S]
+        if not is_relayed(stream) or len(times) >= PEER_EXCHANGES:
+            with trio.move_on_after(2.0), suppress(Exception):
+                await stream.reset()
+            return
+        recent.put(peer, [*times, now])
         with trio.move_on_after(UPGRADE_TIMEOUT_S):
             await proto._handle_dcutr_stream(stream)
         if has_direct_connection(host, stream.muxed_conn.peer_id):

@@ -168,3 +168,32 @@ def test_gossip_stays_off_relayed_connections() -> None:
                     await trio.sleep(0.05)
 
     trio.run(body)
+
+
+def test_dcutr_answers_only_over_a_relay_and_dials_few_addresses() -> None:
+    """A DCUtR CONNECT makes the responder dial what it names: only over a relayed connection,
+    and at most MAX_DIAL_ADDRS of the named addresses."""
+    from libp2p.relay.circuit_v2.dcutr import PROTOCOL_ID
+    from libp2p.relay.circuit_v2.pb.dcutr_pb2 import HolePunch
+    from libp2p.relay.circuit_v2.utils import write_delimited_msg
+
+    async def body() -> None:
+        async with (
+            open_host(Identity.generate(), pubsub=False) as b,
+            open_host(Identity.generate(), pubsub=False) as a,
+        ):
+            dcutr.serve_dcutr(b)
+            await a.connect(b.listen_multiaddrs[0])  # direct: no DCUtR there
+            with trio.fail_after(10):
+                try:
+                    s = await a.libp2p.new_stream(b.peer_id, [PROTOCOL_ID])
+                    msg = HolePunch(type=HolePunch.CONNECT)
+                    await write_delimited_msg(s, msg)
+                    got = await s.read(100)
+                except Exception:  # noqa: BLE001 (reset, or refused at once: what we expect)
+                    got = b""
+            assert got == b""
+            many = [Multiaddr(f"/ip4/10.0.0.{i}/tcp/4001").to_bytes() for i in range(20)]
+            assert len(dcutr._proto(b)._decode_observed_addrs(many)) == dcutr.MAX_DIAL_ADDRS
+
+    trio.run(body)
