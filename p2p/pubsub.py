@@ -35,6 +35,7 @@ from typing import Any
 
 import trio
 from libp2p.abc import IHost, ISubscriptionAPI
+from libp2p.network.exceptions import SwarmException
 from libp2p.peer.id import ID
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, PROTOCOL_ID_V12, GossipSub
 from libp2p.pubsub.pb import rpc_pb2
@@ -165,20 +166,21 @@ class PubsubService:
         # Gossip only over direct connections: a circuit relay carries control exchanges, and
         # gossipsub would otherwise forward every announcement through any relayed connection
         # (measured in the NAT swarm: 1.4-1.6 MB per run through the coordinator's relay).
-        # A peer reached only through a relay is taken once a direct connection comes up (the
-        # swarm's notifee fires for every new connection).
+        # A peer reached only through a relay is taken once a direct connection comes up:
+        # refusing with a SwarmException makes py-libp2p retry (with backoff) while the peer
+        # stays connected. A peer with no connection in the table yet (the notifee can fire
+        # first) is not refused: skipping it silently lost the coordinator as a gossip peer
+        # in one NAT swarm run, and with it every plan announcement to that node.
         self._host = host
         handle_new_peer = self.pubsub._handle_new_peer
 
         async def direct_only(peer_id: ID) -> None:
-            if self._direct(peer_id):
-                await handle_new_peer(peer_id)
+            conns = self._host.get_network().connections.get(peer_id, [])
+            if conns and all(is_relayed(c) for c in conns):
+                raise SwarmException(f"{peer_id} is reached only through a relay: no gossip")
+            await handle_new_peer(peer_id)
 
         self.pubsub._handle_new_peer = direct_only  # type: ignore[method-assign]
-
-    def _direct(self, peer_id: ID) -> bool:
-        conns = self._host.get_network().connections.get(peer_id, [])
-        return any(not is_relayed(c) for c in conns)
 
     async def _guarded_stream_handler(self, stream: Any) -> None:
         peer = stream.muxed_conn.peer_id
