@@ -35,14 +35,12 @@ from typing import Any
 
 import trio
 from libp2p.abc import IHost, ISubscriptionAPI
-from libp2p.network.exceptions import SwarmException
 from libp2p.peer.id import ID
 from libp2p.pubsub.gossipsub import PROTOCOL_ID_V11, PROTOCOL_ID_V12, GossipSub
 from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import Pubsub
 
 from echo.p2p.budget import LruMap
-from echo.p2p.rpc import is_relayed
 
 logger = logging.getLogger(__name__)
 
@@ -163,28 +161,10 @@ class PubsubService:
         for proto in self.router.get_protocols():
             host.set_stream_handler(proto, self._guarded_stream_handler)
         self._inbound: dict[ID, Any] = {}  # each peer's inbound pubsub stream, while read
-        # Gossip only over direct connections: a circuit relay carries control exchanges, and
-        # gossipsub would otherwise forward every announcement through any relayed connection
-        # (measured in the NAT swarm: 1.4-1.6 MB per run through the coordinator's relay).
-        # A peer reached only through a relay is taken once a direct connection comes up:
-        # refusing with a SwarmException makes py-libp2p retry (with backoff) while the peer
-        # stays connected. A peer with no connection in the table yet (the notifee can fire
-        # first) is not refused: skipping it silently lost the coordinator as a gossip peer
-        # in one NAT swarm run, and with it every plan announcement to that node.
-        self._host = host
-        handle_new_peer = self.pubsub._handle_new_peer
-
-        async def direct_only(peer_id: ID) -> None:
-            conns = self._host.get_network().connections.get(peer_id, [])
-            if conns and all(is_relayed(c) for c in conns):
-                raise SwarmException(f"{peer_id} is reached only through a relay: no gossip")
-            await handle_new_peer(peer_id)
-
-        self.pubsub._handle_new_peer = direct_only  # type: ignore[method-assign]
 
     async def _guarded_stream_handler(self, stream: Any) -> None:
         peer = stream.muxed_conn.peer_id
-        if self.pubsub.is_peer_blacklisted(peer) or is_relayed(stream):
+        if self.pubsub.is_peer_blacklisted(peer):
             await stream.reset()
             return
         self._inbound[peer] = stream
