@@ -127,11 +127,19 @@ class Peers:
         circuits = [a for a in known if _CIRCUIT in a]
         plain = [a for a in known if _CIRCUIT not in a]
         if direct and not plain and circuits:
-            with trio.move_on_after(_REVERSAL_GRACE_S):
+            # One connect timeout in all (a pull from a peer that cannot be reached must not
+            # cost more than it did before circuits): its own dial, else DCUtR, else its dial.
+            with trio.move_on_after(self.connect_timeout_s):
+                with trio.move_on_after(_REVERSAL_GRACE_S):
+                    while not self.connected(peer, direct=True):
+                        await trio.sleep(_INBOUND_POLL_S)
+                if not self.connected(peer, direct=True):
+                    await self._reverse(peer, circuits)
                 while not self.connected(peer, direct=True):
                     await trio.sleep(_INBOUND_POLL_S)
-            if not self.connected(peer, direct=True):
-                await self._reverse(peer, circuits)
+            if not self.connected(peer, direct=True) and self.connected(peer):
+                raise RpcError(f"{peer[-8:]} is reached only through a relay: no bulk data")
+            return
         errors = []
         if not plain and (direct or not circuits):
             # No address: a peer that cannot be dialled (behind NAT) dials its parents itself
