@@ -35,7 +35,9 @@ alone behind routers of their own, eim and sym in turn.
    and NAT'd nodes.
 
 Run (root): ``python benchmarks/nat.py [--quick] [--direct-only] [--swarm]``; ``--swarm`` also
-runs ``tools/nat_swarm.py`` (6 nodes, 30 versions, ~1.5 min) and reports ``swarm_trained``.
+runs ``tools/nat_swarm.py`` (6 nodes, 30 versions, ~1.5 min) and reports ``swarm_trained``,
+``relayed_control_share`` (NAT'd nodes a stranger reached through a volunteer's relay alone) and
+``swarm_circuits`` (circuits the coordinator's and the volunteers' relays opened).
 The last line is one JSON object.
 """
 
@@ -399,6 +401,10 @@ def run_swarm() -> dict[str, Any]:
             for k in ("public", "eim", "sym")
         },
         "swarm_time_to_all_s_median": s["time_to_all_s_median"],
+        # Issue 32: the share of NAT'd nodes a stranger reached through a volunteer's relay
+        # alone (never the coordinator's), and the circuits the relays opened during the run.
+        "relayed_control_share": s.get("relayed_control_share"),
+        "swarm_circuits": s.get("circuits"),
     }
 
 

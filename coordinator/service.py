@@ -40,9 +40,9 @@ from echo.coordinator.scheduling.placement import Placement
 from echo.coordinator.store import Store
 from echo.coordinator.submissions.penalties import Penalties
 from echo.p2p.conn_guard import PUBLIC_PREFIX_CAP, GuardPolicy
-from echo.p2p.host import INBOUND_CONNECTION_CAP, EchoHost, open_host
+from echo.p2p.host import EchoHost, open_host
 from echo.p2p.identity import Identity
-from echo.p2p.nat.circuit_relay import RelayLimits, offer_relay
+from echo.p2p.nat.circuit_relay import CONTROL_RELAY_LIMITS, offer_relay
 from echo.protocol.jobspec import JobSpec
 
 # How often leases past their deadline go back to the pool (and the active-node gauge updates).
@@ -50,23 +50,9 @@ HOUSEKEEPING_S = 1.0
 # How often the store forgets what [retention] lets go (see echo.coordinator.store.prune).
 PRUNE_EVERY_S = 60.0
 # The circuit relay (v2) the coordinator offers its registered nodes (issue 14): a node behind
-# NAT keeps a reservation here so that peers can reach it. Only control messages may cross it
-# (chunks and pushes refuse relayed connections), so the limits are those of control traffic:
-RELAY_LIMITS = RelayLimits(
-    # One slot per node: a reservation lives on its holder's connection, and the host keeps at
-    # most this many inbound connections, so more slots could never be used.
-    max_reservations=INBOUND_CONNECTION_CAP,
-    # Nodes refresh at half the TTL (one RESERVE per node every 2.5 minutes); a node that left
-    # loses its slot with its connection anyway.
-    reservation_ttl_s=300,
-    # A few peers at once may hold a control channel to one node.
-    max_circuits_per_peer=4,
-    # A control exchange (a have-map, a punch's rendezvous) takes seconds; a longer circuit is
-    # cut and dialled again. 1 MiB covers Noise, yamux, identify and gossip control inside it
-    # many times over, while a peer that tried to pull weights through us is cut after 1 MiB.
-    circuit_duration_s=120,
-    circuit_data_bytes=1 << 20,
-)
+# NAT keeps a reservation here so that peers can reach it. The limits are those of control
+# traffic, the same that public volunteers offer (echo.p2p.nat.circuit_relay.CONTROL_RELAY_LIMITS).
+RELAY_LIMITS = CONTROL_RELAY_LIMITS
 # How often the relay's figures are logged (only when they changed).
 RELAY_REPORT_S = 10.0
 
@@ -151,6 +137,8 @@ class Coordinator:
             guard = GuardPolicy(loopback_cap=PUBLIC_PREFIX_CAP)  # a stranger's address
         async with open_host(self.identity, self.config.listen, guard_policy=guard) as host:
             self.host = host
+            # Circuit addresses through our relay are announced in plans (nodes behind NAT).
+            self.dissemination.relay_addrs = list(host.listen_multiaddrs)
             self.node_rpc.install(host, self.config.admission)
             self.learner_rpc.install(host)
             async with trio.open_nursery() as nursery:

@@ -186,9 +186,13 @@ class PolicyFollower:
         try:
             async for _peer, data in sub:
                 try:
-                    await self.relay.join_plan(data, self.session.key, job.job_id)
+                    ann = await self.relay.join_plan(data, self.session.key, job.job_id)
                 except ProtocolError as exc:
                     log.debug("version announcement ignored: %s", exc)
+                    continue
+                # Public peers in a plan may offer relays to nodes behind NAT.
+                if ann is not None and self.session.volunteers is not None:
+                    self.session.volunteers.saw_plan(ann)
         finally:
             # The node's next job subscribes again (one subscription per topic and host).
             with trio.CancelScope(shield=True), trio.move_on_after(5.0):

@@ -26,9 +26,11 @@ from echo.node.display import Display
 from echo.node.errors import NodeError
 from echo.node.pacing import Pacer
 from echo.node.punching import Punches
+from echo.node.relay_slots import VolunteerRelays
 from echo.p2p.host import EchoHost
 from echo.p2p.identity import Identity, public_key_from_peer_id
 from echo.p2p.nat.circuit import RelayRefused, keep_reservation
+from echo.p2p.nat.dcutr import serve_dcutr
 from echo.p2p.nat.dialback import ask_dialback
 from echo.p2p.rpc import RpcError
 from echo.protocol import ids, signing
@@ -75,6 +77,9 @@ class CoordinatorSession:
         self.registered: trio.Event | None = None  # set by the first successful registration
         self.reachability: DialBackReply | None = None  # the dial-back's verdict, once asked
         self.relay_slot = None  # the Reservation kept on the coordinator's relay, if any
+        # Relays among volunteers (echo.node.relay_slots), set by the worker: offered when
+        # reachable, one reservation taken when behind NAT.
+        self.volunteers: VolunteerRelays | None = None
         self.pacer = Pacer()  # keeps each RPC under the coordinator's default request budget
 
     async def connect(self, host: EchoHost, addr: str) -> None:
@@ -94,6 +99,26 @@ class CoordinatorSession:
         # its dial-back says "nat", which can be moments after it registered.
         self.punches = Punches(host, self.peer)
         self.punches.serve()
+        # A peer that reaches us through a relay may ask us to dial it (DCUtR).
+        serve_dcutr(host)
+
+    def circuit_addrs(self) -> list[str]:
+        """Where peers reach this node through relays (registered beside its listen
+        addresses; the coordinator announces them in plans when no dial-back reached us)."""
+        out = []
+        if self.relay_slot is not None and self.relay_slot.active:
+            out.append(self.relay_slot.circuit_addr)
+        if self.volunteers is not None:
+            out += self.volunteers.circuit_addrs
+        return out
+
+    async def announce(self) -> None:
+        """Register once more (the coordinator learns a new circuit address); a failure is
+        left to the next registration."""
+        try:
+            await self.register()
+        except (RpcError, ProtocolError) as exc:
+            self.display.say(f"[yellow]registering the relay address failed:[/yellow] {exc}")
 
     async def call(self, proto: str, payload: bytes, *, timeout: float = RPC_TIMEOUT_S) -> bytes:
         """One request to the coordinator, at the pace its default budget admits (see
@@ -200,6 +225,13 @@ class CoordinatorSession:
         assert self.host is not None and self.registered is not None
         await self.registered.wait()
         reply = self.reachability = await self._ask_reachability()
+        async with trio.open_nursery() as nursery:
+            if self.volunteers is not None:
+                nursery.start_soon(self.volunteers.run, reply)
+            await self._keep_coordinator_slot(reply)
+
+    async def _keep_coordinator_slot(self, reply: DialBackReply | None) -> None:
+        assert self.host is not None
         if reply is not None and reply.reachable:
             self.display.say(
                 f"reachable directly ({reply.verdict}, dialled at {reply.dialed}): "
@@ -219,6 +251,7 @@ class CoordinatorSession:
                         f"({str(res.relay_id)[-8:]}, in {res.reserved_in_s:.2f} s) · reachable "
                         f"for control messages through its relay at {res.circuit_addr}"
                     )
+                    await self.announce()
                     await trio.sleep_forever()
             except RelayRefused as exc:
                 self.display.say(

@@ -41,6 +41,7 @@ from echo.node.engines.factory import make_engine_or_torch
 from echo.node.errors import NodeError
 from echo.node.policy import PolicyFollower
 from echo.node.probe import choose_engine, probe
+from echo.node.relay_slots import VolunteerRelays
 from echo.node.session import CoordinatorSession
 from echo.node.weights import WeightSync
 from echo.p2p.chunkstore import prune_job_stores
@@ -142,6 +143,10 @@ class Node:
         async with open_host(self.identity, [cfg.listen]) as host:
             self.host = host
             await self.session.connect(host, cfg.coordinator)
+            self.session.volunteers = VolunteerRelays(
+                host, self.display, upload_limit_bps=self.upload_limit_bps,
+                announce=self.session.announce,
+            )
             async with trio.open_nursery() as nursery:
                 # Behind NAT: a reservation on the coordinator's relay while the node runs.
                 nursery.start_soon(self.session.keep_relay_slot)
@@ -186,7 +191,10 @@ class Node:
             upload_bps=self.policy.upload_bps,
             download_bps=0.0,
             timestamp=time.time(),
-            addrs=self.host.listen_multiaddrs[:8] if self.host is not None else [],
+            # Behind NAT, the circuit addresses of its relay reservations come last.
+            addrs=(self.host.listen_multiaddrs[:6] + self.session.circuit_addrs()[:2])
+            if self.host is not None
+            else [],
             cost=self.cfg.cost,
         )
 

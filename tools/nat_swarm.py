@@ -151,6 +151,74 @@ def coordinator_relay(log_text: str) -> dict:
     return out
 
 
+def volunteer_reservation(log_text: str) -> str | None:
+    """The volunteer a node behind NAT held a reservation on (the last 8 characters of its peer
+    id), as node/relay_slots.py says it: ``relay reservation held on volunteer XXXXXXXX``."""
+    held = re.search(r"relay\s+reservation\s+held\s+on\s+volunteer\s+(\S{8})", log_text)
+    return held.group(1) if held else None
+
+
+def volunteer_relay(log_text: str) -> dict | None:
+    """A public node's relay figures, as node/relay_slots.py says them when they change
+    (``volunteer relay: 2 reservations held, 1 circuits opened (0 cut at a limit), ...``): the
+    most reservations held at once and the last counters; None when it offered no relay."""
+    if not re.search(r"offering\s+a\s+circuit\s+relay", log_text):
+        return None
+    pat = (
+        r"volunteer\s+relay:\s+(\d+)\s+reservations\s+held,\s+(\d+)\s+circuits\s+opened\s+"
+        r"\((\d+)\s+cut\s+at\s+a\s+limit\),\s+(\d+)\s+bytes\s+relayed,\s+refused\s+.*?;\s+"
+        r"(\d+)\s+peers\s+behind\s+NAT"
+    )
+    out = {"max_reservations": 0, "circuits_opened": 0, "circuits_limited": 0, "bytes_relayed": 0,
+           "dcutr": 0}
+    for m in re.finditer(pat, log_text):
+        out["max_reservations"] = max(out["max_reservations"], int(m.group(1)))
+        out.update(circuits_opened=int(m.group(2)), circuits_limited=int(m.group(3)),
+                   bytes_relayed=int(m.group(4)), dcutr=int(m.group(5)))
+    return out
+
+
+def probe_volunteer_circuits(
+    targets: dict[str, tuple[str, str]], timeout: float = 20.0
+) -> dict[str, str]:
+    """From a fresh host (a stranger to everyone), reach each node behind NAT through the
+    volunteer it reserved on -- never through the coordinator's relay -- and ask it who it is
+    (libp2p identify: a control message every host answers). ``targets``: name -> (the
+    volunteer's address, the node's peer id). Returns name -> "ok" or why not."""
+    import trio
+    from libp2p.identity.identify.identify import ID as IDENTIFY
+
+    from echo.p2p.host import open_host
+    from echo.p2p.identity import Identity
+    from echo.p2p.nat.circuit import circuit_addr, dial_circuit
+
+    out: dict[str, str] = {}
+
+    async def one(host, name: str, relay: str, node: str) -> None:
+        try:
+            with trio.fail_after(timeout):
+                pid = await dial_circuit(host, circuit_addr(relay, node), timeout=timeout)
+                # identify: every host answers it, job or not (a node whose job ended no
+                # longer serves have-maps).
+                stream = await host.libp2p.new_stream(pid, [IDENTIFY])
+                got = await stream.read(4096)
+                await stream.close()
+            out[name] = "ok" if got else "empty identify reply"
+        except Exception as exc:  # noqa: BLE001 (reported per node)
+            out[name] = f"{type(exc).__name__}: {exc}"[:200]
+
+    async def main() -> None:
+        async with (
+            open_host(Identity.generate(), pubsub=False) as host,
+            trio.open_nursery() as nursery,
+        ):
+            for name, (relay, node) in targets.items():
+                nursery.start_soon(one, host, name, relay, node)
+
+    trio.run(main)
+    return out
+
+
 def _job_toml(steps: int) -> str:
     # job_toml fills in what this leaves out, so a key the template gains does not break it.
     return job_toml(
@@ -271,6 +339,32 @@ def inside(args: argparse.Namespace) -> int:
         summary["relay"] = coordinator_relay(
             (out / "coordinator.log").read_text(errors="replace")
         )
+        # Relays among volunteers: who offered one, and where each node behind NAT reserved.
+        summary["volunteer_relays"], summary["volunteer_reservations"] = {}, {}
+        for h in nodes:
+            text = (out / f"{h.name}.log").read_text(errors="replace")
+            offered = volunteer_relay(text)
+            if offered is not None:
+                summary["volunteer_relays"][h.name] = offered
+            held = volunteer_reservation(text)
+            summary["volunteer_reservations"][h.name] = name_of.get(held, held) if held else None
+        summary["circuits"] = summary["relay"]["circuits_opened"] + sum(
+            v["circuits_opened"] for v in summary["volunteer_relays"].values()
+        )
+        summary["dcutr"] = sum(v["dcutr"] for v in summary["volunteer_relays"].values())
+        # Reachable for control messages through a volunteer alone (the coordinator's relay
+        # plays no part in these circuits), while the nodes still run.
+        behind = [h for h in nodes if h.router]
+        targets = {
+            h.name: (f"/ip4/{inet.hosts[v].ip}/tcp/{PORT}/p2p/{peer_of[v]}", peer_of[h.name])
+            for h in behind
+            if (v := summary["volunteer_reservations"].get(h.name)) in inet.hosts
+        }
+        summary["volunteer_circuits"] = probe_volunteer_circuits(targets)
+        summary["relayed_control_share"] = (
+            sum(r == "ok" for r in summary["volunteer_circuits"].values()) / len(behind)
+            if behind else None
+        )
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         final = summary["versions"]
         ok = summary["status"] == "done" and all(
@@ -296,6 +390,17 @@ def inside(args: argparse.Namespace) -> int:
             + f" (coordinator's relay: at most {summary['relay']['max_reservations']} held, "
             + f"{summary['relay']['circuits_opened']} circuits, "
             + f"{summary['relay']['bytes_relayed']} bytes relayed)"
+            + "; volunteer relays: "
+            + (", ".join(
+                f"{n} (at most {v['max_reservations']} held, {v['circuits_opened']} circuits)"
+                for n, v in summary["volunteer_relays"].items()
+            ) or "none")
+            + "; reserved on volunteers: "
+            + (", ".join(
+                f"{n} on {r}" for n, r in summary["volunteer_reservations"].items() if r
+            ) or "none")
+            + f"; {summary['circuits']} circuits in all, {summary['dcutr']} DCUtR dial-backs"
+            + f"; reached through a volunteer's relay alone: {summary['volunteer_circuits']}"
             + "; pushed over direct paths: "
             + (", ".join(
                 f"{src}->{dst} {v['chunks']} chunks in {v['versions']} versions"

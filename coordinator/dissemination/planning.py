@@ -68,6 +68,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from echo.coordinator.dissemination.circuits import split_addrs, trusted_circuits
 from echo.coordinator.dissemination.planner import best as tree
 from echo.coordinator.dissemination.planner.equal import plan_tree
 from echo.coordinator.dissemination.planner.patch import patch_plan
@@ -163,6 +164,7 @@ class NodeLink:
     verdict: str = ""
     observed_ip: str = ""
     verified: list[str] = field(default_factory=list)  # what the dial-back vouched for
+    circuits: list[str] = field(default_factory=list)  # declared circuit addresses (relays)
     proven: bool = False  # it had accepted work when it was last planned (not a leaf)
 
     @property
@@ -258,6 +260,9 @@ class Dissemination:
         # (:meth:`delivered`), and (job, version, parent, child, B/s) for each receipt timed.
         self.on_relay_credit: Callable[[str, int, str, str, float], None] | None = None
         self.on_edge: Callable[[str, int, str, str, float], None] | None = None
+        # The coordinator's own relay addresses (``.../p2p/<id>``), set when its host listens:
+        # circuit addresses through them are announced (echo.coordinator.dissemination.circuits).
+        self.relay_addrs: list[str] = []
         # Per job: the plan versions are patched from, and the inputs of a due full re-plan.
         # plan() and refresh() run in worker threads: the lock guards these maps.
         self._plans: dict[str, TreePlan] = {}
@@ -275,7 +280,9 @@ class Dissemination:
         """A node (re)registered: where it says it listens (a dial-back checks it before anyone
         is told) and the uplink it declared (counted up to the default, see :meth:`upload_of`)."""
         link = self.links.setdefault(node_id, NodeLink())
-        fresh = [a for a in addrs if a][: b.MAX_ADDRS]
+        # Circuit addresses are no dial-back candidates: a new one (a reservation refreshed on
+        # another relay) must not cost the node its verdict and its punched paths.
+        fresh, link.circuits = split_addrs(node_id, [a for a in addrs if a][: b.MAX_ADDRS])
         if fresh != link.addrs:  # new addresses: the last dial-back says nothing about them
             link.reachable = None
             link.verified = []
@@ -521,6 +528,7 @@ class Dissemination:
         ups = {n: 0.0 if n in leaf_only else self.upload_of(n) for n in members}
         announced = self._announced(members)
         reach = self._reach(members, announced)
+        announced = self._with_circuits(announced)
         inputs = _Inputs(source, ups, total_bytes, chunk_bytes, reach)
         with self._lock:
             last = self._plans.get(job_id)
@@ -577,6 +585,25 @@ class Dissemination:
         return {
             n: [a for a in addrs if allow or not is_local_addr(a)] for n, addrs in verified.items()
         }
+
+    def _with_circuits(self, announced: Mapping[str, list[str]]) -> dict[str, list[str]]:
+        """``announced`` with the trusted circuit addresses (:mod:`.dissemination_circuits`)
+        of the members announced without direct ones: peers reach those for control messages."""
+        relays: dict[str, set[str]] = {}
+        for addr in self.relay_addrs:
+            relays.setdefault(addr.rsplit("/p2p/", 1)[-1], set()).add(addr)
+        for n, link in self.links.items():
+            if link.reachable:
+                relays.setdefault(n, set()).update(link.verified)
+        out = dict(announced)
+        allow_local = self.local_addrs is not False and (
+            self.local_addrs or all(is_local_addr(a) for v in announced.values() for a in v)
+        )
+        for n, addrs in announced.items():
+            if not addrs and self.links[n].circuits:
+                ok = trusted_circuits(self.links[n].circuits, relays)
+                out[n] = [a for a in ok if allow_local or not is_local_addr(a)]
+        return out
 
     def _reach(self, members: Sequence[str], announced: Mapping[str, list[str]]) -> Reach:
         """Which of ``members`` nobody can dial (announced without addresses), and the direct

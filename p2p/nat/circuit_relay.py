@@ -58,9 +58,10 @@ from libp2p.relay.circuit_v2.protocol_buffer import StatusCode, to_proto_status
 from libp2p.relay.circuit_v2.resources import RelayLimits as _Libp2pLimits
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 
-from echo.p2p.host import EchoHost
+from echo.p2p.conn_guard import PUBLIC_PREFIX_CAP, prefix_of
+from echo.p2p.host import INBOUND_CONNECTION_CAP, EchoHost
 from echo.p2p.nat.circuit import CLOSE_TIMEOUT_S
-from echo.p2p.rpc import is_relayed
+from echo.p2p.rpc import is_relayed, remote_ip
 from echo.p2p.streams import close_quietly, reset_quietly, stream_peer
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,10 @@ class RelayLimits:
     max_circuits_per_peer: int = 4  # concurrent circuits to one reserved peer
     circuit_duration_s: int = 600  # a circuit is reset after this long (0: no limit)
     circuit_data_bytes: int = 8 << 20  # both directions together (0: no limit)
+    # Reservations held at once from one remote IP and from one network (/24, /48): identities
+    # are free, so one address must not take every slot (0: no limit).
+    max_reservations_per_ip: int = 0
+    max_reservations_per_network: int = 0
 
     def __post_init__(self) -> None:
         if self.max_reservations < 0 or self.max_circuits_per_peer < 0:
@@ -91,6 +96,8 @@ class RelayLimits:
             raise ValueError("reservation_ttl_s must be >= 1")
         if self.circuit_duration_s < 0 or self.circuit_data_bytes < 0:
             raise ValueError("circuit limits must be >= 0")
+        if self.max_reservations_per_ip < 0 or self.max_reservations_per_network < 0:
+            raise ValueError("per-ip and per-network reservation limits must be >= 0")
 
     def _libp2p(self) -> _Libp2pLimits:
         return _Libp2pLimits(
@@ -126,6 +133,8 @@ class _Relay(CircuitV2Protocol):
     ) -> None:
         super().__init__(host, limits=limits._libp2p(), allow_hop=True)
         self._admit = admit
+        self._limits = limits
+        self._where: dict[ID, tuple[str, str]] = {}  # holder -> (its ip, its network)
         self._scopes: set[trio.CancelScope] = set()
         self.circuits_opened = 0  # CONNECT requests taken to the library's handler
         self.circuits_limited = 0
@@ -144,6 +153,28 @@ class _Relay(CircuitV2Protocol):
         for pid, res in list(rm._reservations.items()):
             if res.is_expired() or not rm._is_peer_connected(pid):
                 del rm._reservations[pid]
+        for pid in list(self._where):
+            if pid not in rm._reservations:
+                del self._where[pid]
+
+    def _crowded(self, peer: ID, stream: INetStream) -> str:
+        """Why ``peer`` (asking on ``stream``) may not take a new slot: its IP or network
+        already holds its cap (:class:`RelayLimits`); "" when it may. Remembers where it is."""
+        ip = remote_ip(stream) or ""
+        prefix = prefix_of(ip) if ip else None
+        net = prefix.network if prefix is not None else ip
+        lim = self._limits
+        others = [w for p, w in self._where.items() if p != peer]
+        if lim.max_reservations_per_ip and sum(w[0] == ip for w in others) >= (
+            lim.max_reservations_per_ip
+        ):
+            return f"{ip} holds {lim.max_reservations_per_ip} reservations"
+        if lim.max_reservations_per_network and sum(w[1] == net for w in others) >= (
+            lim.max_reservations_per_network
+        ):
+            return f"network {net} holds {lim.max_reservations_per_network} reservations"
+        self._where[peer] = (ip, net)
+        return ""
 
     async def _status(self, stream: INetStream, code: StatusCode, why: str) -> None:
         self.refused[code.name] += 1
@@ -187,9 +218,14 @@ class _Relay(CircuitV2Protocol):
             msg.ClearField("senderRecord")
             self._prune()
             before = self.resource_manager.get_reservation(peer)
+            crowded = "" if before is not None else self._crowded(peer, stream)
+            if crowded:
+                await self._status(stream, StatusCode.RESOURCE_LIMIT_EXCEEDED, crowded)
+                return
             await self._handle_reserve(stream, msg)
             if self.resource_manager.get_reservation(peer) is None and before is None:
                 self.refused[StatusCode.RESOURCE_LIMIT_EXCEEDED.name] += 1
+                self._where.pop(peer, None)
         elif msg.type == HopMessage.CONNECT:
             try:
                 target = ID(msg.peer.id) if msg.HasField("peer") else None
@@ -253,6 +289,31 @@ class _Relay(CircuitV2Protocol):
             scope.cancel()
 
 
+# The relay for control messages that the coordinator and public volunteers offer (issue 14,
+# issue 32). Only control messages may cross it (chunks and pushes refuse relayed connections),
+# so the limits are those of control traffic:
+CONTROL_RELAY_LIMITS = RelayLimits(
+    # One slot per node: a reservation lives on its holder's connection, and a host keeps at
+    # most this many inbound connections, so more slots could never be used.
+    max_reservations=INBOUND_CONNECTION_CAP,
+    # Nodes refresh at half the TTL (one RESERVE per node every 2.5 minutes); a node that left
+    # loses its slot with its connection anyway.
+    reservation_ttl_s=300,
+    # A few peers at once may hold a control channel to one node.
+    max_circuits_per_peer=4,
+    # A control exchange (a have-map, a DCUtR or punch rendezvous) takes seconds; a longer
+    # circuit is cut and dialled again. 1 MiB covers Noise, yamux, identify and gossip control
+    # inside it many times over, while a peer that tried to pull weights through us is cut
+    # after 1 MiB.
+    circuit_duration_s=120,
+    circuit_data_bytes=1 << 20,
+    # As many as the connection guard admits from one public network; a home router's few
+    # volunteers share one IP.
+    max_reservations_per_ip=8,
+    max_reservations_per_network=PUBLIC_PREFIX_CAP,
+)
+
+
 @asynccontextmanager
 async def offer_relay(
     host: EchoHost,
@@ -275,4 +336,4 @@ async def offer_relay(
         relay.cancel_all()
 
 
-__all__ = ["RelayLimits", "offer_relay"]
+__all__ = ["CONTROL_RELAY_LIMITS", "RelayLimits", "offer_relay"]

@@ -19,7 +19,8 @@ from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
 from echo.p2p.host import EchoHost
-from echo.p2p.nat.circuit import has_direct_connection
+from echo.p2p.nat import dcutr
+from echo.p2p.nat.circuit import dial_circuit, has_direct_connection
 from echo.p2p.relay.transfer import Transfer
 from echo.p2p.rpc import RpcError
 from echo.p2p.streams import STREAM_CLOSE_TIMEOUT
@@ -33,6 +34,10 @@ BadPeerCallback = Callable[[b.BadPeerReport], None]
 _UNREACHABLE_S = 5.0
 # How often a push to a peer without an address looks for that peer's own connection.
 _INBOUND_POLL_S = 0.05
+# A peer known only by circuit addresses (behind NAT) dials its parents itself when it joins a
+# plan; a parent that sees no connection from it within this asks it to over the relay.
+_REVERSAL_GRACE_S = 2.0
+_CIRCUIT = "/p2p-circuit"
 
 
 def peer_str(peer: ID | str) -> str:
@@ -108,15 +113,35 @@ class Peers:
 
         With ``direct`` (pushes and chunk pulls: bulk data), a connection through a circuit
         relay does not count: the peer is dialled at its remembered addresses, or, without
-        any, waited for (a node behind NAT dials its parents).
+        any, waited for (a node behind NAT dials its parents); a peer known only by circuit
+        addresses that has not dialled us within :data:`_REVERSAL_GRACE_S` is asked over the
+        relay to dial us (DCUtR, :mod:`echo.p2p.nat.dcutr`). Without ``direct`` (control messages)
+        a circuit address is dialled through its relay.
 
         :raises RpcError: no remembered address could be dialed, or (``direct``) the peer is
             reached only through a relay.
         """
         if self.connected(peer, direct=direct):
             return
+        known = self._addrs.get(peer, [])
+        circuits = [a for a in known if _CIRCUIT in a]
+        plain = [a for a in known if _CIRCUIT not in a]
+        if direct and not plain and circuits:
+            # One connect timeout in all (a pull from a peer that cannot be reached must not
+            # cost more than it did before circuits): its own dial, else DCUtR, else its dial.
+            with trio.move_on_after(self.connect_timeout_s):
+                with trio.move_on_after(_REVERSAL_GRACE_S):
+                    while not self.connected(peer, direct=True):
+                        await trio.sleep(_INBOUND_POLL_S)
+                if not self.connected(peer, direct=True):
+                    await self._reverse(peer, circuits)
+                while not self.connected(peer, direct=True):
+                    await trio.sleep(_INBOUND_POLL_S)
+            if not self.connected(peer, direct=True) and self.connected(peer):
+                raise RpcError(f"{peer[-8:]} is reached only through a relay: no bulk data")
+            return
         errors = []
-        if not self._addrs.get(peer):
+        if not plain and (direct or not circuits):
             # No address: a peer that cannot be dialled (behind NAT) dials its parents itself
             # (reach_out); wait for that connection.
             with trio.move_on_after(self.connect_timeout_s):
@@ -125,9 +150,11 @@ class Peers:
             if direct and not self.connected(peer, direct=True) and self.connected(peer):
                 raise RpcError(f"{peer[-8:]} is reached only through a relay: no bulk data")
             return
-        for addr in self._addrs.get(peer, []):
+        for addr in plain or circuits:
             try:
-                if direct and self.connected(peer):
+                if _CIRCUIT in addr:
+                    await dial_circuit(self.host, addr, timeout=self.connect_timeout_s)
+                elif direct and self.connected(peer):
                     # Only relayed: host.connect would take that connection as it is.
                     await self._dial_direct(peer, addr)
                 else:
@@ -136,6 +163,21 @@ class Peers:
             except (RpcError, ValueError) as exc:
                 errors.append(str(exc))
         raise RpcError(f"cannot reach {peer[-8:]}: {'; '.join(errors) or 'no address'}")
+
+    async def _reverse(self, peer: str, circuits: list[str]) -> None:
+        """Reach ``peer`` through one of its relays and ask it to dial us (DCUtR). Failures are
+        logged: the caller then waits for the peer's own dial as before."""
+        for addr in circuits:
+            try:
+                if not self.connected(peer):
+                    await dial_circuit(self.host, addr, timeout=self.connect_timeout_s)
+            except (RpcError, ValueError) as exc:
+                log.debug("circuit to %s at %s: %s", peer[-8:], addr, exc)
+                continue
+            ok = await dcutr.upgrade(self.host, peer, timeout=self.connect_timeout_s)
+            log.info("asked %s through its relay to dial us (DCUtR): %s", peer[-8:],
+                     "direct connection up" if ok else "no direct connection")
+            return
 
     async def _dial_direct(self, peer: str, addr: str) -> None:
         """A new direct connection to ``peer`` at ``addr`` beside a relayed one.
@@ -158,6 +200,8 @@ class Peers:
             try:
                 with trio.move_on_after(self.connect_timeout_s):
                     for addr in p.addrs:
+                        if _CIRCUIT in addr:  # reach_out is for direct paths
+                            continue
                         try:
                             await self.host.connect(addr, timeout=self.connect_timeout_s)
                             return

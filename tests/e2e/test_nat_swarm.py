@@ -6,7 +6,8 @@ behind NAT are accepted and trained. The coordinator connects the nodes behind N
 (a LAN dial behind one router, a hole punch across two eim routers; every punch with the
 symmetric one fails), and nodes behind NAT relay versions to each other over those direct
 paths where the planner finds that faster. Every node behind NAT holds a reservation on the
-coordinator's circuit relay (reachable there for control messages); public nodes need none.
+coordinator's circuit relay and on a public volunteer's (reachable there for control messages);
+public nodes need none and offer one; peers dial the circuit addresses plans announce.
 
 Needs root, iproute2 and iptables (nat table); skipped where they are missing. About 2.5 minutes
 on 2 cores.
@@ -183,3 +184,23 @@ def test_nodes_behind_nat_held_a_reservation_on_the_coordinators_relay(run: Path
     nat = sum(h["nat"] != "public" for h in s["hosts"].values())
     # The coordinator's side: all of them held at once at some point.
     assert s["relay"]["max_reservations"] == nat, s["relay"]
+
+
+def test_public_volunteers_offer_relays_and_circuits_carry_control_messages(run: Path) -> None:
+    """Issue 32: every public node offers a relay (reachable, no upload cap); every node behind
+    NAT reserves on one of them besides the coordinator; a stranger reaches each of those nodes
+    through its volunteer alone and gets an identify reply; and during the run peers did dial the
+    announced circuit addresses (the relays opened circuits)."""
+    s = _summary(run)
+    public = {n for n, h in s["hosts"].items() if h["nat"] == "public"}
+    assert set(s["volunteer_relays"]) == public, s["volunteer_relays"]
+    for name, h in s["hosts"].items():
+        got = s["volunteer_reservations"][name]
+        if h["nat"] == "public":
+            assert got is None, (name, s["volunteer_reservations"])
+        else:
+            assert got in public, (name, s["volunteer_reservations"])
+    held = sum(v["max_reservations"] for v in s["volunteer_relays"].values())
+    assert held >= len(s["hosts"]) - len(public), s["volunteer_relays"]
+    assert s["relayed_control_share"] == 1.0, s["volunteer_circuits"]
+    assert s["circuits"] > 0, (s["relay"], s["volunteer_relays"])

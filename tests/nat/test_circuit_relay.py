@@ -415,6 +415,7 @@ def test_nat_nodes_are_reached_only_through_the_relay(swarm):
     assert sorted(rs["reservations"]) == sorted([ag["b"].peer, ag["c"].peer])
 
 
+@pytest.mark.slow
 @needs_nat
 def test_reservations_are_refreshed_and_the_relay_limit_holds(swarm):
     _, ag, reserved = swarm

@@ -213,6 +213,7 @@ def _punch_pair(
                 p.wait(timeout=5)
 
 
+@pytest.mark.slow
 @needs_nat
 @pytest.mark.parametrize("skew_s", [0.0, 3.0])
 def test_two_eim_nodes_punch_a_direct_connection(inet, skew_s):
@@ -230,6 +231,7 @@ def test_two_eim_nodes_punch_a_direct_connection(inet, skew_s):
     assert a["elapsed_s"] < skew_s + 2.0 and b["elapsed_s"] < 2.0, (a, b)
 
 
+@pytest.mark.slow
 @needs_nat
 def test_punch_through_a_symmetric_nat_fails_cleanly(inet):
     r = _punch_pair(inet, "a", "c", PORTS["sym"])

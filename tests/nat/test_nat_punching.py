@@ -7,6 +7,7 @@ in tests/nat/test_nat_holepunch.py."""
 
 from __future__ import annotations
 
+import pytest
 import trio
 
 from echo.coordinator.dissemination.planning import Dissemination
@@ -21,6 +22,7 @@ from echo.protocol.nat import PROTO_PUNCH, PunchRequest
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 
 
+@pytest.mark.slow
 def test_the_coordinator_connects_two_nodes_and_books_the_path() -> None:
     async def body() -> None:
         ids = [Identity.generate() for _ in range(4)]

@@ -123,6 +123,7 @@ trio.run(main)
 """
 
 
+@pytest.mark.slow
 @needs_nat
 def test_dialback_in_the_emulated_internet() -> None:
     """A public node is reachable; a node behind either kind of NAT is not; with a port

@@ -88,6 +88,7 @@ def _share(shaper: str, receivers: int) -> list[int]:
         netem.down(PREFIX, quiet=True)
 
 
+@pytest.mark.slow
 @needs_netns
 def test_fair_queueing_shares_an_uplink_evenly():
     got = _share("htb-fq", 8)  # one shared FIFO gives these flows 0.35-1.0x of each other
