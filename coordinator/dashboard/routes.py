@@ -34,7 +34,8 @@ from echo.coordinator.dashboard.live import LiveFeed, sse_stream
 from echo.p2p.identity import Identity
 from echo.protocol.credit import UCREDITS_PER_CREDIT
 
-STATIC = Path(__file__).parent / "static"
+# The bundle sits beside this module; only the files BUNDLE names are served from it.
+STATIC = Path(__file__).parent
 # The files of the bundle, by the name the page asks for (nothing else is served from there).
 BUNDLE = {
     "app.js": "text/javascript",
