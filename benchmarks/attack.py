@@ -2,7 +2,7 @@
 
 A local swarm (tools/local_swarm.py: coordinator, learner and honest nodes, each its own
 process on loopback) trains a small job. Three phases: nobody attacks; every attacker below
-runs beside the swarm at once, each a real process (tools/attackers.py); nobody attacks
+runs beside the swarm at once, each a real process (tools/attackers/); nobody attacks
 again:
 
 - ``hoard``: 16 fresh identities hoarding leases;

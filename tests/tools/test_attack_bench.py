@@ -1,4 +1,4 @@
-"""The attack benchmark's attackers (tools/attackers.py, benchmarks/attack.py), without a swarm.
+"""The attack benchmark's attackers (tools/attackers/, benchmarks/attack.py), without a swarm.
 
 What a benchmark run cannot show by itself when it goes wrong: that the scorer bombs are groups
 the coordinator accepts as well-formed and decodes back to exactly the hostile text (else they
@@ -26,6 +26,7 @@ from echo.protocol import messages as m
 from echo.protocol import signing
 from echo.protocol.jobspec import parse_job
 from echo.tasks.registry import make_task
+from echo.tools.attackers import common, content
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,7 +48,7 @@ def _lease(node_id: str, now: float) -> m.Lease:
     )
 
 
-def _manifest(now: float) -> m.Manifest:
+def fetch_manifest(now: float) -> m.Manifest:
     return m.Manifest(
         job_id="job-1",
         version=5,
@@ -64,14 +65,14 @@ def _manifest(now: float) -> m.Manifest:
 
 def test_bomb_texts_fit_the_room_and_cover_the_issue(tmp_path: Path) -> None:
     for room in (31, 63, MAX_NEW_TOKENS - 1, 8191):
-        texts = a.bomb_texts(room, tmp_path)
+        texts = content.bomb_texts(room, tmp_path)
         assert texts and all(len(t) <= room for _, t in texts), room
         assert len({n for n, _ in texts}) == len(texts)
-    names = {n for n, _ in a.bomb_texts(MAX_NEW_TOKENS - 1, tmp_path)}
+    names = {n for n, _ in content.bomb_texts(MAX_NEW_TOKENS - 1, tmp_path)}
     # Code for eval and for sympy, huge exponents, deep nesting, the longest text that fits.
     assert {"eval_write", "eval_system", "sympy_code", "power_tower", "deep_brackets"} <= names
     assert {"long_line", "long_digits", "latex_tower"} <= names
-    code = dict(a.bomb_texts(MAX_NEW_TOKENS - 1, tmp_path))["eval_write"]
+    code = dict(content.bomb_texts(MAX_NEW_TOKENS - 1, tmp_path))["eval_write"]
     assert str(tmp_path / "eval_write") in code  # the trace it would leave
 
 
@@ -79,12 +80,12 @@ def test_a_bomb_group_passes_verification_and_decodes_to_its_text(tmp_path: Path
     """The coordinator's own checks (steps 1-4) take the group and hand the scorers exactly the
     hostile texts: right lease, version, digest, token ids, log-probs and termination."""
     ident, now = Identity.generate(), time.time()
-    lease, manifest = _lease(ident.peer_id_str, now), _manifest(now)
+    lease, manifest = _lease(ident.peer_id_str, now), fetch_manifest(now)
     spec = ModelSpec()
-    encoder = a.Encoder(spec.to_dict())
-    texts = [t for _, t in a.bomb_texts(MAX_NEW_TOKENS - 1, tmp_path)]
+    encoder = content.Encoder(spec.to_dict())
+    texts = [t for _, t in content.bomb_texts(MAX_NEW_TOKENS - 1, tmp_path)]
     texts.append("y" * (MAX_NEW_TOKENS + 50))  # longer than a lease: cut, finish "length"
-    sub = a.bomb_submission(lease, manifest, encoder, texts[-8:])
+    sub = content.bomb_submission(lease, manifest, encoder, texts[-8:])
     row = LeaseRow(
         lease_id=lease.lease_id,
         job_id=lease.job_id,
@@ -130,7 +131,7 @@ def test_the_gym_job_is_valid_and_leases_room_for_the_bombs() -> None:
         assert min(spec.sampling.max_new_tokens, task.max_new_tokens) == GYM_MAX_NEW_TOKENS
         assert {r.kind for r in spec.reward} == {"task", "math"}
         # Room for the code payloads with a marker path of a temporary folder.
-        assert len(a.bomb_texts(GYM_MAX_NEW_TOKENS - 1, Path("/tmp/echo-attack-x/b"))) >= 14
+        assert len(content.bomb_texts(GYM_MAX_NEW_TOKENS - 1, Path("/tmp/echo-attack-x/b"))) >= 14
 
 
 @pytest.mark.parametrize("kind", sorted(a.KINDS))
@@ -158,8 +159,8 @@ def test_a_network_hands_each_new_identity_its_own_address(monkeypatch) -> None:
     monkeypatch.setattr(trio, "open_tcp_stream", trio.open_tcp_stream)  # restored afterwards
 
     def run() -> list[str]:
-        nxt = a._dial_from("127.1.0.0/30")
-        return [a._SOURCE.get(), nxt(), nxt(), nxt()]
+        nxt = common.dial_from("127.1.0.0/30")
+        return [common.SOURCE.get(), nxt(), nxt(), nxt()]
 
     assert contextvars.copy_context().run(run) == [
         "127.1.0.1",
@@ -169,7 +170,7 @@ def test_a_network_hands_each_new_identity_its_own_address(monkeypatch) -> None:
     ]
 
     def one() -> list[str]:
-        nxt = a._dial_from("127.0.0.5")
-        return [a._SOURCE.get(), nxt()]
+        nxt = common.dial_from("127.0.0.5")
+        return [common.SOURCE.get(), nxt()]
 
     assert contextvars.copy_context().run(one) == ["127.0.0.5", "127.0.0.5"]
