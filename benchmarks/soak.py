@@ -1,8 +1,8 @@
 """Soak (issue 13): a live swarm under churning identities; does the coordinator level off?
 
 A local swarm (coordinator, learner, one honest node: real processes on loopback) trains a
-small job while ``python -m echo.tools.attackers churn`` brings ``--rate`` new identities a second, each
-registering, taking a lease it lets expire and sending one junk submission, never to return.
+small job while ``python -m echo.tools.attackers churn`` brings ``--rate`` new identities a second,
+each registering, taking a lease it lets expire and sending one junk submission, never to return.
 Every ``--every-s`` the coordinator's resident memory (psutil), its database's size on disk
 (with the WAL) and its row counts are sampled.
 
