@@ -120,6 +120,8 @@ class CreditBook:
                             params=params,
                         )
                     )
+            if not payments:  # nothing trained since the cursor: no write (and no fsync)
+                continue
             appended += self.store.pay_versions(job.job_id, upto, payments, now, self._seal)
         return appended
 
