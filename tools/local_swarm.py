@@ -259,12 +259,16 @@ class Swarm:
         import psutil
 
         # The learner's own process, or an FSDP2 learner's last rank (not torchrun, which
-        # would leave its ranks running).
+        # would leave its ranks running). A process a learner forked carries the learner's
+        # command line too (a reward worker): killing it would stall the learner, not crash it.
+        tree = psutil.Process(self.procs[0].pid).children(recursive=True)
         learners = [
-            child for child in psutil.Process(self.procs[0].pid).children(recursive=True)
+            child for child in tree
             if "echo.learner" in (cmd := " ".join(child.cmdline()))
             and "torch.distributed.run" not in cmd
         ]
+        pids = {child.pid for child in learners}
+        learners = [child for child in learners if child.ppid() not in pids]
         if not learners:
             return None
         learners[-1].kill()
