@@ -260,15 +260,17 @@ class Swarm:
 
         # The learner's own process, or an FSDP2 learner's last rank (not torchrun, which
         # would leave its ranks running). A process a learner forked carries the learner's
-        # command line too (a reward worker): killing it would stall the learner, not crash it.
-        tree = psutil.Process(self.procs[0].pid).children(recursive=True)
-        learners = [
-            child for child in tree
-            if "echo.learner" in (cmd := " ".join(child.cmdline()))
-            and "torch.distributed.run" not in cmd
-        ]
-        pids = {child.pid for child in learners}
-        learners = [child for child in learners if child.ppid() not in pids]
+        # command line too: only the top-most learner processes are candidates.
+        learners = []
+        for child in psutil.Process(self.procs[0].pid).children(recursive=True):
+            try:  # a process that exited meanwhile, or a zombie not yet reaped, is no learner
+                cmd, ppid = " ".join(child.cmdline()), child.ppid()
+            except psutil.Error:
+                continue
+            if "echo.learner" in cmd and "torch.distributed.run" not in cmd:
+                learners.append((child, ppid))
+        pids = {child.pid for child, _ in learners}
+        learners = [child for child, ppid in learners if ppid not in pids]
         if not learners:
             return None
         learners[-1].kill()
