@@ -18,6 +18,22 @@ from echo.protocol import ids, signing
 from echo.protocol import messages as m
 from echo.protocol.jobspec import parse_job
 
+# The store keeps a group as the submit path encoded it.
+STORED_GROUP = m.encode(
+    m.TrainingGroup(
+        rollout_id="g",
+        node_id="node",
+        prompt_id=0,
+        prompt_tokens=[1],
+        version=0,
+        engine="torch",
+        rewards=[1.0],
+        completions=[
+            m.TrainingCompletion(token_ids=[1, 2], logprobs=[-1.0, -1.0], finish_reason="stop")
+        ],
+    )
+)
+
 TEST_DEADLINE = 60.0
 
 

@@ -173,7 +173,7 @@ def available(prefix: str = "ecnk") -> tuple[bool, str]:
     return True, "ok"
 
 
-def shape(ns: str | None, dev: str, rate: float, delay_ms: float = 0.0) -> None:
+def _shape(ns: str | None, dev: str, rate: float, delay_ms: float = 0.0) -> None:
     if rate > 0:
         tc = ["tc", "-n", ns] if ns else ["tc"]
         netem.shape(tc, dev, rate, "htb", delay_ms if netem.netem_supported() else 0.0)
@@ -327,8 +327,8 @@ def up(
             run_command(["ip", "-n", ns, "link", "set", "eth0", "up"])
             if h.router:
                 run_command(["ip", "-n", ns, "route", "add", "default", "via", rt.ip])
-            shape(ns, "eth0", h.up_bps, h.delay_ms)
-            shape(far_ns, outer, h.down_bps)
+            _shape(ns, "eth0", h.up_bps, h.delay_ms)
+            _shape(far_ns, outer, h.down_bps)
         for r in routers:
             if r.forward_port:
                 _forward(inet, r)

@@ -11,25 +11,9 @@ import pytest
 from echo.coordinator.store import Store
 from echo.coordinator.store.rows import LeaseRow
 from echo.coordinator.submissions.submit import UNIFORM_BATCHES, buffers
-from echo.protocol import messages as m
 from echo.protocol import reasons as R
 from echo.protocol.jobspec import SpecError, load_job_toml
-
-# The store keeps a group as the submit path encoded it.
-STORED_GROUP = m.encode(
-    m.TrainingGroup(
-        rollout_id="g",
-        node_id="node",
-        prompt_id=0,
-        prompt_tokens=[1],
-        version=0,
-        engine="torch",
-        rewards=[1.0],
-        completions=[
-            m.TrainingCompletion(token_ids=[1, 2], logprobs=[-1.0, -1.0], finish_reason="stop")
-        ],
-    )
-)
+from tests.conftest import STORED_GROUP
 
 
 def _accept(store: Store, lid: str, rewards: list[float], buffered: bool) -> None:

@@ -20,23 +20,7 @@ from echo.coordinator.store import Store
 from echo.coordinator.store.rows import LeaseRow
 from echo.learner import checkpoint
 from echo.learner.service import LedgerAhead, resume_action
-from echo.protocol import messages as m
-
-# The store keeps a group as the submit path encoded it.
-STORED_GROUP = m.encode(
-    m.TrainingGroup(
-        rollout_id="g",
-        node_id="node",
-        prompt_id=0,
-        prompt_tokens=[1],
-        version=0,
-        engine="torch",
-        rewards=[1.0],
-        completions=[
-            m.TrainingCompletion(token_ids=[1, 2], logprobs=[-1.0, -1.0], finish_reason="stop")
-        ],
-    )
-)
+from tests.conftest import STORED_GROUP
 
 
 def _store_with_groups(path, n: int) -> tuple[Store, list[str]]:

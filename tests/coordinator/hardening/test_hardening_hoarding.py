@@ -19,25 +19,8 @@ from echo.coordinator.store.rows import LeaseRow
 from echo.protocol import ids, signing
 from echo.protocol import messages as m
 from echo.protocol import reasons as R
-from tests.conftest import run_with_coordinator
+from tests.conftest import STORED_GROUP, run_with_coordinator
 from tests.coordinator.test_coordinator import group_for, open_lease, start_job
-
-# The store keeps a group as the submit path encoded it.
-STORED_GROUP = m.encode(
-    m.TrainingGroup(
-        rollout_id="g",
-        node_id="node",
-        prompt_id=0,
-        prompt_tokens=[1],
-        version=0,
-        engine="torch",
-        rewards=[1.0],
-        completions=[
-            m.TrainingCompletion(token_ids=[1, 2], logprobs=[-1.0, -1.0], finish_reason="stop")
-        ],
-    )
-)
-
 
 WINDOW_S = 120.0
 

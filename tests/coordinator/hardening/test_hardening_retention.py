@@ -16,24 +16,7 @@ from echo.coordinator.metrics import Metrics
 from echo.coordinator.store import Store
 from echo.coordinator.store.rows import LeaseRow
 from echo.coordinator.submissions.penalties import MAX_TRACKED_NODES, Penalties
-from echo.protocol import messages as m
-
-# The store keeps a group as the submit path encoded it.
-STORED_GROUP = m.encode(
-    m.TrainingGroup(
-        rollout_id="g",
-        node_id="node",
-        prompt_id=0,
-        prompt_tokens=[1],
-        version=0,
-        engine="torch",
-        rewards=[1.0],
-        completions=[
-            m.TrainingCompletion(token_ids=[1, 2], logprobs=[-1.0, -1.0], finish_reason="stop")
-        ],
-    )
-)
-
+from tests.conftest import STORED_GROUP
 
 ROUNDS = 8
 CHURN = 100
