@@ -89,7 +89,9 @@ def resume_action(ledger_version: int, own_version: int, pending_report: bytes |
 class Learner:
     """One job's learner process: its step loop, publisher and checkpoints around a
     :class:`~echo.learner.trainer.Trainer`, with its link to the coordinator and its source of
-    versions in the swarm; see the module docstring."""
+    versions in the swarm; see the module docstring. One concept: what turns a trained step
+    into a booked version (publish, checkpoint, report, in that order) and the loop that feeds
+    it; talking to the coordinator and serving chunks are the link's and the source's."""
 
     def __init__(
         self,

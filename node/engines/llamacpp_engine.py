@@ -73,6 +73,12 @@ class LoadStats:
 class LlamaCppEngine(Engine):
     """llama.cpp on the CPU (or Apple GPU with ``gpu_layers``), weights from :meth:`load_state`.
 
+    One concept: the policy llama.cpp computes with -- its GGUF written or patched in place,
+    loaded (or followed live), read back for the digest -- and the requests it may take.
+    Decoding a batch (:mod:`~echo.node.engines.llamacpp_decode`), llama.cpp's handles
+    (:mod:`~echo.node.engines.llamacpp_context`) and LoRA adapters
+    (:mod:`~echo.node.engines.llamacpp_lora`) are their own modules'.
+
     - ``threads``: llama.cpp threads (default: one below ``SMALL_MODEL_PARAMS`` parameters, else
       all cores).
     - ``workdir``: where the GGUF lives (default: a private temporary directory, removed by
