@@ -195,8 +195,11 @@ class StatusKeeper:
         """Rewrite the file every WRITE_INTERVAL_S, and refresh the credit, until cancelled."""
         from echo.node.doctor import static_checks
 
-        checks = await trio.to_thread.run_sync(static_checks, self.node.cfg)
-        self.checks = [c.__dict__ for c in checks]
+        try:
+            checks = await trio.to_thread.run_sync(static_checks, self.node.cfg)
+            self.checks = [c.__dict__ for c in checks]
+        except Exception as exc:  # noqa: BLE001 -- a failed check must not stop the node
+            self.node.display.say(f"[yellow]the machine checks failed:[/yellow] {exc}")
         async with trio.open_nursery() as nursery:
             if self.node.cfg.api:
                 nursery.start_soon(self._refresh_credit)
