@@ -153,3 +153,50 @@ def test_systemd_accepts_the_unit(tmp_path: Path) -> None:
     out = subprocess.run(["systemd-analyze", "verify", str(bad)], capture_output=True,
                          text=True, timeout=60)
     assert str(bad) in out.stderr  # the check above can fail
+
+
+def test_a_nodes_rejections_problems_and_failure_reach_its_status(tmp_path: Path) -> None:
+    """A real Node (not started: no network needed) through its real Display and StatusKeeper:
+    a rejection with its reason and advice, the last problem it printed, and a NodeError that
+    stops it, as ``echo-node status`` shows them."""
+    from rich.console import Console
+
+    from echo.node.errors import NodeError
+    from echo.node.state import StatusKeeper
+    from echo.node.status_view import show_status
+    from echo.node.worker import Node
+    from echo.protocol import messages as m
+    from echo.protocol import reasons as R
+
+    node = Node(NodeConfig(coordinator=COORD, data_dir=tmp_path, engine="torch"),
+                Console(file=open(os.devnull, "w")))  # noqa: SIM115 -- the node's own console
+    node.display.show(m.SubmitReply(accepted=True, reason="ok"))
+    node.display.show(m.SubmitReply(accepted=False, reason=R.STALE_VERSION,
+                                    detail="v3 is older than the window (v7-2)"))
+    node.display.say("[yellow]lease request failed:[/yellow] stream reset")
+    node.display.say("registered · job demo at v7")
+    keeper = StatusKeeper(node)
+    with pytest.raises(NodeError), keeper.kept():
+        snap = read_status(tmp_path)
+        assert snap.running and snap.data["accepted"] == 1 and snap.data["rejected"] == 1
+        raise NodeError("the coordinator excluded this node: too many failures")
+    got = read_status(tmp_path)
+    assert not got.running
+    assert got.why == "error: the coordinator excluded this node: too many failures"
+    d = got.data
+    assert d["rejected_by_reason"] == {R.STALE_VERSION: 1}
+    assert [(r["reason"], r["detail"]) for r in d["recent_rejections"]] == [
+        (R.STALE_VERSION, "v3 is older than the window (v7-2)")]
+    assert {"what": "rejected: stale_version", "detail": "1 groups",
+            "fix": state.reason_fix(R.STALE_VERSION)} in d["fixes"]
+    assert d["last_error"]["text"] == "lease request failed: stream reset"
+    assert d["last_message"]["text"] == "registered · job demo at v7"
+
+    shown = Console(record=True, width=240, file=open(os.devnull, "w"))  # noqa: SIM115
+    show_status(shown, got)
+    text = shown.export_text()
+    assert "not running: error: the coordinator excluded this node: too many failures" in text
+    assert "groups: 1 accepted · 1 rejected (stale_version 1)" in text
+    assert "last problem" in text and "lease request failed: stream reset" in text
+    assert "stale_version" in text and "v3 is older than the window (v7-2)" in text
+    assert "lower --leases-at-once" in " ".join(text.split())  # the advice, however wrapped
