@@ -74,8 +74,12 @@ async def serve_ui(
     cfg.graceful_timeout = 1.0
     try:
         await serve(build_ui(keeper), cfg, task_status=task_status)
-    except OSError as exc:
+    except* OSError as group:  # hypercorn binds inside its own nursery
+        exc: BaseException = group
+        while isinstance(exc, BaseExceptionGroup):
+            exc = exc.exceptions[0]
+        why = getattr(exc, "strerror", None) or exc
         raise NodeError(
-            f"cannot serve the status page on 127.0.0.1:{port} ({exc.strerror or exc}): pick "
+            f"cannot serve the status page on 127.0.0.1:{port} ({why}): pick "
             "another --ui-port, or 0 for a free one"
         ) from None

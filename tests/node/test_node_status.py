@@ -200,3 +200,21 @@ def test_a_nodes_rejections_problems_and_failure_reach_its_status(tmp_path: Path
     assert "last problem" in text and "lease request failed: stream reset" in text
     assert "stale_version" in text and "v3 is older than the window (v7-2)" in text
     assert "lower --leases-at-once" in " ".join(text.split())  # the advice, however wrapped
+
+
+def test_a_taken_ui_port_stops_join_with_a_clear_error(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "echo.node.cli", "join", "--coordinator", COORD,
+             "--data-dir", str(tmp_path), "--engine", "torch", "--ui-port", str(port)],
+            capture_output=True, text=True, timeout=180, env={**os.environ, "COLUMNS": "240"},
+        )
+    want = f"cannot serve the status page on 127.0.0.1:{port} (Address already in use)"
+    assert out.returncode == 1 and want in out.stderr, out.stderr[-2000:]
+    got = read_status(tmp_path)
+    assert not got.running and got.why.startswith(f"error: {want}")
