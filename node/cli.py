@@ -350,7 +350,8 @@ def service_install(
     console.print(f"wrote {config_path} and {unit_path}; now run:")
     print("systemctl --user daemon-reload && systemctl --user enable --now echo-node")
     print("loginctl enable-linger $USER   # to start at boot, before you log in")
-    print("echo-node status               # what it does; journalctl --user -u echo-node: its log")
+    print(f"echo-node status --config {config_path}   # what it does")
+    print("journalctl --user -u echo-node  # its log")
 
 
 if __name__ == "__main__":
