@@ -134,12 +134,32 @@ class Node:
     async def run(self) -> None:
         """Serve the jobs the coordinator places this node on, one after another, until
         cancelled (or ``max_groups`` are done); idle in between. The engine is closed after
-        each job and on the way out. :raises NodeError: see the class docstring."""
+        each job and on the way out. Meanwhile DATA_DIR/status.json says what the node does
+        (and the local page shows it, with ``ui_port``). :raises NodeError: see the class
+        docstring."""
+        from echo.node.state import StatusKeeper
+        from echo.node.ui import serve_ui
+
         cfg = self.cfg
         self.say(
             f"node {self.identity.peer_id_str} · engine [bold]{self.engine_name}[/bold] "
             f"({self.engine_reason}) · cost {cfg.cost:g}"
         )
+        keeper = StatusKeeper(self)
+        with keeper.kept():
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(keeper.run)
+                if cfg.ui_port is not None:
+                    binds = await nursery.start(serve_ui, keeper, cfg.ui_port)
+                    keeper.ui_url = binds[0].rstrip("/") + "/"
+                    self.say(f"status page (this machine only): {keeper.ui_url}")
+                try:
+                    await self._run_host()
+                finally:
+                    nursery.cancel_scope.cancel()
+
+    async def _run_host(self) -> None:
+        cfg = self.cfg
         async with open_host(self.identity, [cfg.listen]) as host:
             self.host = host
             await self.session.connect(host, cfg.coordinator)
