@@ -468,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--slow-first-dial",
         action="store_true",
-        help="nodes behind NAT dial each public node the first time ~3 s late (circuit drill)",
+        help="nodes behind NAT dial each public node the first time 3-4 s late (circuit drill)",
     )
     ap.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -8,7 +8,7 @@ symmetric one fails), and nodes behind NAT relay versions to each other over tho
 paths where the planner finds that faster. Every node behind NAT holds a reservation on the
 coordinator's circuit relay and on a public volunteer's (reachable there for control messages);
 public nodes need none and offer one; peers dial the circuit addresses plans announce when a
-node behind NAT is slow to dial them (its first dial to each public node is made ~3 s late).
+node behind NAT is slow to dial them (its first dial to each public node is made 3-4 s late).
 
 Needs root, iproute2 and iptables (nat table); skipped where they are missing. About 2.5 minutes
 on 2 cores.
@@ -196,7 +196,7 @@ def test_public_volunteers_offer_relays_and_circuits_carry_control_messages(run:
 
     Circuits are the fallback for a parent that a node behind NAT has not dialled within 2 s: on
     an idle machine that never happens (0 circuits, before the 2026-12-06 merges as after), on a
-    loaded one it does (11-15). The run's first dials from behind NAT to public nodes come ~3 s
+    loaded one it does (11-15). The run's first dials from behind NAT to public nodes come 3-4 s
     late (``--slow-first-dial``, echo.tools.slow_dial), so the fallback is needed in every run."""
     s = _summary(run)
     public = {n for n, h in s["hosts"].items() if h["nat"] == "public"}
