@@ -34,6 +34,8 @@ from rich.console import Console
 
 from echo.models.device import resolve_device
 from echo.models.spec import ModelSpec, load_tokenizer
+from echo.node.adapter_sync import say_base_loaded
+from echo.node.base_group import SharedJob, open_shared, serve
 from echo.node.config import NodeConfig
 from echo.node.display import Display
 from echo.node.engines.base import Engine, GenRequest, SamplingParams
@@ -244,17 +246,27 @@ class Node:
         # The tokenizer only bounds the ids a lease may carry: prompts come tokenized.
         vocab = spec.vocab if spec.kind == "tiny" else len(load_tokenizer(spec))
         sync = await self.policy.prepare(host, job)
+        # LoRA jobs on the same base: served too, by adapter switches (echo.node.base_group).
+        shared = await open_shared(cfg, host, self.session.peer, self.session.base_jobs,
+                                   self.display)  # fmt: skip
         async with trio.open_nursery() as nursery:
             await self.policy.start(nursery, self.engine)
-            await self._lease_loop(job, vocab, sync)
+            await self._lease_loop(job, vocab, sync, shared)
             nursery.cancel_scope.cancel()
 
-    async def _lease_loop(self, job: m.JobInfo, vocab: int, sync: WeightSync) -> None:
+    async def _lease_loop(
+        self, own_job: m.JobInfo, vocab: int, own_sync: WeightSync, shared: list[SharedJob]
+    ) -> None:
+        """Leases of the node's job, taking turns with the jobs that share its base."""
+        turn = 0
         while self.max_groups is None or self.done_groups < self.max_groups:
             if not self.cfg.working_now():
                 self.say(f"outside the schedule {self.cfg.schedule}: pausing")
                 while not self.cfg.working_now():
                     await trio.sleep(30)
+            slot = ([None, *shared])[turn % (len(shared) + 1)]
+            turn += 1
+            job, sync = (own_job, own_sync) if slot is None else (slot.job, slot.sync)
             req = m.LeaseRequest(
                 job_id=job.job_id,
                 max_leases=self.cfg.leases_at_once,
@@ -274,6 +286,14 @@ class Node:
                 self.say(f"[yellow]lease request failed:[/yellow] {exc}")
                 await trio.sleep(2.0)
                 continue
+            if slot is not None and (
+                (reply.assigned_job is not None and reply.assigned_job != job.job_id)
+                or (not reply.leases and reply.message.startswith("job is")
+                    and "running" not in reply.message)
+            ):  # fmt: skip
+                self.say(f"no longer serving job {job.job_id}: {reply.message}")
+                shared.remove(slot)
+                continue
             if reply.assigned_job is not None and reply.assigned_job != job.job_id:
                 # The scheduler moved us: hand the version in hand on, then go.
                 await self.policy.finish_forwarding(sync.version, MOVED_FORWARD_S)
@@ -281,7 +301,14 @@ class Node:
                 self.say(f"the coordinator moved this node from job {job.job_id} to {where}")
                 return
             if reply.current_version > sync.version:
-                await self.policy.sync_to(reply.current_version)
+                if slot is None:
+                    await self.policy.sync_to(reply.current_version)
+                elif not await slot.sync_to(reply.current_version, own_sync):
+                    continue
+                if slot is not None and sync.adapter is None:  # not a LoRA job after all
+                    self.say(f"[yellow]job {job.job_id} is not a LoRA job: not served[/yellow]")
+                    shared.remove(slot)
+                    continue
             if not reply.leases:
                 if reply.message.startswith("job is") and "running" not in reply.message:
                     if not await self.policy.finish_forwarding(sync.version, FINAL_FORWARD_S):
@@ -294,7 +321,9 @@ class Node:
                         f"looking for the next job"
                     )
                     return
-                await trio.sleep(max(reply.retry_after_s, 0.05))
+                if slot is None:  # the shared jobs' turns come between, without a pause of theirs
+                    pause = max(reply.retry_after_s, 0.05)
+                    await trio.sleep(min(pause, 0.2) if shared else pause)
                 continue
             leases = [self._open_lease(b) for b in reply.leases]
             work = []
@@ -312,6 +341,9 @@ class Node:
 
     async def _work(self, work: list[tuple[m.Lease, list[int]]], sync: WeightSync) -> None:
         assert self.engine is not None
+        # Several jobs of one base take turns on the engine: switch to this job's adapter.
+        if await serve(self.engine, sync):
+            self.say(say_base_loaded(self.engine, sync.adapter.base_digest))
         version, digest = sync.version, sync.digest
         if sync.adapter is not None:  # what the engine serves, as computed when it loaded
             digest = self.engine.lora_served

@@ -39,6 +39,7 @@ from echo.coordinator.scheduling.assign import (
     SchedulerParams,
     schedule,
 )
+from echo.coordinator.scheduling.bases import BaseBook
 from echo.coordinator.scheduling.fit import (
     DELIVERY_WINDOW_S,
     delivered_rate,
@@ -137,6 +138,7 @@ class Placement:
     ) -> None:
         self.store = store
         self.jobs = jobs
+        self.bases = BaseBook(store)  # LoRA jobs' bases: what a move costs a node
         # Accepted groups a node needs to be planned as a relay (see proven()).
         self.relay_groups = relay_groups
         self.params = params or SchedulerParams()
@@ -251,6 +253,8 @@ class Placement:
             self._refresh_if_due()
         if node.job == job_id or job_id not in self._runnable():
             return None  # a job that ended says so itself ("job is done")
+        if self.bases.same_base(node.job, job_id):
+            return None  # a node serves every job of its job's base (RegisterReply.base_jobs)
         return node.job or ""
 
     def moved(self, node_id: str, row: JobRow) -> m.LeaseReply | None:
@@ -401,11 +405,13 @@ class Placement:
                 self._misfits[row.node_id] = why_not[0]
             else:
                 self._misfits.pop(row.node_id, None)
-            supplies.append(NodeSupply(row.node_id, rates, node.cost, node.job, node.since))
+            switch = self.bases.shares(node.held, rates)  # adapter switches, not loads
+            supplies.append(NodeSupply(row.node_id, rates, node.cost, node.job, node.since, switch))
             self._rates[row.node_id] = rates
         decision = schedule(demands, supplies, now, self.params)
         self._apply(decision, now)
         self._forget(now)
+        self.bases.forget(self.jobs)
         return decision
 
     def _typical_rate(self, job_id: str, tpr: Mapping[str, float]) -> float:
@@ -422,7 +428,11 @@ class Placement:
     def _apply(self, decision: Decision, now: float) -> None:
         for move in decision.moves:
             node = self.nodes[move.node_id]
-            if move.src is not None and move.dst is not None:  # another model to download
+            if (
+                move.src is not None
+                and move.dst is not None
+                and not self.bases.same_base(move.src, move.dst)
+            ):  # another model to download (not an adapter of the base it holds)
                 node.switches += 1
                 self.switches_into[move.dst] += 1
             node.job, node.since = move.dst, now
