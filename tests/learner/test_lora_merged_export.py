@@ -81,3 +81,65 @@ def test_merged_is_refused_for_a_full_weight_job(tmp_path: Path) -> None:
     with pytest.raises(ExportError, match="LoRA job"):
         export_merged(tmp_path, job, 0, "0" * 64, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_echo_job_export_merged_through_the_coordinator(tmp_path: Path) -> None:
+    import time
+
+    import trio
+    from transformers import AutoModelForCausalLM
+    from typer.testing import CliRunner
+
+    from echo.coordinator.api.job_cli import app as job_cli
+    from echo.learner.lora import AdapterPublisher
+    from echo.p2p.chunkstore import ChunkStore
+    from echo.p2p.identity import Identity
+    from echo.protocol import ids
+    from echo.protocol import messages as m
+    from tests.conftest import run_with_coordinator, submit_job
+    from tests.learner.test_lora import LORA
+
+    async def body(coord, client) -> None:
+        job_id = submit_job(coord, lora=LORA, warmup={"steps": 2})
+        job = lora_job(warmup={"steps": 2})
+        job_dir = coord.job_dir(job_id)
+        trainer, _ = LoraTrainer.build(job, SPEC, job_dir)
+        assert isinstance(trainer, LoraTrainer)
+        engine = TorchEngine(SPEC)
+        ref = adapter_ref(trainer.shape, trainer.base_digest, False)
+        engine.load_adapter(trainer.base, trainer.published_state(), ref)
+        ident = Identity.load_or_create(job_dir / "learner.key")
+        pub = AdapterPublisher(ident.private_key, job_id, ChunkStore(tmp_path / "chunks"), 4,
+                               trainer.base, trainer.shape)  # fmt: skip
+        lc = await client(ident)
+        hello = m.LearnerHello(job_id=job_id, peer_id=str(lc.host.peer_id), addrs=[],
+                               timestamp=time.time())  # fmt: skip
+        await lc.call(ids.PROTO_LEARNER_HELLO, lc.seal(hello))
+        for version in (0, 1):
+            if version:
+                trainer.learner.step(groups_from(engine, 3, seed=21, version=0))
+                checkpoint.save(job_dir / "checkpoints", trainer.make_checkpoint(0, b""))
+            env = pub.publish(trainer.published_state(), version).envelope
+            report = m.StepReport(job_id=job_id, version=version, manifest=env, trained=[])
+            ack = m.decode(m.StepAck, await lc.call(ids.PROTO_LEARNER_REPORT, lc.seal(report)))
+            assert ack.ok, ack.message
+        base = ["--url", coord.http_addrs[0], "--token", "test-token"]
+
+        def cli(*args: str):
+            r = CliRunner().invoke(job_cli, ["export", *args, *base])
+            r.text = " ".join(r.output.split())
+            return r
+
+        r = await trio.to_thread.run_sync(cli, job_id, str(tmp_path / "merged"), "--merged")
+        assert r.exit_code == 0, r.output
+        r = await trio.to_thread.run_sync(cli, job_id, str(tmp_path / "adapter"))
+        assert r.exit_code == 0, r.output
+        assert (tmp_path / "adapter" / "adapter_config.json").exists()
+        merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()
+        ids_ = torch.tensor([encode_prompt(SPEC, TASK.prompt(5))])
+        with torch.no_grad():
+            want = torch.log_softmax(trainer.learner.model(input_ids=ids_).logits, -1)
+            got = torch.log_softmax(merged(input_ids=ids_).logits, -1)
+        assert (got - want).abs().max().item() < 1e-5
+
+    run_with_coordinator(tmp_path / "coord", body)
