@@ -8,13 +8,18 @@ owns that knowledge for the coordinator: the base of each job (read once from it
 which the learner signed and the coordinator verified when it was published), the jobs that share
 a job's base, and the share of a model load that moving a node to a job costs
 (:func:`switch_share`), which the scheduler's hysteresis and node choice use
-(:class:`~echo.coordinator.scheduling.assign.NodeSupply`).
+(:class:`~echo.coordinator.scheduling.assign.NodeSupply`). A node serves every job of its job's
+base, so the capacity model counts what it delivers to those other jobs too: a job's need, less
+what the nodes of its sibling jobs deliver to it (:meth:`BaseBook.shared_rates`,
+:func:`net_need`), is what the nodes placed on it must bring.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
+from echo.coordinator.scheduling.fit import delivered_rate
 from echo.coordinator.store import Store
 from echo.protocol import messages as m
 from echo.protocol import signing
@@ -23,6 +28,15 @@ from echo.protocol.errors import ProtocolError
 # The cost of an adapter switch as a share of a model load: the largest measured on any engine
 # (torch 0.09, llama.cpp 0.06 on the tiny model; docs/results/2026-12-06-lora.md), rounded up.
 ADAPTER_SWITCH_SHARE = 0.1
+
+
+def net_need(need_rps: float | None, shared_rps: float) -> float | None:
+    """A job's need less what nodes placed on other jobs of its base deliver to it (they serve
+    it too, switching adapters): what the nodes placed on it must still bring. None (not
+    measured) stays None, and an unreachable need (``inf``) stays unreachable."""
+    if need_rps is None or shared_rps <= 0:
+        return need_rps
+    return max(0.0, need_rps - shared_rps)
 
 
 def switch_share(held_bases: Iterable[str], job_base: str) -> float:
@@ -79,6 +93,25 @@ class BaseBook:
             share = switch_share(bases, self.base_of(job))
             if share < 1.0:
                 out[job] = share
+        return out
+
+    def shared_rates(
+        self, nodes: Mapping[str, Any], live: Iterable[str], now: float
+    ) -> dict[str, float]:
+        """Per live LoRA job, the completions/s the coordinator accepted from nodes placed on
+        another job of its base (``RegisterReply.base_jobs``: they serve it between their own
+        job's leases), over their current stint (:func:`~echo.coordinator.scheduling.fit.
+        delivered_rate`). ``nodes`` maps ids to the placement's nodes (``job``, ``since``,
+        ``accepted``)."""
+        live = list(live)
+        out: dict[str, float] = {}
+        for node in nodes.values():
+            if not node.job or not self.base_of(node.job):
+                continue
+            for job in self.siblings(node.job, live):
+                rate = delivered_rate(node.accepted.get(job, ()), node.since, now)
+                if rate:
+                    out[job] = out.get(job, 0.0) + rate
         return out
 
     def forget(self, live: Iterable[str]) -> None:

@@ -346,6 +346,7 @@ class Placement:
         # Jobs that ended keep their terms and sizes: a node's rates there still calibrate it.
         tpr = {job_id: t.tokens_per_rollout for job_id, (_, t) in self._terms.items()}
         sizes = dict(self._params_count)
+        shared = self.bases.shared_rates(self.nodes, runnable, now)  # by nodes of a sibling job
         for job_id, job in runnable.items():
             row = self.store.job(job_id)
             assert row is not None  # runnable
@@ -353,7 +354,8 @@ class Placement:
             tpr[job_id], sizes[job_id] = terms.tokens_per_rollout, self._params_of(job_id, job)
             sched = job.spec.schedule
             demands.append(
-                JobDemand(job_id, terms.need_rps, sched.priority, sched.max_share, row.created_at)
+                JobDemand(job_id, self.bases.net_need(terms.need_rps, shared.get(job_id, 0.0)),
+                          sched.priority, sched.max_share, row.created_at)  # fmt: skip
             )
         supplies, self._rates = [], {}
         # Per job, once a pass: a median over every known node, asked for each node without a
@@ -428,11 +430,8 @@ class Placement:
     def _apply(self, decision: Decision, now: float) -> None:
         for move in decision.moves:
             node = self.nodes[move.node_id]
-            if (
-                move.src is not None
-                and move.dst is not None
-                and not self.bases.same_base(move.src, move.dst)
-            ):  # another model to download (not an adapter of the base it holds)
+            loads = move.src is not None and move.dst is not None  # not an adapter of its base:
+            if loads and not self.bases.same_base(move.src, move.dst):  # a model to download
                 node.switches += 1
                 self.switches_into[move.dst] += 1
             node.job, node.since = move.dst, now

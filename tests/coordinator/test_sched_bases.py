@@ -5,6 +5,7 @@ adapter switch (a tenth of a model load), not a model load."""
 from __future__ import annotations
 
 import time
+from collections import deque
 from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -100,3 +101,31 @@ def test_an_adapter_switch_waits_a_tenth_of_the_minimum_stay_a_model_load_all_of
     assert len(schedule(jobs, nodes(1.0), now=161.0, params=P).moves) == 1
     # Too early even for an adapter switch: nothing moves.
     assert schedule(jobs, nodes(ADAPTER_SWITCH_SHARE), now=105.0, params=P).moves == []
+
+
+def test_what_nodes_of_a_sibling_job_deliver_counts_towards_a_jobs_need(tmp_path: Path) -> None:
+    from echo.coordinator.scheduling.bases import net_need
+    from echo.coordinator.scheduling.placement import _Node
+
+    store = Store.open(tmp_path / "db.sqlite")
+    try:
+        for job, base in (("a", "base-x"), ("b", "base-x"), ("c", "base-y")):
+            publish_v0(store, job, base)
+        book = BaseBook(store)
+        now = 1000.0
+        on_a, on_c = _Node(job="a", since=900.0), _Node(job="c", since=900.0)
+        for node in (on_a, on_c):
+            # Six groups of 4 completions over the last 50 s on every job: b's among them.
+            for job in ("a", "b", "c"):
+                node.accepted[job] = deque(
+                    (now - 50 + 10 * i, 4) for i in range(6)
+                )
+        rates = book.shared_rates({"n0": on_a, "n1": on_c}, ["a", "b", "c"], now)
+        # The node on "a" serves "b" too (same base): its 5 later groups over 50 s count for b.
+        # Nothing counts for "a" (no node of b) or from the node on "c" (another base).
+        assert rates == {"b": 20 / 50}
+        assert net_need(1.0, rates["b"]) == 0.6 and net_need(0.3, rates["b"]) == 0.0
+        assert net_need(None, 0.4) is None and net_need(float("inf"), 0.4) == float("inf")
+        assert net_need(1.0, 0.0) == 1.0
+    finally:
+        store.close()
