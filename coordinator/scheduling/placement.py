@@ -39,7 +39,7 @@ from echo.coordinator.scheduling.assign import (
     SchedulerParams,
     schedule,
 )
-from echo.coordinator.scheduling.bases import BaseBook
+from echo.coordinator.scheduling.bases import BaseBook, net_need
 from echo.coordinator.scheduling.fit import (
     DELIVERY_WINDOW_S,
     delivered_rate,
@@ -354,7 +354,7 @@ class Placement:
             tpr[job_id], sizes[job_id] = terms.tokens_per_rollout, self._params_of(job_id, job)
             sched = job.spec.schedule
             demands.append(
-                JobDemand(job_id, self.bases.net_need(terms.need_rps, shared.get(job_id, 0.0)),
+                JobDemand(job_id, net_need(terms.need_rps, shared.get(job_id, 0.0)),
                           sched.priority, sched.max_share, row.created_at)  # fmt: skip
             )
         supplies, self._rates = [], {}
