@@ -116,6 +116,9 @@ class Node:
         self.upload_limit_bps = (cfg.max_upload_mbps or 0.0) * 1e6
         self.policy = self._follower()
         self.jobs_served: list[str] = []  # in the order the node served them
+        # The jobs the engine served last: its job and those sharing its base (base_group). A
+        # next job among them keeps the engine, and the base it holds.
+        self._base_group: set[str] = set()
 
     def say(self, text: str) -> None:
         """Print ``text`` to the volunteer (see :meth:`Display.say`)."""
@@ -170,7 +173,8 @@ class Node:
                 await self._serve_job(host, job)
                 if self.max_groups is not None and self.done_groups >= self.max_groups:
                     return
-                await self._close_engine()
+                if len(self._base_group) < 2:  # no other job of its base: free it while idle
+                    await self._close_engine()
                 job = await self.session.wait_for_job()
         finally:
             await self._close_engine()
@@ -214,12 +218,55 @@ class Node:
     async def _serve_job(self, host: EchoHost, job: m.JobInfo) -> None:
         """Work for ``job`` until it ends, the scheduler moves the node, or ``max_groups``."""
         cfg = self.cfg
-        await self._close_engine()  # the last job's, if any: never two models in memory
+        # A job of the base the engine holds keeps it (an adapter switch); else the last job's
+        # engine goes first: never two models in memory.
+        held = self.policy.sync if self._keeps_engine(job) else None
+        if held is None:
+            await self._close_engine()
         await trio.to_thread.run_sync(self._prune_other_jobs, job.job_id)
-        self.engine_name = self.chosen_engine
         self.policy = self._follower()
         spec = ModelSpec.from_dict(job.model)
         device = str(resolve_device(cfg.device))  # the learner's rule: auto is CUDA if seen
+        if held is None:
+            await self._open_engine(spec, device)
+        # Re-scoring thresholds are per engine and device: GPU kernels differ more from the
+        # learner's CPU float32 than a CPU does.
+        self.report_engine = (
+            f"torch-{device}"
+            if self.engine_name == "torch" and device != "cpu"
+            else self.engine_name
+        )
+        # The tokenizer only bounds the ids a lease may carry: prompts come tokenized.
+        vocab = spec.vocab if spec.kind == "tiny" else len(load_tokenizer(spec))
+        sync = await self.policy.prepare(host, job)
+        if held is not None:  # the base the engine holds: not fetched again
+            sync.base, sync.base_digest = held.base, held.base_digest
+        # LoRA jobs on the same base: served too, by adapter switches (echo.node.base_group).
+        shared = await open_shared(cfg, host, self.session.peer, self.session.base_jobs,
+                                   self.display)  # fmt: skip
+        self._base_group = {job.job_id, *(s.job.job_id for s in shared)}
+        async with trio.open_nursery() as nursery:
+            assert self.engine is not None
+            await self.policy.start(nursery, self.engine)
+            await self._lease_loop(job, vocab, sync, shared)
+            nursery.cancel_scope.cancel()
+
+    def _keeps_engine(self, job: m.JobInfo) -> bool:
+        """Whether the engine held serves ``job`` as it is: a LoRA job that shared the base of
+        the job it served last."""
+        sync = self.policy.sync
+        return (
+            self.engine is not None
+            and job.job_id in self._base_group
+            and sync is not None
+            and sync.adapter is not None
+            and sync.base is not None
+        )
+
+    async def _open_engine(self, spec: ModelSpec, device: str) -> None:
+        """Start the engine for a job's model (the volunteer's choice, else torch)."""
+        cfg = self.cfg
+        self.engine_name = self.policy.engine_name = self.chosen_engine
         try:
             choice = await trio.to_thread.run_sync(
                 lambda: make_engine_or_torch(
@@ -236,23 +283,6 @@ class Node:
         if choice.fallback:  # an architecture the chosen engine cannot run: one line, then torch
             self.say(f"[yellow]{choice.fallback}; running the torch engine instead[/yellow]")
             self.engine_name = self.policy.engine_name = choice.name
-        # Re-scoring thresholds are per engine and device: GPU kernels differ more from the
-        # learner's CPU float32 than a CPU does.
-        self.report_engine = (
-            f"torch-{device}"
-            if self.engine_name == "torch" and device != "cpu"
-            else self.engine_name
-        )
-        # The tokenizer only bounds the ids a lease may carry: prompts come tokenized.
-        vocab = spec.vocab if spec.kind == "tiny" else len(load_tokenizer(spec))
-        sync = await self.policy.prepare(host, job)
-        # LoRA jobs on the same base: served too, by adapter switches (echo.node.base_group).
-        shared = await open_shared(cfg, host, self.session.peer, self.session.base_jobs,
-                                   self.display)  # fmt: skip
-        async with trio.open_nursery() as nursery:
-            await self.policy.start(nursery, self.engine)
-            await self._lease_loop(job, vocab, sync, shared)
-            nursery.cancel_scope.cancel()
 
     async def _lease_loop(
         self, own_job: m.JobInfo, vocab: int, own_sync: WeightSync, shared: list[SharedJob]
