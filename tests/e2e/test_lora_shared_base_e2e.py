@@ -87,7 +87,7 @@ def test_two_lora_jobs_share_one_base_on_the_same_nodes(tmp_path: Path, monkeypa
             # every turn between the jobs, was an adapter switch.
             assert len(re.findall(r"loaded base \w+ into the", log)) == 1, (engine, log[-3000:])
             assert "wrong_weights" not in log, engine
-            print(f"{engine} node: groups' rollouts accepted per job {served}, base loads 1")
+            print(f"{engine} node: groups accepted per job {served}, base loads 1")
         rejected = db.execute("SELECT COUNT(*) FROM rollouts WHERE status = 'rejected'").fetchone()
         accepted = db.execute("SELECT COUNT(*) FROM rollouts WHERE status != 'rejected'").fetchone()
         assert rejected[0] <= 0.01 * accepted[0] + 1, (rejected, accepted)
