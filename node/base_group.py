@@ -72,6 +72,61 @@ class SharedJob:
         return True
 
 
+class Turns:
+    """Whose leases a node asks for next: its own job's, then each shared job's, in turn; a
+    shared job that ended, moved the node or is not a LoRA job leaves the turns."""
+
+    def __init__(
+        self, own_job: m.JobInfo, own_sync: WeightSync, shared: list[SharedJob], display: Display
+    ) -> None:
+        self.own_job, self.own_sync, self.shared = own_job, own_sync, shared
+        self.display = display
+        self._turn = 0
+
+    def next(self) -> tuple[m.JobInfo, WeightSync, SharedJob | None]:
+        """The job whose turn it is, its sync, and its :class:`SharedJob` (None: the own job)."""
+        slot = [None, *self.shared][self._turn % (len(self.shared) + 1)]
+        self._turn += 1
+        if slot is None:
+            return self.own_job, self.own_sync, None
+        return slot.job, slot.sync, slot
+
+    def left(self, slot: SharedJob, reply: m.LeaseReply) -> bool:
+        """Whether ``reply`` to a lease request of ``slot``'s job ends its turns: the job is
+        over, or the coordinator no longer counts it as one of the node's base."""
+        moved = reply.assigned_job is not None and reply.assigned_job != slot.job.job_id
+        over = not reply.leases and reply.message.startswith("job is") and (
+            "running" not in reply.message)  # fmt: skip
+        if moved or over:
+            self._drop(slot, reply.message)
+        return moved or over
+
+    async def sync(self, slot: SharedJob, target: int) -> bool:
+        """Bring ``slot``'s job to ``target`` (:meth:`SharedJob.sync_to`); False when it cannot
+        serve that version now (a failed sync) or at all (not a LoRA job: it leaves)."""
+        if not await slot.sync_to(target, self.own_sync):
+            return False
+        if slot.sync.adapter is None:  # the coordinator listed a full-weight job
+            self._drop(slot, "not a LoRA job")
+            return False
+        return True
+
+    def _drop(self, slot: SharedJob, why: str) -> None:
+        self.display.say(f"no longer serving job {slot.job.job_id}: {why}")
+        self.shared.remove(slot)
+
+
+def keeps_base(held: WeightSync | None, job: m.JobInfo, group: set[str]) -> bool:
+    """Whether a node whose last job's sync is ``held`` keeps its engine for ``job``: a LoRA job
+    among ``group``, the jobs that shared that base."""
+    return (
+        job.job_id in group
+        and held is not None
+        and held.adapter is not None
+        and held.base is not None
+    )
+
+
 async def open_shared(
     cfg: NodeConfig, host: EchoHost, coordinator, jobs: list[m.JobInfo], display: Display
 ) -> list[SharedJob]:

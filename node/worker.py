@@ -35,11 +35,11 @@ from rich.console import Console
 from echo.models.device import resolve_device
 from echo.models.spec import ModelSpec, load_tokenizer
 from echo.node.adapter_sync import say_base_loaded
-from echo.node.base_group import SharedJob, open_shared, serve
+from echo.node.base_group import SharedJob, Turns, keeps_base, open_shared, serve
 from echo.node.config import NodeConfig
 from echo.node.display import Display
 from echo.node.engines.base import Engine, GenRequest, SamplingParams
-from echo.node.engines.factory import make_engine_or_torch
+from echo.node.engines.factory import EngineChoice, make_engine_or_torch
 from echo.node.errors import NodeError
 from echo.node.policy import PolicyFollower
 from echo.node.probe import choose_engine, probe
@@ -87,6 +87,20 @@ def lease_request(lease: m.Lease, prompt_ids: list[int]) -> GenRequest:
     )
 
 
+async def open_engine(name: str, spec: ModelSpec, device: str, cfg: NodeConfig) -> EngineChoice:
+    """Start engine ``name`` on a job's model in a worker thread (torch where ``name`` cannot
+    run the model). :raises NodeError: the model does not fit in memory."""
+    try:
+        return await trio.to_thread.run_sync(
+            lambda: make_engine_or_torch(
+                name, spec, device=device, threads=cfg.threads,
+                gpu_memory_fraction=cfg.gpu_memory_fraction,
+            )
+        )  # fmt: skip
+    except MemoryError:
+        raise NodeError("the model does not fit in this machine's memory") from None
+
+
 class Node:
     """One volunteer node (see the module docstring): :meth:`run` serves jobs until
     ``max_groups`` groups are done or it is cancelled.
@@ -116,9 +130,7 @@ class Node:
         self.upload_limit_bps = (cfg.max_upload_mbps or 0.0) * 1e6
         self.policy = self._follower()
         self.jobs_served: list[str] = []  # in the order the node served them
-        # The jobs the engine served last: its job and those sharing its base (base_group). A
-        # next job among them keeps the engine, and the base it holds.
-        self._base_group: set[str] = set()
+        self._base_group: set[str] = set()  # the engine's last jobs, of one base: it stays
 
     def say(self, text: str) -> None:
         """Print ``text`` to the volunteer (see :meth:`Display.say`)."""
@@ -220,7 +232,8 @@ class Node:
         cfg = self.cfg
         # A job of the base the engine holds keeps it (an adapter switch); else the last job's
         # engine goes first: never two models in memory.
-        held = self.policy.sync if self._keeps_engine(job) else None
+        kept = self.engine is not None and keeps_base(self.policy.sync, job, self._base_group)
+        held = self.policy.sync if kept else None
         if held is None:
             await self._close_engine()
         await trio.to_thread.run_sync(self._prune_other_jobs, job.job_id)
@@ -228,14 +241,15 @@ class Node:
         spec = ModelSpec.from_dict(job.model)
         device = str(resolve_device(cfg.device))  # the learner's rule: auto is CUDA if seen
         if held is None:
-            await self._open_engine(spec, device)
+            choice = await open_engine(self.chosen_engine, spec, device, cfg)
+            self.engine = choice.engine
+            self.engine_name = self.policy.engine_name = choice.name
+            if choice.fallback:  # an architecture the chosen engine cannot run: one line
+                self.say(f"[yellow]{choice.fallback}; running the torch engine instead[/yellow]")
         # Re-scoring thresholds are per engine and device: GPU kernels differ more from the
         # learner's CPU float32 than a CPU does.
-        self.report_engine = (
-            f"torch-{device}"
-            if self.engine_name == "torch" and device != "cpu"
-            else self.engine_name
-        )
+        gpu_torch = self.engine_name == "torch" and device != "cpu"
+        self.report_engine = f"torch-{device}" if gpu_torch else self.engine_name
         # The tokenizer only bounds the ids a lease may carry: prompts come tokenized.
         vocab = spec.vocab if spec.kind == "tiny" else len(load_tokenizer(spec))
         sync = await self.policy.prepare(host, job)
@@ -251,52 +265,17 @@ class Node:
             await self._lease_loop(job, vocab, sync, shared)
             nursery.cancel_scope.cancel()
 
-    def _keeps_engine(self, job: m.JobInfo) -> bool:
-        """Whether the engine held serves ``job`` as it is: a LoRA job that shared the base of
-        the job it served last."""
-        sync = self.policy.sync
-        return (
-            self.engine is not None
-            and job.job_id in self._base_group
-            and sync is not None
-            and sync.adapter is not None
-            and sync.base is not None
-        )
-
-    async def _open_engine(self, spec: ModelSpec, device: str) -> None:
-        """Start the engine for a job's model (the volunteer's choice, else torch)."""
-        cfg = self.cfg
-        self.engine_name = self.policy.engine_name = self.chosen_engine
-        try:
-            choice = await trio.to_thread.run_sync(
-                lambda: make_engine_or_torch(
-                    self.engine_name,
-                    spec,
-                    device=device,
-                    threads=cfg.threads,
-                    gpu_memory_fraction=cfg.gpu_memory_fraction,
-                )
-            )
-        except MemoryError:
-            raise NodeError("the model does not fit in this machine's memory") from None
-        self.engine = choice.engine
-        if choice.fallback:  # an architecture the chosen engine cannot run: one line, then torch
-            self.say(f"[yellow]{choice.fallback}; running the torch engine instead[/yellow]")
-            self.engine_name = self.policy.engine_name = choice.name
-
     async def _lease_loop(
         self, own_job: m.JobInfo, vocab: int, own_sync: WeightSync, shared: list[SharedJob]
     ) -> None:
         """Leases of the node's job, taking turns with the jobs that share its base."""
-        turn = 0
+        turns = Turns(own_job, own_sync, shared, self.display)
         while self.max_groups is None or self.done_groups < self.max_groups:
             if not self.cfg.working_now():
                 self.say(f"outside the schedule {self.cfg.schedule}: pausing")
                 while not self.cfg.working_now():
                     await trio.sleep(30)
-            slot = ([None, *shared])[turn % (len(shared) + 1)]
-            turn += 1
-            job, sync = (own_job, own_sync) if slot is None else (slot.job, slot.sync)
+            job, sync, slot = turns.next()
             req = m.LeaseRequest(
                 job_id=job.job_id,
                 max_leases=self.cfg.leases_at_once,
@@ -316,13 +295,7 @@ class Node:
                 self.say(f"[yellow]lease request failed:[/yellow] {exc}")
                 await trio.sleep(2.0)
                 continue
-            if slot is not None and (
-                (reply.assigned_job is not None and reply.assigned_job != job.job_id)
-                or (not reply.leases and reply.message.startswith("job is")
-                    and "running" not in reply.message)
-            ):  # fmt: skip
-                self.say(f"no longer serving job {job.job_id}: {reply.message}")
-                shared.remove(slot)
+            if slot is not None and turns.left(slot, reply):
                 continue
             if reply.assigned_job is not None and reply.assigned_job != job.job_id:
                 # The scheduler moved us: hand the version in hand on, then go.
@@ -333,11 +306,7 @@ class Node:
             if reply.current_version > sync.version:
                 if slot is None:
                     await self.policy.sync_to(reply.current_version)
-                elif not await slot.sync_to(reply.current_version, own_sync):
-                    continue
-                if slot is not None and sync.adapter is None:  # not a LoRA job after all
-                    self.say(f"[yellow]job {job.job_id} is not a LoRA job: not served[/yellow]")
-                    shared.remove(slot)
+                elif not await turns.sync(slot, reply.current_version):
                     continue
             if not reply.leases:
                 if reply.message.startswith("job is") and "running" not in reply.message:
@@ -353,7 +322,7 @@ class Node:
                     return
                 if slot is None:  # the shared jobs' turns come between, without a pause of theirs
                     pause = max(reply.retry_after_s, 0.05)
-                    await trio.sleep(min(pause, 0.2) if shared else pause)
+                    await trio.sleep(min(pause, 0.2) if turns.shared else pause)
                 continue
             leases = [self._open_lease(b) for b in reply.leases]
             work = []
