@@ -134,12 +134,15 @@ class NodeRPC:
         # pass each).
         placed, why = await self.placement.place(node_id, reg) if self.placement else ("", "")
         placed = placed if placed in {j.job_id for j in jobs} else ""  # the job it serves
+        # LoRA jobs on the base of the node's job: served too, with adapter switches.
+        shared = self.placement.bases.siblings(placed, [j.job_id for j in jobs]) if placed else []
         return m.encode(
             m.RegisterReply(
                 node_id=node_id,
                 jobs=jobs,
                 message=why or f"welcome to {SOFTWARE}",
                 assigned_job=placed,
+                base_jobs=shared,
             )
         )
 

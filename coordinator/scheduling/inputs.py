@@ -33,6 +33,7 @@ from typing import Any
 
 from echo.coordinator.jobs.context import RunningJob
 from echo.coordinator.scheduling.assign import JobDemand, NodeSupply
+from echo.coordinator.scheduling.bases import BaseBook, net_need
 from echo.coordinator.scheduling.fit import delivered_rate, estimate_rate, misfit, param_count
 from echo.coordinator.scheduling.measure import JobTerms, job_terms
 from echo.coordinator.store import Store
@@ -98,9 +99,12 @@ class PassInputs:
     node's rates on jobs that ended.
     """
 
-    def __init__(self, store: Store, nodes: dict[str, NodeRecord], relay_groups: int) -> None:
+    def __init__(
+        self, store: Store, nodes: dict[str, NodeRecord], relay_groups: int, bases: BaseBook
+    ) -> None:
         self.store = store
         self.nodes = nodes
+        self.bases = bases  # LoRA jobs' bases: sibling jobs' deliveries, adapter switches
         self.relay_groups = relay_groups
         self._terms: dict[str, tuple[int, JobTerms]] = {}
         self._params_count: dict[str, int] = {}
@@ -136,6 +140,7 @@ class PassInputs:
         # Jobs that ended keep their terms and sizes: a node's rates there still calibrate it.
         tpr = {job_id: t.tokens_per_rollout for job_id, (_, t) in self._terms.items()}
         sizes = dict(self._params_count)
+        shared = self.bases.shared_rates(self.nodes, runnable, now)  # by nodes of a sibling job
         for job_id, job in runnable.items():
             row = self.store.job(job_id)
             assert row is not None  # runnable
@@ -143,7 +148,8 @@ class PassInputs:
             tpr[job_id], sizes[job_id] = terms.tokens_per_rollout, self._params_of(job_id, job)
             sched = job.spec.schedule
             demands.append(
-                JobDemand(job_id, terms.need_rps, sched.priority, sched.max_share, row.created_at)
+                JobDemand(job_id, net_need(terms.need_rps, shared.get(job_id, 0.0)),
+                          sched.priority, sched.max_share, row.created_at)  # fmt: skip
             )
         supplies, self.rates = [], {}
         # Per job, once a pass: a median over every known node, asked for each node without a
@@ -187,7 +193,8 @@ class PassInputs:
                 self.misfits[row.node_id] = why_not[0]
             else:
                 self.misfits.pop(row.node_id, None)
-            supplies.append(NodeSupply(row.node_id, rates, node.cost, node.job, node.since))
+            switch = self.bases.shares(node.held, rates)  # adapter switches, not loads
+            supplies.append(NodeSupply(row.node_id, rates, node.cost, node.job, node.since, switch))
             self.rates[row.node_id] = rates
         return demands, supplies
 

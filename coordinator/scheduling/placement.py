@@ -31,6 +31,7 @@ import trio
 
 from echo.coordinator.jobs.context import RunningJob
 from echo.coordinator.scheduling.assign import Decision, JobView, SchedulerParams, schedule
+from echo.coordinator.scheduling.bases import BaseBook
 from echo.coordinator.scheduling.fit import DELIVERY_WINDOW_S
 from echo.coordinator.scheduling.inputs import ACTIVE_S, NodeRecord, PassInputs
 from echo.coordinator.store import Store
@@ -78,11 +79,12 @@ class Placement:
     ) -> None:
         self.store = store
         self.jobs = jobs
+        self.bases = BaseBook(store)  # LoRA jobs' bases: what a move costs a node
         self.params = params or SchedulerParams()
         self.every_s = every_s
         self.nodes: dict[str, NodeRecord] = {}
         # Accepted groups a node needs to be planned as a relay (see proven()).
-        self.inputs = PassInputs(store, self.nodes, relay_groups)
+        self.inputs = PassInputs(store, self.nodes, relay_groups, self.bases)
         self.views: dict[str, JobView] = {}
         self.switches_into: Counter[str] = Counter()
         # The last MOVES_KEPT moves, (when, node, from, to, why), for the operator's dashboard.
@@ -188,6 +190,8 @@ class Placement:
             self._refresh_if_due()
         if node.job == job_id or job_id not in self._runnable():
             return None  # a job that ended says so itself ("job is done")
+        if self.bases.same_base(node.job, job_id):
+            return None  # a node serves every job of its job's base (RegisterReply.base_jobs)
         return node.job or ""
 
     def moved(self, node_id: str, row: JobRow) -> m.LeaseReply | None:
@@ -261,12 +265,14 @@ class Placement:
         decision = schedule(demands, supplies, now, self.params)
         self._apply(decision, now)
         self._forget(now)
+        self.bases.forget(self.jobs)
         return decision
 
     def _apply(self, decision: Decision, now: float) -> None:
         for move in decision.moves:
             node = self.nodes[move.node_id]
-            if move.src is not None and move.dst is not None:  # another model to download
+            loads = move.src is not None and move.dst is not None  # not an adapter of its base:
+            if loads and not self.bases.same_base(move.src, move.dst):  # a model to download
                 node.switches += 1
                 self.switches_into[move.dst] += 1
             node.job, node.since = move.dst, now
