@@ -23,11 +23,11 @@ from safetensors.torch import load_file
 
 from echo.learner.export import (
     ExportError,
-    _meta_model,
-    _read_back,
-    _write_config_and_tokenizer,
-    _write_weights,
+    meta_model,
     published_state,
+    read_back,
+    write_config_and_tokenizer,
+    write_weights,
 )
 from echo.learner.lora import BASE_FILE, export_adapter
 from echo.models.spec import ModelSpec, build_model
@@ -73,13 +73,13 @@ def export_merged(job_dir: Path, spec: JobSpec, version: int, digest: str, out: 
             raise ExportError(str(exc)) from None
         master = merged_state(job_dir, spec, tmp / "adapter")
         model_spec = ModelSpec.from_dict(spec.model_spec_dict())
-        meta = _meta_model(model_spec, spec.model.seed)
+        meta = meta_model(model_spec, spec.model.seed)
         state = published_state(master, meta, spec.publish_dtype)
         del master
         shutil.rmtree(tmp / "adapter")
-        _write_weights(state, tmp, None)
-        _read_back(state, tmp)
-        _write_config_and_tokenizer(model_spec, meta, spec.publish_dtype, tmp)
+        write_weights(state, tmp, None)
+        read_back(state, tmp)
+        write_config_and_tokenizer(model_spec, meta, spec.publish_dtype, tmp)
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

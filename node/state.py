@@ -21,15 +21,21 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import psutil
 import trio
 
+from echo.protocol import ids
 from echo.protocol import reasons as R
 
 if TYPE_CHECKING:
-    from echo.node.worker import Node
+    from echo.node.config import NodeConfig
+    from echo.node.display import Display
+    from echo.node.policy import PolicyFollower
+    from echo.node.session import CoordinatorSession
+    from echo.p2p.host import EchoHost
+    from echo.p2p.identity import Identity
 
 STATUS_FILE = "status.json"
 SCHEMA = 1
@@ -93,11 +99,29 @@ def write_atomically(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+class WatchedNode(Protocol):
+    """What the keeper reads of a running node (:class:`echo.node.worker.Node`), which owns
+    the keeper: named here so that this module does not import the lease loop."""
+
+    cfg: NodeConfig
+    display: Display
+    policy: PolicyFollower
+    session: CoordinatorSession
+    host: EchoHost | None
+    identity: Identity
+    report_engine: str
+    engine_reason: str
+    done_groups: int
+
+    @property
+    def stats(self) -> Any: ...
+
+
 class StatusKeeper:
     """Writes ``node``'s state to its data dir (see the module docstring); also what the local
     page serves (:meth:`snapshot`)."""
 
-    def __init__(self, node: Node, ui_url: str = "") -> None:
+    def __init__(self, node: WatchedNode, ui_url: str = "") -> None:
         self.node = node
         self.path = status_path(node.cfg.data_dir)
         self.ui_url = ui_url
@@ -150,7 +174,7 @@ class StatusKeeper:
             "stopped": self.stopped,
             "node_id": node.identity.peer_id_str,
             "coordinator": node.cfg.coordinator,
-            "software": _software(),
+            "software": ids.SOFTWARE,
             "engine": node.report_engine,
             "engine_reason": node.engine_reason,
             "state": node.display.state,
@@ -232,19 +256,13 @@ class StatusKeeper:
             await trio.sleep(CREDIT_INTERVAL_S)
 
 
-def _software() -> str:
-    from echo.node.worker import SOFTWARE
-
-    return SOFTWARE
-
-
 def _why_stopped(exc: BaseException) -> str:
     from echo.node.errors import NodeError
 
     if isinstance(exc, BaseExceptionGroup):
-        from echo.p2p.lifecycle import _leaves
+        from echo.p2p.lifecycle import exception_leaves
 
-        leaves = [e for e in _leaves(exc) if not isinstance(e, trio.Cancelled)]
+        leaves = [e for e in exception_leaves(exc) if not isinstance(e, trio.Cancelled)]
         if not leaves:
             return "stopped (Ctrl-C or a stop signal)"
         exc = leaves[0]

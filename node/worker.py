@@ -54,7 +54,6 @@ from echo.protocol import codec, ids, signing
 from echo.protocol import messages as m
 from echo.protocol.errors import ProtocolError
 
-SOFTWARE = "echo-swarm/0.1.0"
 # Stopping an engine's worker processes (vLLM's shutdown waits up to 2 s per process).
 ENGINE_CLOSE_TIMEOUT_S = 10.0
 # When the job ends, a node finishes relaying the last version to its children (for at most
@@ -222,7 +221,7 @@ class Node:
     def _register_record(self) -> m.Register:
         return m.Register(
             protocol_version=ids.PROTOCOL_VERSION,
-            software=SOFTWARE,
+            software=ids.SOFTWARE,
             engine=self.engine_name,
             hardware=self.probe.hardware,
             tokens_per_s=self.stats.tokens_per_s,

@@ -45,7 +45,6 @@ from echo.protocol.errors import ProtocolError, SchemaError, VersionError
 
 log = logging.getLogger("echo.coordinator")
 
-SOFTWARE = "echo-swarm/0.1.0"
 
 
 class NodeRPC:
@@ -140,7 +139,7 @@ class NodeRPC:
             m.RegisterReply(
                 node_id=node_id,
                 jobs=jobs,
-                message=why or f"welcome to {SOFTWARE}",
+                message=why or f"welcome to {ids.SOFTWARE}",
                 assigned_job=placed,
                 base_jobs=shared,
             )
