@@ -11,7 +11,8 @@ network holds no connection of a protected peer (a node with accepted work, the 
 wide network that has proven nothing starts :data:`WIDE_BURST` handshakes at once and then one
 every :data:`WIDE_REFILL_S` / :data:`WIDE_BURST` seconds. Honest volunteers share a /16 only
 with their ISP's other customers, and one that is refused retries; the networks that carry
-proven work are never slowed.
+proven work are never slowed, and private networks (an operator's lab, whose 64 nodes on one
+/24 start at once) have only their /24's rate.
 
 Owns the buckets (bounded: least recently seen dropped, which costs only a burst). Raises
 nothing.

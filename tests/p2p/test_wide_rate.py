@@ -43,6 +43,7 @@ def test_fresh_24s_of_one_16_share_its_rate() -> None:
     assert got == [True] * WIDE_BURST + [False] * 4
     assert guard.wide.refused == 4
     assert handshake("9.9.0.1")  # another /16
+    assert all(handshake(f"10.1.{n}.1") for n in range(WIDE_BURST + 4))  # private: a lab
     clock.t += WIDE_REFILL_S / WIDE_BURST
     assert handshake("5.6.200.1") and not handshake("5.6.201.1")
 
