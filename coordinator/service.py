@@ -146,7 +146,7 @@ class Coordinator:
                 self.job_control.resume(nursery)
                 nursery.start_soon(self._housekeeping)
                 nursery.start_soon(self.dissemination.refresh_forever)
-                nursery.start_soon(run_reachability, host, self.dissemination)
+                nursery.start_soon(run_reachability, host, self.dissemination, self.node_rpc.probes)
                 nursery.start_soon(self.placement.run_forever)
                 nursery.start_soon(self._serve_relay, host)
                 nursery.start_soon(self.credit.run_forever)

@@ -60,6 +60,7 @@ from libp2p.rcmgr import Direction
 from multiaddr import Multiaddr
 
 from echo.p2p.budget import LruMap
+from echo.p2p.wide_rate import WideRate, wide_of
 
 logger = logging.getLogger(__name__)
 
@@ -234,6 +235,7 @@ class ConnectionGuard:
         self._protected: set[ID] = set()
         # Per capped prefix: (handshakes it may still start, when that was counted).
         self._allowance: LruMap[Prefix, tuple[float, float]] = LruMap(MAX_TRACKED_PREFIXES)
+        self.wide = WideRate(clock=clock)  # /16s without a protected peer: a rate of their own
         self.refused = 0  # inbound connections refused over their prefix's cap or rate, ever
         self.reaped = 0  # idle connections closed by the reaper, ever
 
@@ -298,6 +300,10 @@ class ConnectionGuard:
         if cap is not None and not self._take_handshake(prefix, cap):
             logger.debug("refused inbound from %s: %s over its rate", endpoint[0], prefix.network)
             return False
+        wide = cap is not None and prefix.kind != "private"  # a LAN lab starts all at once
+        if wide and not self.wide.take(endpoint[0], self._vouched):
+            logger.debug("refused inbound from %s: its /16 proved nothing yet", endpoint[0])
+            return False
         self._pending[endpoint] = prefix
         return True
 
@@ -315,6 +321,12 @@ class ConnectionGuard:
             return False
         self._allowance.put(prefix, (left - 1.0, now))
         return True
+
+    def _vouched(self, network: str) -> bool:
+        """Whether a protected peer is connected from the wide ``network`` (wide_rate)."""
+        mine = self._protected
+        eps = (_remote_endpoint(c) for c in self._connections() if c.muxed_conn.peer_id in mine)
+        return any(ep is not None and wide_of(ep[0]) == network for ep in eps)
 
     def inbound_count(self, prefix: Prefix) -> int:
         """Open inbound connections plus handshakes under way from ``prefix``."""

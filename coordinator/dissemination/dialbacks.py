@@ -14,6 +14,13 @@ identities that register and leave left thousands of unprobed links, each looked
 decode and a connection lookup) every :data:`POLL_S`. A node that is not connected when its turn
 comes waits at most :data:`PENDING_S`.
 
+Only nodes with accepted work are probed (``worked``, and :meth:`ProbeQueue.earned` on a node's
+first accepted group): identities are free, and a churn of them cost the coordinator a second
+connection each (TCP, Noise, yamux, identify), about a third of the ~40 ms of CPU a churned
+identity cost (``benchmarks/churn_cost.py``). A node without a verdict is planned as not
+dialable: it receives over the connections it opens to its parents, as a node behind NAT does,
+which is all a node that has delivered nothing needs.
+
 Owns the prober host, its probe tasks, the queue and the punching loop; runs until cancelled and
 raises nothing else (a failed probe is logged and retried at the next registration).
 """
@@ -51,15 +58,32 @@ class ProbeQueue:
     poll is proportional to the nodes waiting, never to every node ever registered. Raises
     nothing."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        worked: Callable[[str], bool] | None = None,
+    ) -> None:
         self._clock = clock
+        # Whether a node has accepted work (None: every node is probed). One without waits
+        # for :meth:`earned`.
+        self._worked = worked
         self._pending: dict[str, float] = {}  # node -> when it (last) asked, oldest first
 
     def __len__(self) -> int:
         return len(self._pending)
 
     def wanted(self, node_id: str) -> None:
-        """The node registered addresses no dial-back has judged: probe it (again)."""
+        """The node registered addresses no dial-back has judged: probe it (again), once it
+        has accepted work."""
+        if self._worked is None or self._worked(node_id):
+            self._enqueue(node_id)
+
+    def earned(self, node_id: str) -> None:
+        """The node's first group was accepted: probe its addresses if no dial-back judged
+        them yet (:meth:`due` drops it otherwise)."""
+        self._enqueue(node_id)
+
+    def _enqueue(self, node_id: str) -> None:
         self._pending.pop(node_id, None)  # re-inserted last: the newest
         self._pending[node_id] = self._clock()
         while len(self._pending) > MAX_PENDING:
@@ -108,10 +132,13 @@ async def _probe(
     )
 
 
-async def run_reachability(host: EchoHost, dissemination: Dissemination) -> None:
-    """Serve dial-backs on ``host``, judge every node :class:`Dissemination` learns of and
-    punch between the nodes judged "nat"; runs until cancelled."""
-    probes = ProbeQueue()
+async def run_reachability(
+    host: EchoHost, dissemination: Dissemination, probes: ProbeQueue | None = None
+) -> None:
+    """Serve dial-backs on ``host``, judge the nodes :class:`Dissemination` learns of that
+    ``probes`` lets through (default: every one) and punch between the nodes judged "nat";
+    runs until cancelled."""
+    probes = probes if probes is not None else ProbeQueue()
     # Registrations feed the queue through Dissemination's hook.
     dissemination.relays.on_new_addrs = probes.wanted
     for node, _ in dissemination.relays.unprobed():  # registered before the hook was set

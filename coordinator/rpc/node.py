@@ -16,6 +16,7 @@ import time
 from libp2p.peer.id import ID
 
 from echo.coordinator.config import AdmissionSection
+from echo.coordinator.dissemination.dialbacks import ProbeQueue
 from echo.coordinator.dissemination.planning import Dissemination
 from echo.coordinator.jobs.context import RunningJob
 from echo.coordinator.metrics import Metrics
@@ -76,6 +77,11 @@ class NodeRPC:
         self.guard: ConnectionGuard | None = None
         # The submit path: verification, scoring in the job's sandbox, booking.
         self.submissions = Submissions(store, jobs, metrics, penalties, placement, scoring)
+        # Dial-backs only for nodes with accepted work (a churn of free identities cost a
+        # second connection each): registrations ask through Dissemination's hook, a node's
+        # first accepted group asks again.
+        self.probes = ProbeQueue(worked=self._worked)
+        self.submissions.on_first_accepted = self.probes.earned
 
     def install(self, host: EchoHost, admission: AdmissionSection | None = None) -> None:
         """Serve the node protocols on ``host``, budget them per peer and per network prefix
@@ -93,6 +99,11 @@ class NodeRPC:
         host.set_handler(ids.PROTO_STATUS, self.handle_status, max_request=small)
         host.set_handler(ids.PROTO_BAD_PEER, self.handle_bad_peer, max_request=small)
         host.add_violation_listener(self.penalties.on_violation)
+
+    def _worked(self, node_id: str) -> bool:
+        """Whether the node has accepted work and is not excluded."""
+        row = self.store.node(node_id)
+        return row is not None and row.accepted > 0 and not row.excluded
 
     def _registered(self, node_id: str) -> NodeRow:
         """The node's row, excluded or not (what it reports is weighed by its standing).

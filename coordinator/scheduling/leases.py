@@ -176,6 +176,11 @@ class Leases:
         if fresh and cfg.lease_quota_ramp:  # ramp 0: the operator trusts identities at once
             allowance = max(1, int(target * cfg.fresh_lease_share))
             room = min(room, allowance - self.store.open_lease_count_fresh(job_id))
+        elif cfg.lease_quota_ramp:
+            # Strangers' share comes on top of the window, not out of a worker's: a churn of
+            # identities that let their leases expire held a quarter of it for 30 s at a time
+            # and the learner waited for groups (benchmarks/attack.py, issue 26).
+            room += self.store.open_lease_count_fresh(job_id)
         if room > 0 and per_node > 0:
             unproven = self.terms.unproven_room(job_id, node.accepted, target)
             if unproven is not None:

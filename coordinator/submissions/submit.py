@@ -98,6 +98,8 @@ class Submissions:
         self.gate: Gate | None = None
         # Nodes with accepted work are protected from idle reaping.
         self.guard: ConnectionGuard | None = None
+        # Called with a node whose first group was just accepted (its dial-back waits for it).
+        self.on_first_accepted: Callable[[str], None] | None = None
 
     async def handle(self, peer_id: ID, data: bytes) -> bytes:
         """Verify and store one group; the reply says accepted or the reason it was not.
@@ -153,6 +155,8 @@ class Submissions:
             self._store_accepted(node_id, data, result)
             if self.guard is not None:
                 self.guard.protect(peer_id)
+            if node.accepted == 0 and self.on_first_accepted is not None:
+                self.on_first_accepted(node_id)
         except Rejected as rej:
             self._book_rejection(node_id, seen[0] if seen else None, rej)
             return submit_reply(self.store, node_id, False, rej.reason, rej.detail)

@@ -1,5 +1,5 @@
-"""Reachability at the real coordinator: it dials registered nodes back for the planner, and
-``echo-node doctor`` tells a volunteer what it gets (whom it relays to) and what to change."""
+"""Reachability at the real coordinator: it dials nodes with accepted work back for the planner,
+and ``echo-node doctor`` tells a volunteer what it gets (whom it relays to) and what to change."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ def test_coordinator_judges_a_registered_node_and_answers_dial_backs(tmp_path) -
     async def body(coord, client) -> None:
         node = await client()
         await node.register()
+        # Dial-backs wait for a node's first accepted group (test_hardening_dialbacks).
+        coord.node_rpc.probes.earned(node.identity.peer_id_str)
         with trio.fail_after(10):
             while coord.dissemination.relays.links[node.identity.peer_id_str].reachable is None:
                 await trio.sleep(0.05)
