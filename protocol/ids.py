@@ -27,7 +27,9 @@
 # 10: LoRA jobs: Manifest.adapter (messages.AdapterRef: the base model's digest, rank, alpha,
 #     modules); such a version's payload is the adapter (version 0 carries the base too) and its
 #     state digest binds base and adapter, so a v9 node could not apply or report it.
-PROTOCOL_VERSION = 10
+# 11: RegisterReply.base_jobs (issue 28): the running LoRA jobs that share the node's job's base,
+#     whose leases it may take too; a v10 node rejects the reply's unknown field.
+PROTOCOL_VERSION = 11
 
 # What nodes and the coordinator say they run (registration, the welcome line, status files).
 SOFTWARE = "echo-swarm/0.1.0"
