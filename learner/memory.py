@@ -145,7 +145,16 @@ class RankMemory:
     activations_bytes: int  # one step's saved activations and logits
     tokens_per_rank: int
     build_host_bytes: int  # host memory while the model is built whole, before sharding
-    remembered_host_bytes: int  # rank 0: published versions the re-scorer keeps (host)
+    remembered_host_bytes: int  # rank 0: published versions the re-scorer keeps, on the host
+    staleness_keep: int  # how many versions it keeps (staleness + 1)
+    on_host: bool  # the device is the host's memory (cpu): rank 0's remembered versions count
+
+    @property
+    def leader_total_bytes(self) -> int:
+        """Rank 0's peak: :attr:`total_bytes`, and on the CPU the versions it remembers for
+        re-scoring and the one it gathers to publish."""
+        extra = self.remembered_host_bytes * (self.staleness_keep + 1) // self.staleness_keep
+        return self.total_bytes + (extra if self.on_host else 0)
 
     @property
     def state_bytes(self) -> int:
@@ -164,7 +173,12 @@ class RankMemory:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "state_bytes": self.state_bytes, "total_bytes": self.total_bytes}
+        return {
+            **asdict(self),
+            "state_bytes": self.state_bytes,
+            "total_bytes": self.total_bytes,
+            "leader_total_bytes": self.leader_total_bytes,
+        }
 
 
 def estimate(
@@ -213,7 +227,8 @@ def estimate(
     activations = seqs * seq * s.layers * per_token_layer * cb
     activations += seqs * max_new * s.vocab * (cb + _LOGIT_F32_BYTES)
     publish = _DTYPE_BYTES.get(str(job.get("publish_dtype", "float32")), 4)
-    remembered = (int(job.get("staleness", 1)) + 1) * trained * publish
+    keep = int(job.get("staleness", 1)) + 1
+    remembered = keep * trained * publish
     return RankMemory(
         backend=backend,
         ranks=n,
@@ -230,6 +245,8 @@ def estimate(
         tokens_per_rank=seqs * seq,
         build_host_bytes=total_p * 4 * (2 if kl else 1),
         remembered_host_bytes=remembered,
+        staleness_keep=keep,
+        on_host=not device.startswith("cuda"),
     )
 
 
@@ -262,9 +279,10 @@ def resolved_device(device: str) -> str:
 def misfit(need: RankMemory, available_per_rank: int) -> str | None:
     """Why ``need`` does not fit ``available_per_rank`` bytes (0: unknown, which fits), or
     None."""
-    if available_per_rank and need.total_bytes > available_per_rank:
+    worst = max(need.total_bytes, need.leader_total_bytes)
+    if available_per_rank and worst > available_per_rank:
         return (
-            f"each of {need.ranks} learner rank(s) needs about {need.total_bytes / 1e9:.2f} GB, "
+            f"each of {need.ranks} learner rank(s) needs up to {worst / 1e9:.2f} GB, "
             f"the device offers {available_per_rank / 1e9:.2f} GB per rank"
         )
     return None

@@ -217,8 +217,8 @@ def _print_learner_memory(mem: dict[str, Any] | None) -> bool:
     have = mem["available_per_rank_bytes"]
     have_s = f"{have / 1e9:.2f} GB" if have else "unknown"
     console.print(
-        f"  total {gb('total_bytes')} per rank, the device offers {have_s}; host memory while "
-        f"building {gb('build_host_bytes')} per rank"
+        f"  total {gb('total_bytes')} per rank ({gb('leader_total_bytes')} on rank 0), the "
+        f"device offers {have_s}; host memory while building {gb('build_host_bytes')} per rank"
     )
     if not mem["fits"]:
         console.print(f"[red]the learner does not fit:[/red] {mem['misfit']}")
