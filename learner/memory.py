@@ -16,10 +16,12 @@ The formula, per rank, for ``P`` parameters, ``T`` of them trained, ``N`` ranks:
     + activations: tokens of the rank's groups x (layers x (10 h + 4 i + 2 kv) x compute bytes
                    + vocab x (compute bytes + 8))
 
-A LoRA job trains only the adapter (``T`` is its parameters) and its base is not sharded
-further by ``N`` beyond what FSDP2 shards. The model is built whole in host memory on every
-rank before it is sharded (:attr:`RankMemory.build_host_bytes`), a limit documented in
-docs/learner-fsdp.md. Pure: no torch.
+A LoRA job trains only the adapter (``T`` is its parameters; ``P`` counts base and adapter,
+both sharded). On the CPU, rank 0 also keeps the published versions the re-scorer remembers
+(:attr:`RankMemory.leader_total_bytes`). The model is built whole in host memory on every rank
+before it is sharded (:attr:`RankMemory.build_host_bytes`), a limit documented in
+docs/learner-fsdp.md. The estimate itself is arithmetic; torch and psutil are imported only to
+ask the device how much memory it has (:func:`available_per_rank`).
 """
 
 from __future__ import annotations
