@@ -202,7 +202,8 @@ def _print_learner_memory(mem: dict[str, Any] | None) -> bool:
         return True
 
     def gb(key: str) -> str:
-        return f"{mem[key] / 1e9:.3f} GB"
+        n = mem[key]
+        return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
     console.print(
         f"learner: {mem['backend']}, {mem['ranks']} rank(s) on {mem['device']}, compute in "
