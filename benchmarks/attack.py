@@ -212,7 +212,7 @@ WARMUP_CACHE = Path(tempfile.gettempdir()) / "echo-attack-warmup-cache"
 TIMED_NODE = "--timed-node"
 RPC_TIMES_ENV = "ECHO_RPC_TIMES_DIR"
 TIMED_RPCS = {ids.PROTO_LEASE: "lease", ids.PROTO_SUBMIT: "submit"}
-# A relay demoted for bad-chunk reports (coordinator/dissemination/planning.py logs it).
+# A relay demoted for bad-chunk reports (coordinator/dissemination/relays.py logs it).
 DEMOTED_LINE = re.compile(r"relay \S+ reported .*planned as a leaf")
 
 

@@ -42,9 +42,9 @@ def bench(n: int, versions: int, seed: int = 0) -> dict[str, float]:
     nodes = [node_id(i) for i in range(n)]
     next_id = n
     for i, nid in enumerate(nodes):
-        diss.registered(nid, [f"/ip4/10.{i // 65536}.{i // 256 % 256}.{i % 256}/tcp/4001"],
+        diss.relays.registered(nid, [f"/ip4/10.{i // 65536}.{i // 256 % 256}.{i % 256}/tcp/4001"],
                         rng.choice([1, 2.5, 5, 10, 25]) * MB)
-        diss.measured(nid, rng.choice([1, 2.5, 5, 10, 25]) * MB)
+        diss.relays.measured(nid, rng.choice([1, 2.5, 5, 10, 25]) * MB)
 
     def plan(v: int) -> bytes:
         ann = diss.plan("job", v, b"m" * 2048, TOTAL_BYTES, chunk_bytes=CHUNK_BYTES,
@@ -62,7 +62,7 @@ def bench(n: int, versions: int, seed: int = 0) -> dict[str, float]:
             nodes.pop(rng.randrange(len(nodes)))
             nid = node_id(next_id)
             next_id += 1
-            diss.registered(nid, ["/ip4/10.254.0.1/tcp/4001"], 5 * MB)
+            diss.relays.registered(nid, ["/ip4/10.254.0.1/tcp/4001"], 5 * MB)
             nodes.append(nid)
         t0 = time.perf_counter()
         sealed = plan(v)

@@ -16,7 +16,7 @@ What earns credit:
 - **Confirmed relaying.** When a child proves it holds a version (its status names the
   version's digest), each relay parent that the dissemination plane credits for it (a credible
   child with accepted work, on another network, that did not report the parent as stalled:
-  :meth:`echo.coordinator.dissemination.Dissemination.delivered`) is paid the stripe bytes it
+  :meth:`echo.coordinator.dissemination.receipts.Receipts.delivered`) is paid the stripe bytes it
   owed that child (:meth:`CreditBook.relayed`).
 
 Nothing else earns: groups rejected at submission or by re-scoring earn nothing (their reason

@@ -119,8 +119,8 @@ class Coordinator:
         # groups by the book's own task; the dashboard draws each timed relay edge.
         self.credit = CreditBook(store, identity)
         self.edge_rates = EdgeRates()
-        self.dissemination.on_relay_credit = self.credit.relayed
-        self.dissemination.on_edge = self.edge_rates.record
+        self.dissemination.receipts.on_relay_credit = self.credit.relayed
+        self.dissemination.receipts.on_edge = self.edge_rates.record
         snapshots = Snapshots(self)
         self.live = LiveFeed(snapshots.full, snapshots.public)
 
@@ -216,7 +216,7 @@ class Coordinator:
                     forgotten,
                 )
                 for node_id in forgotten:  # a churn's links would grow without end
-                    self.dissemination.forget_node(node_id)
+                    self.dissemination.relays.forget_node(node_id)
                 if any(pruned.values()):
                     log.info("pruned %s", pruned)
             await trio.sleep(HOUSEKEEPING_S)

@@ -15,14 +15,9 @@ import logging
 import os
 from pathlib import Path
 
+from echo.learner.link import Superseded
 from echo.learner.lora import AdapterInitError
-from echo.learner.service import (
-    EXIT_CANNOT_RESUME,
-    EXIT_SUPERSEDED,
-    Learner,
-    LedgerAhead,
-    Superseded,
-)
+from echo.learner.service import EXIT_CANNOT_RESUME, EXIT_SUPERSEDED, Learner, LedgerAhead
 from echo.learner.tracking import TrackingError
 from echo.p2p.lifecycle import run_until_signalled
 

@@ -46,7 +46,7 @@ class ExportError(ValueError):
     """A version that cannot be exported: not kept, or its checkpoint does not reproduce it."""
 
 
-def _meta_model(spec: ModelSpec, seed: int) -> torch.nn.Module:
+def meta_model(spec: ModelSpec, seed: int) -> torch.nn.Module:
     """The job's model architecture without weights (meta tensors): its config and the names
     and ties of its tensors, at no memory cost."""
     with torch.device("meta"):
@@ -81,7 +81,8 @@ def published_state(
     return dict(sorted(out.items()))
 
 
-def _write_weights(state: dict[str, torch.Tensor], out: Path, progress: Progress | None) -> None:
+def write_weights(state: dict[str, torch.Tensor], out: Path, progress: Progress | None) -> None:
+    """``state`` as safetensors shards under ``out``, with the index Hugging Face expects."""
     from huggingface_hub import split_torch_state_dict_into_shards
 
     split = split_torch_state_dict_into_shards(
@@ -99,7 +100,7 @@ def _write_weights(state: dict[str, torch.Tensor], out: Path, progress: Progress
         (out / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
 
 
-def _read_back(state: dict[str, torch.Tensor], out: Path) -> None:
+def read_back(state: dict[str, torch.Tensor], out: Path) -> None:
     """Every written tensor against the state, by digest; ExportError on any difference."""
     files = sorted(out.glob("model*.safetensors"))
     found: set[str] = set()
@@ -115,9 +116,10 @@ def _read_back(state: dict[str, torch.Tensor], out: Path) -> None:
         raise ExportError(f"tensors missing from the written files: {sorted(set(state) - found)}")
 
 
-def _write_config_and_tokenizer(
+def write_config_and_tokenizer(
     spec: ModelSpec, model: torch.nn.Module, dtype: str, out: Path
 ) -> None:
+    """The model's ``config.json``, generation config and tokenizer files, under ``out``."""
     from transformers import GenerationConfig
 
     config = model.config
@@ -171,7 +173,7 @@ def export_version(
             f"{checkpoint.KEEP} checkpoints; kept: {kept})"
         ) from None
     model_spec = ModelSpec.from_dict(spec.model_spec_dict())
-    model = _meta_model(model_spec, spec.model.seed)
+    model = meta_model(model_spec, spec.model.seed)
     state = published_state(master, model, spec.publish_dtype)
     del master
     if state_digest(state) != digest:
@@ -183,9 +185,9 @@ def export_version(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        _write_weights(state, tmp, progress)
-        _read_back(state, tmp)
-        _write_config_and_tokenizer(model_spec, model, spec.publish_dtype, tmp)
+        write_weights(state, tmp, progress)
+        read_back(state, tmp)
+        write_config_and_tokenizer(model_spec, model, spec.publish_dtype, tmp)
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,8 +1,11 @@
 """The learner process of one job: train on verified rollouts, publish versions.
 
-:class:`Learner` owns a libp2p host (its identity is the key the job pins), the chunk store it
-serves versions from, its publisher and its checkpoints, around a
-:class:`~echo.learner.trainer.Trainer` that owns the model, optimizer and re-scorer. Its loop:
+:class:`Learner` owns the job's step loop and what makes a step a version: its identity (the key
+the job pins), its publisher and checkpoints, resuming from them, and the report of each
+version, around a :class:`~echo.learner.trainer.Trainer` that owns the model, optimizer and
+re-scorer. It talks to the coordinator through a
+:class:`~echo.learner.link.CoordinatorLink` and serves its versions to the swarm through a
+:class:`~echo.learner.source.VersionSource`. Its loop:
 take groups from the coordinator's replay buffer within the staleness window (re-scoring those
 from older versions while it waits for the rest), train (``Trainer.train``), publish version
 ``v + 1`` (anchor or patch, signed), checkpoint, and report which rollouts went into the
@@ -15,14 +18,13 @@ epoch), so the coordinator's ledger and the learner's weights never disagree.
 One learner per job: the job folder's lock (:mod:`~echo.learner.fence`) keeps two off one
 machine's checkpoints, and the learner epoch the coordinator issued this process (``--epoch``)
 rides on every request, so once a newer learner of the job has been started or handed the job
-the coordinator refuses this one (:class:`Superseded`) and it exits with
+the coordinator refuses this one (:class:`~echo.learner.link.Superseded`) and it exits with
 :data:`EXIT_SUPERSEDED`, whichever host it runs on.
 """
 
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from pathlib import Path
 
@@ -31,36 +33,24 @@ import trio
 
 from echo.learner import fence
 from echo.learner.distributed import Dist
+from echo.learner.link import CoordinatorLink
 from echo.learner.lora import build_lora
 from echo.learner.publish import Publisher
+from echo.learner.source import VersionSource
 from echo.learner.tracking import Tracker, open_tracker
 from echo.learner.trainer import Trainer
 from echo.models.device import resolve_device
 from echo.models.spec import ModelSpec
-from echo.p2p.budget import STRANGER_BYTES_PER_S, Audience
-from echo.p2p.chunkstore import ChunkStore, serve_chunks
-from echo.p2p.host import EchoHost, open_host
-from echo.p2p.identity import Identity, public_key_from_peer_id
-from echo.p2p.relay import Relay, RelayConfig, open_relay
-from echo.p2p.rpc import RemoteError
-from echo.protocol import ids, limits, signing
+from echo.p2p.chunkstore import ChunkStore
+from echo.p2p.identity import Identity
 from echo.protocol import messages as m
-from echo.protocol.errors import ProtocolError
+from echo.protocol import signing
 from echo.protocol.jobspec import JobSpec
 
 log = logging.getLogger("echo.learner")
 
-RPC_TIMEOUT = 30.0
 # How long to wait between polls of an empty replay buffer.
 POLL_S = 0.1
-# After the last step the learner is the only holder some nodes can fetch the final version from:
-# it keeps serving until no chunk has been asked for in FINAL_IDLE_S (a node mid-generation asks
-# after its current groups), and never longer than FINAL_SERVE_MAX_S.
-FINAL_IDLE_S = 10.0
-FINAL_SERVE_MAX_S = 90.0
-# Share of a paced learner's uplink (--upload-limit-bps) that peers outside its audience -- not
-# in a recent plan, no group trained -- may take together: a quarter leaves the plan most of it.
-STRANGER_SHARE = 0.25
 
 
 # The exit status that tells the coordinator's supervisor not to restart us: restarting cannot
@@ -75,12 +65,6 @@ EXIT_SUPERSEDED = 4
 
 class LedgerAhead(RuntimeError):
     """The coordinator's ledger holds a version this learner has no checkpoint of."""
-
-
-class Superseded(RuntimeError):
-    """The coordinator refused this learner's epoch: a newer learner of the job was started
-    or handed the job (or the epoch was never issued). Nothing this learner sends is booked
-    any more, so it stops."""
 
 
 def resume_action(ledger_version: int, own_version: int, pending_report: bytes | None) -> str:
@@ -103,8 +87,11 @@ def resume_action(ledger_version: int, own_version: int, pending_report: bytes |
 
 
 class Learner:
-    """One job's learner process: its host, chunk store, publisher and checkpoints around a
-    :class:`~echo.learner.trainer.Trainer`; see the module docstring."""
+    """One job's learner process: its step loop, publisher and checkpoints around a
+    :class:`~echo.learner.trainer.Trainer`, with its link to the coordinator and its source of
+    versions in the swarm; see the module docstring. One concept: what turns a trained step
+    into a booked version (publish, checkpoint, report, in that order) and the loop that feeds
+    it; talking to the coordinator and serving chunks are the link's and the source's."""
 
     def __init__(
         self,
@@ -130,14 +117,6 @@ class Learner:
         self.device = ranks.device if ranks is not None else resolve_device(device)
         self.epoch = epoch
         self.job_dir = job_dir
-        self.upload_limit_bps = upload_limit_bps
-        # Whom we serve chunks to on their own budgets: planned nodes and those whose groups we
-        # trained on; everyone else shares a small bucket (issue 26, finding 7).
-        self.audience = Audience(
-            min(STRANGER_BYTES_PER_S, STRANGER_SHARE * upload_limit_bps)
-            if upload_limit_bps
-            else STRANGER_BYTES_PER_S
-        )
         self.job_id = job_id
         self.coordinator = coordinator
         self.spec = JobSpec.model_validate_json((job_dir / "job.json").read_text())
@@ -148,12 +127,12 @@ class Learner:
         self.publisher = Publisher(
             self.identity.private_key, job_id, self.chunks, self.spec.anchor_every
         )
+        self.source = VersionSource(
+            job_dir, job_id, self.chunks, self.identity.public_key_bytes, upload_limit_bps
+        )
+        self.link = CoordinatorLink(self.identity, job_id, epoch)
         self.version = 0
         self.pending_report: bytes | None = None
-        self.host: EchoHost | None = None
-        self.coord_peer = None
-        self.relay: Relay | None = None
-        self.served_bytes = 0  # chunk bytes nodes pulled from us
         # Raises TrackingError now, before any work, when the job's backend cannot start.
         self.tracker: Tracker | None = open_tracker(
             self.spec.tracking, job_dir, job_id, self.spec.model_dump(mode="json")
@@ -196,7 +175,7 @@ class Learner:
             "encode_s": pub.encode_s,
             # Cumulative: the difference between two versions is what disseminating the
             # earlier one cost the learner's uplink.
-            "source_bytes_total": float(self.bytes_sent()),
+            "source_bytes_total": float(self.source.bytes_sent()),
         }
         report = m.StepReport(
             job_id=self.job_id,
@@ -216,105 +195,18 @@ class Learner:
             self.tracker.log(self.version, metrics)
         return sealed
 
-    # ------------------------------------------------------------------ coordinator RPC
-
-    async def _rpc(self, proto: str, record: m.Record, reply_cls):
-        """``record``, signed, to the coordinator; its reply as a ``reply_cls``, decoded in a worker
-        thread (a batch's ids are lists, up to 32 MiB: the loop keeps serving chunks). :raises
-        RpcError: the call failed. :raises ProtocolError: the reply does not decode."""
-        assert self.host is not None
-        sealed = signing.seal_record(self.identity.private_key, record)
-        cap = limits.MAX_BATCH_REPLY_BYTES
-        data = await self._request(proto, sealed, cap)
-        return await trio.to_thread.run_sync(lambda: m.decode(reply_cls, data, max_bytes=cap))
-
-    async def _request(self, proto: str, sealed: bytes, max_response: int) -> bytes:
-        """One request to the coordinator. :raises Superseded: it refused our learner epoch.
-        :raises RpcError: the call failed otherwise."""
-        assert self.host is not None
-        try:
-            return await self.host.request(
-                self.coord_peer, proto, sealed, timeout=RPC_TIMEOUT, max_response=max_response
-            )
-        except RemoteError as exc:
-            if exc.message.startswith(f"{m.LEARNER_EPOCH_REFUSED}:"):
-                raise Superseded(f"the coordinator refused this learner: {exc.message}") from None
-            raise
-
-    def _for_this_epoch(self, sealed: bytes) -> bytes:
-        """``sealed`` (a StepReport this learner signed, perhaps in an earlier life under an
-        older epoch: a report checkpointed but never booked) re-signed with this process's
-        epoch; unchanged when it carries it already. :raises ProtocolError: not such a report."""
-        _, report = signing.open_record(
-            sealed, m.StepReport, expected_signer=self.identity.public_key_bytes
-        )
-        if report.epoch == self.epoch:
-            return sealed
-        return signing.seal_record(
-            self.identity.private_key, report.model_copy(update={"epoch": self.epoch})
-        )
-
-    async def _send_report(self, sealed: bytes) -> None:
-        assert self.host is not None
-        data = await self._request(ids.PROTO_LEARNER_REPORT, sealed, 1 << 16)
-        ack = m.decode(m.StepAck, data, max_bytes=8 << 20)
-        if not ack.ok:
-            raise RuntimeError(f"coordinator refused version {self.version}: {ack.message}")
-        if ack.plan:
-            await self._start_broadcast(ack.plan)
-
-    async def _start_broadcast(self, sealed_plan: bytes) -> None:
-        """Push the new version to our children in the coordinator's plan; nodes the push does
-        not reach pull from us instead, so a bad plan only costs time."""
-        assert self.host is not None and self.relay is not None
-        try:
-            ann = await self.relay.join_plan(
-                sealed_plan, public_key_from_peer_id(self.coord_peer), self.job_id
-            )
-        except ProtocolError as exc:
-            log.warning("cannot push v%d down the plan: %s", self.version, exc)
-            return
-        if ann is not None:  # the plan's nodes may pull from us on their own budgets
-            self.audience.planned(ann.version, (p.peer_id for p in ann.peers))
-
-    def bytes_sent(self) -> int:
-        """Chunk bytes this learner has sent, pushed and pulled, since it started."""
-        return self.served_bytes + (self.relay.pushed_out_total if self.relay else 0)
-
-    async def _take_groups(self, want: int) -> m.BatchReply:
-        """Up to ``want`` groups within the staleness window from the coordinator's buffer (one
-        reply: ``more`` says the reply's size budget cut it short)."""
-        min_version = max(0, self.version - self.spec.staleness)
-        return await self._rpc(
-            ids.PROTO_LEARNER_BATCH,
-            m.BatchRequest(
-                job_id=self.job_id,
-                max_groups=want,
-                min_version=min_version,
-                timestamp=time.time(),
-                epoch=self.epoch,
-            ),
-            m.BatchReply,
-        )
-
     # ------------------------------------------------------------------ main loop
 
-    def _listen_addr(self) -> str:
-        """The port of the previous run if there was one: nodes fetching chunks from us when we
-        crashed find us again at the same address (they also re-ask the coordinator)."""
-        ip = self.coordinator.split("/")[2]  # the interface the coordinator is reached on
-        try:
-            port = int((self.job_dir / "learner.port").read_text())
-            with socket.socket() as probe:  # still free? (another process may have taken it)
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                probe.bind((ip, port))
-        except (OSError, ValueError):
-            port = 0
-        return f"/ip4/{ip}/tcp/{port}"
+    async def _send_report(self, sealed: bytes) -> None:
+        """Send a signed report of ``self.version``, then push the version down the plan the
+        coordinator answered with."""
+        plan = await self.link.send_report(sealed, self.version)
+        if plan:
+            await self.source.broadcast(plan, self.link.coordinator_key, self.version)
 
-    def _remember_port(self, host: EchoHost) -> None:
-        port = host.listen_multiaddrs[0].split("/tcp/")[1].split("/")[0]
-        (self.job_dir / "learner.port").write_text(port)
+    async def _take_groups(self, want: int) -> m.BatchReply:
+        """Up to ``want`` groups within the staleness window from the coordinator's buffer."""
+        return await self.link.take_groups(want, max(0, self.version - self.spec.staleness))
 
     async def run(self) -> None:
         """Build the model, attach to the coordinator and train until the job ends; the
@@ -329,40 +221,15 @@ class Learner:
         # One learner per job: an orphan of a killed coordinator must exit first (fence.py).
         self._lock_fd = await fence.hold(self.job_dir)
         await trio.to_thread.run_sync(self.build)
-        async with open_host(self.identity, [self._listen_addr()]) as host:
-            self._remember_port(host)
-            self.host = host
-            serve_chunks(host, self.chunks, on_served=self._count_served, audience=self.audience)
-            self.coord_peer = await host.connect(self.coordinator)
-            async with open_relay(
-                host,
-                self.chunks,
-                learner_keys={self.job_id: self.identity.public_key_bytes},
-                config=RelayConfig(upload_limit_bps=self.upload_limit_bps),
-                serve_pulls=False,
-            ) as relay:
-                self.relay = relay
+        async with self.source.open_host(self.identity, self.coordinator) as host:
+            await self.link.connect(host, self.coordinator)
+            async with self.source.open_relay(host):
                 await self._attached()
-
-    def _count_served(self, n: int) -> None:
-        self.served_bytes += n
 
     async def _attached(self) -> None:
         """Attach to the job at the coordinator, re-send a report a crash left unsent, train,
         and serve the final version."""
-        assert self.host is not None
-        host = self.host
-        hello = await self._rpc(
-            ids.PROTO_LEARNER_HELLO,
-            m.LearnerHello(
-                job_id=self.job_id,
-                peer_id=str(host.peer_id),
-                addrs=host.listen_multiaddrs,
-                timestamp=time.time(),
-                epoch=self.epoch,
-            ),
-            m.LearnerHelloReply,
-        )
+        hello = await self.link.hello()
         if hello.cancelled:
             log.info("job was cancelled; exiting")
             return
@@ -375,7 +242,7 @@ class Learner:
                 hello.current_version,
             )
             # Checkpointed under the epoch of the learner that crashed: ours now.
-            await self._send_report(self._for_this_epoch(self.pending_report))
+            await self._send_report(self.link.for_this_epoch(self.pending_report))
         elif action == "publish_base":
             sealed = await trio.to_thread.run_sync(
                 lambda: self._publish([], [], self.trainer.evaluate(force=True))
@@ -383,20 +250,7 @@ class Learner:
             await self._send_report(sealed)
             log.info("published v0 (base policy)")
         if await self._train_loop():
-            await self._serve_final()
-
-    async def _serve_final(self) -> None:
-        start = time.monotonic()
-        log.info("serving the final version v%d until nodes stop asking", self.version)
-        if self.relay is not None:  # first let the push down the tree finish
-            await self.relay.wait_forwarded(self.job_id, self.version, FINAL_SERVE_MAX_S / 3)
-        self.chunks.last_read = max(self.chunks.last_read, time.monotonic())
-        while time.monotonic() - self.chunks.last_read < FINAL_IDLE_S:
-            if time.monotonic() - start > FINAL_SERVE_MAX_S:
-                log.info("served the final version for %.0f s; exiting", FINAL_SERVE_MAX_S)
-                return
-            await trio.sleep(1.0)
-        log.info("no chunk requests for %.0f s; exiting", FINAL_IDLE_S)
+            await self.source.serve_final(self.version)
 
     async def _train_loop(self) -> bool:
         """Train until the job's last step (True) or until it is cancelled (False)."""
@@ -409,8 +263,7 @@ class Learner:
                 log.info("job cancelled at v%d", self.version)
                 return False
             groups = list(reply.groups)
-            for g in groups:  # accepted work: they pull from us on their own budgets
-                self.audience.proven(g.node_id)
+            self.source.proven(g.node_id for g in groups)  # accepted work
             pending.extend(groups)
             floor = self.version - spec.staleness
             pending = [g for g in pending if g.version >= floor]

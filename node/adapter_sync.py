@@ -86,16 +86,25 @@ def load_into_engine(
     base: dict[str, torch.Tensor],
     adapter: dict[str, torch.Tensor],
     expected_digest: str,
-) -> None:
+) -> bool:
     """Make ``engine`` serve ``adapter`` on ``base`` (the base only when it does not hold it
     already), then check that what it serves, computed from its own weights, is the version's
-    digest ``expected_digest``.
+    digest ``expected_digest``. True when the engine loaded the base (a model load), False for
+    an adapter switch on the base it held.
 
     :raises AdapterError: the engine serves something else after loading.
     """
-    engine.load_adapter(None if engine.holds_base(ref.base_digest) else base, adapter, ref)
+    held = engine.holds_base(ref.base_digest)
+    engine.load_adapter(None if held else base, adapter, ref)
     if engine.lora_served != expected_digest:
         raise AdapterError(
             f"the {engine.name} engine serves digest {engine.lora_served[:12]}, the version is "
             f"{expected_digest[:12]}"
         )
+    return not held
+
+
+def say_base_loaded(engine: Engine, base_digest: str) -> str:
+    """What the node tells the volunteer when its engine loads a base model (one line per load:
+    tests count them)."""
+    return f"loaded base {base_digest[:12]} into the {engine.name} engine"

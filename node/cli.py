@@ -109,6 +109,20 @@ def join(
         int | None,
         typer.Option(help="leave after this many groups (default: serve jobs until Ctrl-C)"),
     ] = None,
+    api: Annotated[
+        str | None,
+        typer.Option(
+            help="the coordinator's HTTP address (http://HOST:PORT): status and the local page "
+            "then show this node's verified credit"
+        ),
+    ] = None,
+    ui_port: Annotated[
+        int | None,
+        typer.Option(
+            help="serve a status page on http://127.0.0.1:PORT/ (this machine only; 0: any free "
+            "port, printed on start)"
+        ),
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Join a swarm and serve its jobs until stopped: register, receive the policy, generate
@@ -138,6 +152,8 @@ def join(
         keep_weights=keep_weights,
         cost=cost,
         max_disk_gb=max_disk_gb,
+        api=api,
+        ui_port=ui_port,
     )
     if not cfg.coordinator:
         console.print(
@@ -228,6 +244,114 @@ def credit(
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(1) from None
     show(Console(), node, got, max(0, last))
+
+
+@app.command()
+def status(
+    coordinator: Annotated[
+        str | None,
+        typer.Option("--coordinator", "-C", help="its multiaddr: the key credit must verify by"),
+    ] = None,
+    config: Annotated[Path | None, typer.Option("--config", "-c")] = None,
+    data_dir: Annotated[Path | None, typer.Option()] = None,
+    api: Annotated[
+        str | None,
+        typer.Option(
+            "--api",
+            envvar="ECHO_COORDINATOR_API",
+            help="fetch and verify the credit now from the coordinator's HTTP address",
+        ),
+    ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="print the status file, and whether the node runs")
+    ] = False,
+) -> None:
+    """Show what this node is doing, from another terminal or after it stopped: running or
+    not (and why), engine, job and version held, tokens/s, groups accepted and rejected with
+    the reasons and what to do, credit, the last problem. Exit status: 0 running, 3 not
+    running, 2 no node has run with this data dir."""
+    import json
+
+    from echo.node.state import StatusFileError, read_status
+    from echo.node.status_view import show_status
+
+    cfg = _config(config, coordinator=coordinator, data_dir=data_dir, api=api)
+    try:
+        got = read_status(cfg.data_dir)
+    except StatusFileError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
+    if as_json:
+        print(json.dumps({**got.data, "running": got.running, "why": got.why}, indent=1))
+        raise typer.Exit(0 if got.running else 3)
+    credit = None
+    if cfg.api:
+        from echo.node.credit_view import CreditViewError, fetch_ledger
+        from echo.protocol.credit import UCREDITS_PER_CREDIT
+
+        try:
+            d = got.data
+            f = fetch_ledger(cfg.api, d["node_id"], cfg.coordinator or d["coordinator"])
+            credit = {
+                "credits": f.ledger.total / UCREDITS_PER_CREDIT,
+                "entries": len(f.ledger.entries),
+            }
+        except CreditViewError as exc:
+            credit = {"error": str(exc)}
+    show_status(Console(), got, credit)
+    raise typer.Exit(0 if got.running else 3)
+
+
+service_app = typer.Typer(help="Run the node as a service that restarts after a crash or a reboot.")
+app.add_typer(service_app, name="service")
+
+
+@service_app.command("install")
+def service_install(
+    coordinator: Annotated[str | None, typer.Option("--coordinator", "-C")] = None,
+    config: Annotated[Path | None, typer.Option("--config", "-c")] = None,
+    data_dir: Annotated[Path | None, typer.Option()] = None,
+    engine: Annotated[str | None, typer.Option()] = None,
+    threads: Annotated[int | None, typer.Option()] = None,
+    max_tokens_per_s: Annotated[float | None, typer.Option()] = None,
+    schedule: Annotated[str | None, typer.Option()] = None,
+    listen: Annotated[str | None, typer.Option()] = None,
+    api: Annotated[str | None, typer.Option()] = None,
+    ui_port: Annotated[int | None, typer.Option()] = None,
+    print_only: Annotated[
+        bool, typer.Option("--print", help="print the unit and the node.toml; write nothing")
+    ] = False,
+) -> None:
+    """Write a systemd user unit that runs echo-node join with these settings (the --config
+    file and flags, saved to DATA_DIR/node.toml) and restarts it when it fails; the node keeps
+    its identity. Where systemd is absent, prints the unit instead."""
+    from echo.node import service
+    from echo.p2p.identity import Identity
+
+    cfg = _config(
+        config, coordinator=coordinator, data_dir=data_dir, engine=engine, threads=threads,
+        max_tokens_per_s=max_tokens_per_s, schedule=schedule, listen=listen, api=api,
+        ui_port=ui_port,
+    )
+    if not cfg.coordinator:
+        console.print("[red]no coordinator:[/red] pass --coordinator or set it in node.toml")
+        raise typer.Exit(2)
+    cfg = cfg.model_copy(update={"data_dir": cfg.data_dir.resolve()})
+    cfg.data_dir.mkdir(parents=True, exist_ok=True)
+    node_id = Identity.load_or_create(cfg.data_dir / "identity.key").peer_id_str
+    if print_only or not service.has_systemd():
+        if not print_only:
+            console.print("[yellow]systemd is not running here:[/yellow] the unit, to adapt:")
+        path = cfg.data_dir / "node.toml"
+        print(f"# {path}\n{service.config_toml(cfg)}")
+        print(f"# {service.unit_dir() / service.UNIT_NAME}\n{service.unit_text(path, node_id)}")
+        return
+    config_path, unit_path = service.install(cfg, node_id)
+    console.print(f"wrote {config_path} and {unit_path}; now run:")
+    print("systemctl --user daemon-reload && systemctl --user enable --now echo-node")
+    print("loginctl enable-linger $USER   # to start at boot, before you log in")
+    print(f"echo-node status --config {config_path}   # what it does")
+    print("journalctl --user -u echo-node  # its log")
 
 
 if __name__ == "__main__":

@@ -54,6 +54,26 @@ class NodeConfig(BaseModel):
         "pruned first when the node switches jobs; 0: keep only the current job's)",
     )
 
+    api: str = Field(
+        default="",
+        description="the coordinator's HTTP address (http://HOST:PORT): the node then shows its "
+        "verified credit in echo-node status and on its local page",
+    )
+    ui_port: int | None = Field(
+        default=None,
+        ge=0,
+        le=65535,
+        description="serve a status page for the volunteer on http://127.0.0.1:PORT/ (localhost "
+        "only; 0 picks a free port); unset: none",
+    )
+
+    @field_validator("api")
+    @classmethod
+    def _api(cls, v: str) -> str:
+        if v and not v.startswith(("http://", "https://")):
+            raise ValueError(f"api {v!r} is not an http:// or https:// address")
+        return v.rstrip("/")
+
     @field_validator("schedule")
     @classmethod
     def _schedule(cls, v: str | None) -> str | None:

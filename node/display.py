@@ -11,12 +11,13 @@ job's totals.
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 import trio
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+from rich.text import Text
 
 from echo.p2p.relay import Transfer
 from echo.protocol import messages as m
@@ -24,6 +25,7 @@ from echo.protocol import messages as m
 # Versions at least this large get a progress bar while they arrive (small patches take
 # milliseconds; a bar per version would only flicker).
 PROGRESS_MIN_BYTES = 16 << 20
+RECENT_REJECTIONS = 20
 
 
 @dataclass
@@ -35,6 +37,8 @@ class Stats:
     reasons: Counter = field(default_factory=Counter)
     tokens: int = 0
     gen_seconds: float = 0.0
+    # The latest rejections, newest last: {"at", "reason", "detail"} (status and the local page).
+    recent_rejections: deque = field(default_factory=lambda: deque(maxlen=RECENT_REJECTIONS))
 
     @property
     def tokens_per_s(self) -> float:
@@ -56,6 +60,10 @@ class Display:
         self._bar: Progress | None = None  # of a large version being pulled
         self._bar_task = None
         self.state = "starting"  # "idle: <why>" or "job <id>"
+        # What ``echo-node status`` shows: the last line said, and the last warning or error
+        # (lines marked yellow or red), with their times.
+        self.last_message: dict = {}
+        self.last_error: dict = {}
 
     def idle(self, reason: str) -> None:
         """The node has nothing to do, for ``reason`` (shown once; the node polls meanwhile)."""
@@ -71,6 +79,10 @@ class Display:
     def say(self, text: str) -> None:
         """Print ``text`` (rich markup) to the volunteer, after the time of day."""
         self.console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {text}")
+        said = {"at": time.time(), "text": Text.from_markup(text).plain}
+        self.last_message = said
+        if text.startswith(("[yellow]", "[red]")):
+            self.last_error = said
 
     def _progress(self) -> Progress:
         return Progress(
@@ -124,6 +136,9 @@ class Display:
         else:
             self.stats.rejected += 1
             self.stats.reasons[reply.reason] += 1
+            self.stats.recent_rejections.append(
+                {"at": time.time(), "reason": reply.reason, "detail": reply.detail}
+            )
             self.say(f"[red]rejected[/red] ({reply.reason}) {reply.detail}")
         if self.stats.accepted % 10 == 1 or not reply.accepted:
             reasons = ", ".join(f"{k} {v}" for k, v in sorted(reply.rejected_by_reason.items()))

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 
 import trio
 
-from echo.node.adapter_sync import load_into_engine
+from echo.node.adapter_sync import load_into_engine, say_base_loaded
 from echo.node.config import NodeConfig
 from echo.node.display import Display
 from echo.node.engines.base import Engine
@@ -262,12 +262,14 @@ class PolicyFollower:
             if sync.adapter is not None:  # the base loads once; versions switch the adapter
                 assert sync.base is not None
                 try:
-                    await trio.to_thread.run_sync(
+                    loaded = await trio.to_thread.run_sync(
                         load_into_engine, self.engine, sync.adapter, sync.base, sync.state,
                         sync.digest,
                     )  # fmt: skip
                 except NotImplementedError as exc:  # retrying cannot help: say so and stop
                     raise NodeError(f"job {sync.job.job_id} is a LoRA job: {exc}") from None
+                if loaded:  # counted by tests: a node loads a base once for all its jobs
+                    self.display.say(say_base_loaded(self.engine, sync.adapter.base_digest))
             else:
                 await trio.to_thread.run_sync(self.engine.load_state, sync.state)
             if self.cfg.keep_weights:

@@ -67,6 +67,7 @@ class CoordinatorSession:
         self, identity: Identity, display: Display, describe: Callable[[], m.Register]
     ) -> None:
         self.identity = identity
+        self.base_jobs: list[m.JobInfo] = []  # the last registration's (RegisterReply.base_jobs)
         self.display = display
         self.describe = describe
         self.host: EchoHost | None = None
@@ -175,6 +176,8 @@ class CoordinatorSession:
                 continue
             first, delay = False, IDLE_POLL_S
             job = next((j for j in reply.jobs if j.job_id == reply.assigned_job), None)
+            # The LoRA jobs on the same base, served beside it (echo.node.base_group).
+            self.base_jobs = [j for j in reply.jobs if j.job_id in set(reply.base_jobs)]
             if job is not None:
                 self.display.working(job.job_id)
                 self.display.say(

@@ -34,10 +34,12 @@ from rich.console import Console
 
 from echo.models.device import resolve_device
 from echo.models.spec import ModelSpec, load_tokenizer
+from echo.node.adapter_sync import say_base_loaded
+from echo.node.base_group import SharedJob, Turns, keeps_base, open_shared, serve
 from echo.node.config import NodeConfig
 from echo.node.display import Display
 from echo.node.engines.base import Engine, GenRequest, SamplingParams
-from echo.node.engines.factory import make_engine_or_torch
+from echo.node.engines.factory import EngineChoice, make_engine_or_torch
 from echo.node.errors import NodeError
 from echo.node.policy import PolicyFollower
 from echo.node.probe import choose_engine, probe
@@ -52,7 +54,6 @@ from echo.protocol import codec, ids, signing
 from echo.protocol import messages as m
 from echo.protocol.errors import ProtocolError
 
-SOFTWARE = "echo-swarm/0.1.0"
 # Stopping an engine's worker processes (vLLM's shutdown waits up to 2 s per process).
 ENGINE_CLOSE_TIMEOUT_S = 10.0
 # When the job ends, a node finishes relaying the last version to its children (for at most
@@ -85,6 +86,20 @@ def lease_request(lease: m.Lease, prompt_ids: list[int]) -> GenRequest:
     )
 
 
+async def open_engine(name: str, spec: ModelSpec, device: str, cfg: NodeConfig) -> EngineChoice:
+    """Start engine ``name`` on a job's model in a worker thread (torch where ``name`` cannot
+    run the model). :raises NodeError: the model does not fit in memory."""
+    try:
+        return await trio.to_thread.run_sync(
+            lambda: make_engine_or_torch(
+                name, spec, device=device, threads=cfg.threads,
+                gpu_memory_fraction=cfg.gpu_memory_fraction,
+            )
+        )  # fmt: skip
+    except MemoryError:
+        raise NodeError("the model does not fit in this machine's memory") from None
+
+
 class Node:
     """One volunteer node (see the module docstring): :meth:`run` serves jobs until
     ``max_groups`` groups are done or it is cancelled.
@@ -114,6 +129,7 @@ class Node:
         self.upload_limit_bps = (cfg.max_upload_mbps or 0.0) * 1e6
         self.policy = self._follower()
         self.jobs_served: list[str] = []  # in the order the node served them
+        self._base_group: set[str] = set()  # the engine's last jobs, of one base: it stays
 
     def say(self, text: str) -> None:
         """Print ``text`` to the volunteer (see :meth:`Display.say`)."""
@@ -134,12 +150,32 @@ class Node:
     async def run(self) -> None:
         """Serve the jobs the coordinator places this node on, one after another, until
         cancelled (or ``max_groups`` are done); idle in between. The engine is closed after
-        each job and on the way out. :raises NodeError: see the class docstring."""
+        each job and on the way out. Meanwhile DATA_DIR/status.json says what the node does
+        (and the local page shows it, with ``ui_port``). :raises NodeError: see the class
+        docstring."""
+        from echo.node.state import StatusKeeper
+        from echo.node.ui import serve_ui
+
         cfg = self.cfg
         self.say(
             f"node {self.identity.peer_id_str} · engine [bold]{self.engine_name}[/bold] "
             f"({self.engine_reason}) · cost {cfg.cost:g}"
         )
+        keeper = StatusKeeper(self)
+        with keeper.kept():
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(keeper.run)
+                if cfg.ui_port is not None:
+                    binds = await nursery.start(serve_ui, keeper, cfg.ui_port)
+                    keeper.ui_url = binds[0].rstrip("/") + "/"
+                    self.say(f"status page (this machine only): {keeper.ui_url}")
+                try:
+                    await self._run_host()
+                finally:
+                    nursery.cancel_scope.cancel()
+
+    async def _run_host(self) -> None:
+        cfg = self.cfg
         async with open_host(self.identity, [cfg.listen]) as host:
             self.host = host
             await self.session.connect(host, cfg.coordinator)
@@ -168,7 +204,8 @@ class Node:
                 await self._serve_job(host, job)
                 if self.max_groups is not None and self.done_groups >= self.max_groups:
                     return
-                await self._close_engine()
+                if len(self._base_group) < 2:  # no other job of its base: free it while idle
+                    await self._close_engine()
                 job = await self.session.wait_for_job()
         finally:
             await self._close_engine()
@@ -184,7 +221,7 @@ class Node:
     def _register_record(self) -> m.Register:
         return m.Register(
             protocol_version=ids.PROTOCOL_VERSION,
-            software=SOFTWARE,
+            software=ids.SOFTWARE,
             engine=self.engine_name,
             hardware=self.probe.hardware,
             tokens_per_s=self.stats.tokens_per_s,
@@ -212,49 +249,52 @@ class Node:
     async def _serve_job(self, host: EchoHost, job: m.JobInfo) -> None:
         """Work for ``job`` until it ends, the scheduler moves the node, or ``max_groups``."""
         cfg = self.cfg
-        await self._close_engine()  # the last job's, if any: never two models in memory
+        # A job of the base the engine holds keeps it (an adapter switch); else the last job's
+        # engine goes first: never two models in memory.
+        kept = self.engine is not None and keeps_base(self.policy.sync, job, self._base_group)
+        held = self.policy.sync if kept else None
+        if held is None:
+            await self._close_engine()
         await trio.to_thread.run_sync(self._prune_other_jobs, job.job_id)
-        self.engine_name = self.chosen_engine
         self.policy = self._follower()
         spec = ModelSpec.from_dict(job.model)
         device = str(resolve_device(cfg.device))  # the learner's rule: auto is CUDA if seen
-        try:
-            choice = await trio.to_thread.run_sync(
-                lambda: make_engine_or_torch(
-                    self.engine_name,
-                    spec,
-                    device=device,
-                    threads=cfg.threads,
-                    gpu_memory_fraction=cfg.gpu_memory_fraction,
-                )
-            )
-        except MemoryError:
-            raise NodeError("the model does not fit in this machine's memory") from None
-        self.engine = choice.engine
-        if choice.fallback:  # an architecture the chosen engine cannot run: one line, then torch
-            self.say(f"[yellow]{choice.fallback}; running the torch engine instead[/yellow]")
+        if held is None:
+            choice = await open_engine(self.chosen_engine, spec, device, cfg)
+            self.engine = choice.engine
             self.engine_name = self.policy.engine_name = choice.name
+            if choice.fallback:  # an architecture the chosen engine cannot run: one line
+                self.say(f"[yellow]{choice.fallback}; running the torch engine instead[/yellow]")
         # Re-scoring thresholds are per engine and device: GPU kernels differ more from the
         # learner's CPU float32 than a CPU does.
-        self.report_engine = (
-            f"torch-{device}"
-            if self.engine_name == "torch" and device != "cpu"
-            else self.engine_name
-        )
+        gpu_torch = self.engine_name == "torch" and device != "cpu"
+        self.report_engine = f"torch-{device}" if gpu_torch else self.engine_name
         # The tokenizer only bounds the ids a lease may carry: prompts come tokenized.
         vocab = spec.vocab if spec.kind == "tiny" else len(load_tokenizer(spec))
         sync = await self.policy.prepare(host, job)
+        if held is not None:  # the base the engine holds: not fetched again
+            sync.base, sync.base_digest = held.base, held.base_digest
+        # LoRA jobs on the same base: served too, by adapter switches (echo.node.base_group).
+        shared = await open_shared(cfg, host, self.session.peer, self.session.base_jobs,
+                                   self.display)  # fmt: skip
+        self._base_group = {job.job_id, *(s.job.job_id for s in shared)}
         async with trio.open_nursery() as nursery:
+            assert self.engine is not None
             await self.policy.start(nursery, self.engine)
-            await self._lease_loop(job, vocab, sync)
+            await self._lease_loop(job, vocab, sync, shared)
             nursery.cancel_scope.cancel()
 
-    async def _lease_loop(self, job: m.JobInfo, vocab: int, sync: WeightSync) -> None:
+    async def _lease_loop(
+        self, own_job: m.JobInfo, vocab: int, own_sync: WeightSync, shared: list[SharedJob]
+    ) -> None:
+        """Leases of the node's job, taking turns with the jobs that share its base."""
+        turns = Turns(own_job, own_sync, shared, self.display)
         while self.max_groups is None or self.done_groups < self.max_groups:
             if not self.cfg.working_now():
                 self.say(f"outside the schedule {self.cfg.schedule}: pausing")
                 while not self.cfg.working_now():
                     await trio.sleep(30)
+            job, sync, slot = turns.next()
             req = m.LeaseRequest(
                 job_id=job.job_id,
                 max_leases=self.cfg.leases_at_once,
@@ -274,6 +314,8 @@ class Node:
                 self.say(f"[yellow]lease request failed:[/yellow] {exc}")
                 await trio.sleep(2.0)
                 continue
+            if slot is not None and turns.left(slot, reply):
+                continue
             if reply.assigned_job is not None and reply.assigned_job != job.job_id:
                 # The scheduler moved us: hand the version in hand on, then go.
                 await self.policy.finish_forwarding(sync.version, MOVED_FORWARD_S)
@@ -281,7 +323,10 @@ class Node:
                 self.say(f"the coordinator moved this node from job {job.job_id} to {where}")
                 return
             if reply.current_version > sync.version:
-                await self.policy.sync_to(reply.current_version)
+                if slot is None:
+                    await self.policy.sync_to(reply.current_version)
+                elif not await turns.sync(slot, reply.current_version):
+                    continue
             if not reply.leases:
                 if reply.message.startswith("job is") and "running" not in reply.message:
                     if not await self.policy.finish_forwarding(sync.version, FINAL_FORWARD_S):
@@ -294,7 +339,9 @@ class Node:
                         f"looking for the next job"
                     )
                     return
-                await trio.sleep(max(reply.retry_after_s, 0.05))
+                if slot is None:  # the shared jobs' turns come between, without a pause of theirs
+                    pause = max(reply.retry_after_s, 0.05)
+                    await trio.sleep(min(pause, 0.2) if turns.shared else pause)
                 continue
             leases = [self._open_lease(b) for b in reply.leases]
             work = []
@@ -312,6 +359,9 @@ class Node:
 
     async def _work(self, work: list[tuple[m.Lease, list[int]]], sync: WeightSync) -> None:
         assert self.engine is not None
+        # Several jobs of one base take turns on the engine: switch to this job's adapter.
+        if await serve(self.engine, sync):
+            self.say(say_base_loaded(self.engine, sync.adapter.base_digest))
         version, digest = sync.version, sync.digest
         if sync.adapter is not None:  # what the engine serves, as computed when it loaded
             digest = self.engine.lora_served

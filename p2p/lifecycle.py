@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import faulthandler
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 import trio
 
@@ -44,16 +44,17 @@ def run_until_signalled(main: Callable[[], Awaitable[None]]) -> bool:
     except BaseExceptionGroup as group:
         # Nurseries wrap errors in groups; a daemon that failed for one reason (NodeError, a
         # bad config) should surface that one error to its CLI, which prints it plainly.
-        leaves = list(_leaves(group))
+        leaves = list(exception_leaves(group))
         if len(leaves) == 1:
             raise leaves[0] from None
         raise
     return bool(fired)
 
 
-def _leaves(group: BaseExceptionGroup):
+def exception_leaves(group: BaseExceptionGroup) -> Iterator[BaseException]:
+    """The exceptions of ``group`` and of every group nested in it, depth first."""
     for exc in group.exceptions:
         if isinstance(exc, BaseExceptionGroup):
-            yield from _leaves(exc)
+            yield from exception_leaves(exc)
         else:
             yield exc

@@ -29,6 +29,9 @@
 #     state digest binds base and adapter, so a v9 node could not apply or report it.
 PROTOCOL_VERSION = 10
 
+# What nodes and the coordinator say they run (registration, the welcome line, status files).
+SOFTWARE = "echo-swarm/0.1.0"
+
 # libp2p stream protocols (request/response, one frame each way).
 PROTO_REGISTER = "/echo/register/1.0.0"  # node -> coordinator
 PROTO_LEASE = "/echo/lease/1.0.0"  # node -> coordinator

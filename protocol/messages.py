@@ -126,12 +126,15 @@ class RegisterReply(Record):
     """The running jobs, and (protocol 6) the one the coordinator's scheduler placed the node
     on: ``assigned_job`` is one of ``jobs``' ids, or "" when the node has nothing to do (no job
     runs, none fits it, or it stands by because the jobs have the throughput they need;
-    ``message`` says which)."""
+    ``message`` says which). ``base_jobs`` (issue 28) are the running LoRA jobs that share the
+    assigned job's base model: the node may take their leases too, switching adapters on the
+    base it holds rather than loading another model."""
 
     node_id: Id
     jobs: list[JobInfo] = Field(max_length=64)
     message: ShortStr = ""
     assigned_job: Annotated[str, Field(max_length=128)] = ""
+    base_jobs: list[Annotated[str, Field(max_length=128)]] = Field(default=[], max_length=64)
 
 
 class LeaseRequest(Record):

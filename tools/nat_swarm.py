@@ -41,6 +41,7 @@ from pathlib import Path
 import echo.tools.netem_nat as netem_nat
 from echo.tools.local_swarm import HEADS, Swarm, job_toml
 from echo.tools.processes import exit_on_sigterm
+from echo.tools.slow_dial import slow_first_dials
 from echo.tools.swarm_report import summarize
 
 PORT = 4001
@@ -426,6 +427,12 @@ def outside(args: argparse.Namespace) -> int:
     netem_nat.up(routers, hosts, prefix=args.prefix, public_subnet=args.public_subnet, quiet=True)
     try:
         print(netem_nat.status(args.prefix), file=sys.stderr)
+        if args.slow_first_dial:  # the circuit drill: see echo.tools.slow_dial
+            inet = netem_nat.load(args.prefix)
+            assert inet is not None
+            public = [h.ip for h in inet.hosts.values() if not h.router and h.name != COORD]
+            for name in inet.behind_nat():
+                slow_first_dials(name, public, args.prefix)
         argv = [
             sys.executable,
             str(Path(__file__).resolve()),
@@ -458,6 +465,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix", default="ecw", help="netem_nat name prefix")
     ap.add_argument("--public-subnet", default="10.72.0.0/24")
     ap.add_argument("--verbose-nodes", action="store_true", help="nodes log at DEBUG")
+    ap.add_argument(
+        "--slow-first-dial",
+        action="store_true",
+        help="nodes behind NAT dial each public node the first time 3-4 s late (circuit drill)",
+    )
     ap.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.out = args.out.resolve()

@@ -250,6 +250,12 @@ def check_error(exc: Exception) -> str:
     return f"the job cannot be built here ({type(exc).__name__}); the coordinator's log says more"
 
 
+def merged_flag(request: Request) -> bool | None:
+    """``?merged=`` of an export request: absent or "0" False, "1" True, else None (bad)."""
+    raw = request.query_params.get("merged", "0")
+    return {"0": False, "1": True}.get(raw)
+
+
 def build_app(coord: ApiBackend) -> Starlette:
     """The Starlette app of the API, the dashboard and /metrics over ``coord``.
 
@@ -360,14 +366,18 @@ def build_app(coord: ApiBackend) -> Starlette:
 
     @job_route
     async def export(job_id: str, request: Request) -> Response:
-        """Write (once) and list the Hugging Face folder of ``?version=N`` (default: newest)."""
+        """Write (once) and list the Hugging Face folder of ``?version=N`` (default: newest;
+        ``&merged=1``: a LoRA job's adapter merged into its base)."""
         raw = request.query_params.get("version")
         try:
             version = None if raw is None else int(raw)
         except ValueError:
             return JSONResponse({"error": "version must be an integer"}, status_code=400)
+        merged = merged_flag(request)
+        if merged is None:
+            return JSONResponse({"error": "merged must be 0 or 1"}, status_code=400)
         try:
-            return JSONResponse(await exports.prepare(job_id, version))
+            return JSONResponse(await exports.prepare(job_id, version, merged))
         except ExportUnavailable as exc:
             return JSONResponse({"error": str(exc)}, status_code=404)
 
@@ -377,7 +387,10 @@ def build_app(coord: ApiBackend) -> Starlette:
             version = int(request.path_params["version"])
         except ValueError:
             return JSONResponse({"error": "version must be an integer"}, status_code=400)
-        path = exports.file(job_id, version, request.path_params["name"])
+        merged = merged_flag(request)
+        if merged is None:
+            return JSONResponse({"error": "merged must be 0 or 1"}, status_code=400)
+        path = exports.file(job_id, version, request.path_params["name"], merged)
         if path is None:
             return JSONResponse({"error": "no such export file"}, status_code=404)
         return FileResponse(path, media_type="application/octet-stream")

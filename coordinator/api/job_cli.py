@@ -268,15 +268,23 @@ def export(
     version: Annotated[
         int | None, typer.Option("--version", "-v", help="version to export (default: newest)")
     ] = None,
+    merged: Annotated[
+        bool,
+        typer.Option("--merged", help="a LoRA job: the adapter merged into its base model"),
+    ] = False,
     url: UrlOpt = "http://127.0.0.1:8080",
     token: TokenOpt = "",
 ) -> None:
     """Download a published version as a Hugging Face model folder (safetensors, config,
-    tokenizer and chat template): AutoModelForCausalLM.from_pretrained(OUT_DIR) loads it."""
+    tokenizer and chat template): AutoModelForCausalLM.from_pretrained(OUT_DIR) loads it. A
+    LoRA job's version is a peft adapter folder (PeftModel.from_pretrained on the job's base),
+    or with --merged a full model folder with the adapter merged in."""
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         console.print(f"[red]{out_dir} is not an empty folder:[/red] choose a new or empty one")
         raise typer.Exit(2)
-    params = {} if version is None else {"version": version}
+    params: dict[str, Any] = {} if version is None else {"version": version}
+    if merged:
+        params["merged"] = 1
     with console.status("the coordinator is writing the export..."):
         listing = _call(
             url, token, "POST", f"/v1/jobs/{job_id}/export", params=params, timeout=EXPORT_TIMEOUT
@@ -284,7 +292,8 @@ def export(
     v = listing["version"]
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        _download(url, token, f"/v1/jobs/{job_id}/export/{v}", listing["files"], out_dir)
+        _download(url, token, f"/v1/jobs/{job_id}/export/{v}", listing["files"], out_dir,
+                  {"merged": 1} if merged else {})  # fmt: skip
     except _DownloadError as exc:
         console.print(f"[red]export download failed:[/red] {exc}")
         raise typer.Exit(1) from None
@@ -295,7 +304,14 @@ class _DownloadError(Exception):
     pass
 
 
-def _download(url: str, token: str, base: str, files: list[dict[str, Any]], out: Path) -> None:
+def _download(
+    url: str,
+    token: str,
+    base: str,
+    files: list[dict[str, Any]],
+    out: Path,
+    params: dict[str, Any] | None = None,
+) -> None:
     """Fetch every listed file into ``out``, checking its size and sha256 as it streams; a file
     is renamed into place only once it checks out. :raises _DownloadError: what went wrong."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
@@ -320,7 +336,9 @@ def _download(url: str, token: str, base: str, files: list[dict[str, Any]], out:
             h = hashlib.sha256()
             got = 0
             try:
-                with c.stream("GET", f"{base}/{name}", timeout=EXPORT_TIMEOUT) as r:
+                with c.stream(
+                    "GET", f"{base}/{name}", params=params or {}, timeout=EXPORT_TIMEOUT
+                ) as r:
                     if r.status_code >= 400:
                         raise _DownloadError(f"{name}: HTTP {r.status_code}")
                     with part.open("wb") as fh:

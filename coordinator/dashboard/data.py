@@ -11,7 +11,7 @@ the credit leaderboard.
 :func:`public_snapshot` is the part anyone may see (see docs/dashboard.md).
 
 :class:`EdgeRates` keeps the measured rate of each relay edge, as the dissemination plane times
-receipts (:attr:`~echo.coordinator.dissemination.Dissemination.on_edge`); bounded.
+receipts (:attr:`~echo.coordinator.dissemination.receipts.Receipts.on_edge`); bounded.
 Reads only; raises nothing for any stored state.
 """
 
@@ -155,7 +155,7 @@ def relay_tree(coord: DashBackend, job_id: str) -> dict[str, Any] | None:
 
 def reachability(coord: DashBackend, node_id: str) -> str:
     """What the dial-backs found of the node: its verdict, else dialable / not / unprobed."""
-    link = coord.dissemination.links.get(node_id)
+    link = coord.dissemination.relays.links.get(node_id)
     if link is None or link.reachable is None:
         return "unprobed"
     if link.verdict:

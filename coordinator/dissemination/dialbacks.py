@@ -4,12 +4,12 @@
 coordinator's host (nodes and ``echo-node doctor`` ask it "can you dial me?") and probes every
 node whose addresses no dial-back has judged yet (after each registration that brings new
 addresses), from a prober host of its own, on a fresh connection (:mod:`echo.p2p.nat.dialback`).
-The verdict goes to :meth:`Dissemination.set_reachable`: a node that cannot be dialled relays only
-to peers it can reach; two behind NAT may be connected by a punch
+The verdict goes to :meth:`~.relays.RelayBeliefs.set_reachable`: a node that cannot be dialled
+relays only to peers it can reach; two behind NAT may be connected by a punch
 (:func:`echo.coordinator.dissemination.punching.run_punching`, run here beside the dial-backs).
 
 The nodes to probe come from a :class:`ProbeQueue` that registrations feed
-(``Dissemination.on_new_addrs``), not from a scan of every link ever registered: a churn of
+(``RelayBeliefs.on_new_addrs``), not from a scan of every link ever registered: a churn of
 identities that register and leave left thousands of unprobed links, each looked up (a base58
 decode and a connection lookup) every :data:`POLL_S`. A node that is not connected when its turn
 comes waits at most :data:`PENDING_S`.
@@ -74,7 +74,7 @@ class ProbeQueue:
         asked."""
         now, out = self._clock(), []
         for node, at in list(self._pending.items()):
-            link = dissemination.links.get(node)
+            link = dissemination.relays.links.get(node)
             if link is None or link.reachable is not None or not link.addrs:
                 del self._pending[node]
             elif ready(node):
@@ -89,10 +89,10 @@ async def _probe(
     host: EchoHost, dialback: DialBack, dissemination: Dissemination, node: str, addrs: list[str]
 ) -> None:
     reply = await dialback.probe(node, addrs, observed_ip(host, node))
-    link = dissemination.links.get(node)
+    link = dissemination.relays.links.get(node)
     if link is None or link.addrs != addrs:  # re-registered meanwhile: judge the new ones
         return
-    dissemination.set_reachable(
+    dissemination.relays.set_reachable(
         node,
         reply.reachable,
         verdict=reply.verdict,
@@ -113,8 +113,8 @@ async def run_reachability(host: EchoHost, dissemination: Dissemination) -> None
     punch between the nodes judged "nat"; runs until cancelled."""
     probes = ProbeQueue()
     # Registrations feed the queue through Dissemination's hook.
-    dissemination.on_new_addrs = probes.wanted
-    for node, _ in dissemination.unprobed():  # registered before the hook was set
+    dissemination.relays.on_new_addrs = probes.wanted
+    for node, _ in dissemination.relays.unprobed():  # registered before the hook was set
         probes.wanted(node)
 
     async with open_dialback() as dialback, trio.open_nursery() as nursery:

@@ -1,11 +1,11 @@
 """The coordinator's go signals: direct connections between nodes behind NAT.
 
 The coordinator is the one peer connected to both nodes of a pair that no dial-back reached, so
-it sends the go signal: :func:`run_punching` asks :meth:`Dissemination.punch_pairs` for pairs,
+it sends the go signal: :func:`run_punching` asks :meth:`RelayBeliefs.punch_pairs` for pairs,
 sends each node of a pair a :class:`~echo.protocol.nat.PunchRequest` at the same moment
 (over the connection the node keeps to the coordinator), waits for both
 :class:`~echo.protocol.nat.PunchReply` answers and books the pair with
-:meth:`Dissemination.set_punched`: a path exists only when both ends said ok, and only then does
+:meth:`RelayBeliefs.set_punched`: a path exists only when both ends said ok, and only then does
 the planner use it.
 
 Owns its per-pair tasks (in its nursery); runs until cancelled and raises nothing else (a pair
@@ -73,7 +73,7 @@ async def punch_pair(host: EchoHost, dissemination: Dissemination, pair: PunchPa
         nursery.start_soon(one, pair.b, pair.a, pair.addrs_for_b)
     ra, rb = replies[pair.a], replies[pair.b]
     ok = ra.ok and rb.ok
-    dissemination.set_punched(pair, ok)
+    dissemination.relays.set_punched(pair, ok)
     if ok:
         log.info(
             "punched %s <-> %s (%s): ok via %s/%s in %.2f/%.2f s",
@@ -89,9 +89,9 @@ async def punch_pair(host: EchoHost, dissemination: Dissemination, pair: PunchPa
 
 
 async def run_punching(host: EchoHost, dissemination: Dissemination) -> None:
-    """Connect the pairs :class:`Dissemination` names, :data:`PARALLEL` at once (each node in
-    a few at most, see :func:`~echo.coordinator.dissemination.punch_pairs.punch_pairs`); runs until
-    cancelled."""
+    """Connect the pairs :class:`~.relays.RelayBeliefs` names, :data:`PARALLEL` at once (each node
+    in a few at most, see :func:`~echo.coordinator.dissemination.punch_pairs.punch_pairs`); runs
+    until cancelled."""
     async with trio.open_nursery() as nursery:
         limiter = trio.CapacityLimiter(PARALLEL)
         busy: Counter[str] = Counter()
@@ -108,7 +108,7 @@ async def run_punching(host: EchoHost, dissemination: Dissemination) -> None:
                 in_flight.discard(pair_key(pair.a, pair.b))
 
         while True:
-            for pair in dissemination.punch_pairs(busy, in_flight):
+            for pair in dissemination.relays.punch_pairs(busy, in_flight):
                 # Only while both are connected: the go signal travels on their connections.
                 if observed_ip(host, pair.a) is None or observed_ip(host, pair.b) is None:
                     continue

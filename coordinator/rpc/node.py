@@ -45,7 +45,6 @@ from echo.protocol.errors import ProtocolError, SchemaError, VersionError
 
 log = logging.getLogger("echo.coordinator")
 
-SOFTWARE = "echo-swarm/0.1.0"
 
 
 class NodeRPC:
@@ -127,19 +126,22 @@ class NodeRPC:
         admitted(row)
         if row.accepted and self.guard is not None:  # also after a coordinator restart
             self.guard.protect(peer_id)
-        self.dissemination.registered(node_id, reg.addrs, reg.upload_bps)
+        self.dissemination.relays.registered(node_id, reg.addrs, reg.upload_bps)
         log.info("node %s registered (%s, %.0f tok/s)", node_id[-8:], reg.engine, reg.tokens_per_s)
         jobs = self._job_infos()
         # Registrations that need a scheduling pass share one (a churn of identities is not a
         # pass each).
         placed, why = await self.placement.place(node_id, reg) if self.placement else ("", "")
         placed = placed if placed in {j.job_id for j in jobs} else ""  # the job it serves
+        # LoRA jobs on the base of the node's job: served too, with adapter switches.
+        shared = self.placement.bases.siblings(placed, [j.job_id for j in jobs]) if placed else []
         return m.encode(
             m.RegisterReply(
                 node_id=node_id,
                 jobs=jobs,
-                message=why or f"welcome to {SOFTWARE}",
+                message=why or f"welcome to {ids.SOFTWARE}",
                 assigned_job=placed,
+                base_jobs=shared,
             )
         )
 
@@ -192,7 +194,7 @@ class NodeRPC:
         self.store.touch_node(
             node_id, version=st.version, digest=st.state_digest, tokens_per_s=st.tokens_per_s
         )
-        self.dissemination.measured(node_id, st.upload_bps)
+        self.dissemination.relays.measured(node_id, st.upload_bps)
         if self.placement is not None:
             self.placement.observed(node_id, st.job_id, st.tokens_per_s, st.version)
         job = self.jobs.get(st.job_id)
@@ -203,7 +205,9 @@ class NodeRPC:
         ):
             self.store.record_node_version(st.job_id, node_id, st.version)
             # Its receipt times the relays that fed it: uplinks as receivers measure them.
-            self.dissemination.delivered(node_id, st.job_id, st.version, accepted=row.accepted)
+            self.dissemination.receipts.delivered(
+                node_id, st.job_id, st.version, accepted=row.accepted
+            )
             if self._all_hold(st.job_id, st.version, node_id, row):
                 self.store.mark_all_nodes(st.job_id, st.version, time.time())
         return m.encode(m.StepAck(ok=True))

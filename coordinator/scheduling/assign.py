@@ -28,7 +28,9 @@ lower-priority one may only take a node its source can spare), is at least ``min
 goes to standby only when its job stays above its target by ``min_gain`` without it (a band, so
 that noise in the measurements does not toggle it). A job with no node takes one from a job of
 no higher priority that has two or more; the last node of a job only leaves it for a job of
-higher priority.
+higher priority. A move that costs the node only an adapter switch (a LoRA job whose base it
+holds, ``NodeSupply.switch``) waits and gains in proportion to its cost: ``min_stay_s`` and
+``min_gain`` times that share of a model load.
 """
 
 from __future__ import annotations
@@ -56,13 +58,22 @@ class JobDemand:
 @dataclass(frozen=True)
 class NodeSupply:
     """An active node: its cost per hour, the rollouts/s it delivers on each job that fits it,
-    the job it serves now (None: standby or new) and since when."""
+    the job it serves now (None: standby or new) and since when. ``switch`` maps the jobs that
+    cost the node less than a model load to start on to that cost as a share of one (a LoRA job
+    whose base it holds: an adapter switch, :mod:`echo.coordinator.scheduling.bases`); a job
+    not in it costs a model load (1.0)."""
 
     node_id: str
     rates: Mapping[str, float]
     cost: float = 1.0
     job: str | None = None
     since: float = 0.0
+    switch: Mapping[str, float] = field(default_factory=dict)
+
+    def switch_share(self, job_id: str | None) -> float:
+        """What starting on ``job_id`` costs the node, as a share of a model load (standby:
+        nothing to load, 1.0 so that standby keeps its full hysteresis)."""
+        return self.switch.get(job_id, 1.0) if job_id is not None else 1.0
 
 
 @dataclass(frozen=True)
@@ -152,13 +163,19 @@ _STICKY = 0.8
 
 
 def _best_node(job_id: str, free: list[NodeSupply]) -> NodeSupply | None:
-    """The free node with the least cost per rollout/s on ``job_id`` (its own nodes favoured)."""
+    """The free node with the least cost per rollout/s on ``job_id`` (its own nodes favoured,
+    and nodes that start on it with an adapter switch nearly as much: the base they hold is
+    what a model load would download)."""
     best, best_key = None, None
     for n in free:
         rate = n.rates.get(job_id, 0.0)
         if rate <= 0:
             continue
-        key = (n.cost / rate * (_STICKY if n.job == job_id else 1.0), n.node_id)
+        if n.job == job_id:
+            sticky = _STICKY
+        else:  # a model load: 1.0; an adapter switch of share s: nearly _STICKY
+            sticky = 1.0 - (1.0 - _STICKY) * (1.0 - n.switch_share(job_id))
+        key = (n.cost / rate * sticky, n.node_id)
         if best_key is None or key < best_key:
             best, best_key = n, key
     return best
@@ -256,14 +273,18 @@ def schedule(
         src, dst = current[n.node_id], ideal[n.node_id]
         if dst == n.job:
             continue
+        # Hysteresis weighs what the move costs: an adapter switch (same base) a tenth of a load.
+        share = n.switch_share(dst)
         if src is None:
             why = "new or on standby" if n.job is None else f"job {n.job} ended or does not fit"
-        elif now - n.since < params.min_stay_s:
+        elif now - n.since < params.min_stay_s * share:
             continue
         else:
             gain, why = _gain(ledger, n, src, dst, params.min_gain)
-            if gain < params.min_gain:
+            if gain < params.min_gain * share:
                 continue
+            if share < 1.0:
+                why += " (an adapter switch: the node holds the base)"
             ledger.remove(src, n.rates[src])
         if dst is not None:
             ledger.add(dst, n.rates[dst])

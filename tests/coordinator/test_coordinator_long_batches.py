@@ -89,7 +89,7 @@ async def fill_buffer(coord, client) -> tuple[str, Learner, dict[str, m.Submissi
         assert ok.accepted, (ok.reason, ok.detail)
         sent[lease.lease_id] = sub
     learner = Learner(coord.job_dir(job_id), job_id, coord.multiaddrs[0], torch.get_num_threads())
-    learner.host, learner.coord_peer = lc.host, lc.coord
+    learner.link.host, learner.link.peer = lc.host, lc.coord
     return job_id, learner, sent
 
 

@@ -196,25 +196,27 @@ def test_confirmed_relaying_is_paid_once_and_only_across_networks(tmp_path) -> N
     coord = Identity.generate()
     book = CreditBook(store, coord)
     d = Dissemination(learner_upload_bps=1e6, default_node_upload_bps=1e7, max_fanout=1)
-    d.on_relay_credit = book.relayed
+    d.receipts.on_relay_credit = book.relayed
     # A chain learner -> a -> b -> c: b and c share a /24, so b relaying to c is not paid (a
     # node's own sybils next door could confirm anything).
     nets = {"node-a": "203.0.113.5", "node-b": "198.51.100.7", "node-c": "198.51.100.9"}
     for n, ip in nets.items():
-        d.registered(n, [f"/ip4/{ip}/tcp/4001"], 1e7)
-        d.set_reachable(n, True, verdict="public", observed_ip=ip, dialed=f"/ip4/{ip}/tcp/4001")
+        d.relays.registered(n, [f"/ip4/{ip}/tcp/4001"], 1e7)
+        d.relays.set_reachable(
+            n, True, verdict="public", observed_ip=ip, dialed=f"/ip4/{ip}/tcp/4001"
+        )
     total = 10_000_000
     d.plan("job", 1, b"m", total, source="learner", source_addrs=[], nodes=list(nets))
     plan = d.current_plan("job")
     assert plan is not None and dict(plan.stripes[0].children) == {
         "learner": ("node-a",), "node-a": ("node-b",), "node-b": ("node-c",)
     }
-    d.delivered("node-b", "job", 1, accepted=0)  # no accepted work: its word pays nobody
+    d.receipts.delivered("node-b", "job", 1, accepted=0)  # no accepted work: its word pays nobody
     assert store.credit_total("node-a") == (0, 0)
     d.plan("job", 2, b"m", total, source="learner", source_addrs=[], nodes=list(nets))
     for n in nets:
-        d.delivered(n, "job", 2, accepted=1)
-        d.delivered(n, "job", 2, accepted=1)  # a repeated receipt pays nothing more
+        d.receipts.delivered(n, "job", 2, accepted=1)
+        d.receipts.delivered(n, "job", 2, accepted=1)  # a repeated receipt pays nothing more
     ledger = verify_entries(_envelopes(store, "node-a"), coord.public_key_bytes, "node-a")
     [entry] = ledger.entries
     assert (entry.kind, entry.refs, entry.version, entry.nbytes) == ("relay", ["node-b"], 2, total)

@@ -27,15 +27,15 @@ def _diss(**ups: float) -> Dissemination:
     d = Dissemination(learner_upload_bps=2 * MB, default_node_upload_bps=1 * MB)
     for i, (name, up) in enumerate(ups.items()):
         ip = f"10.{i // 250}.{i % 250}.1"
-        d.registered(name, [f"/ip4/{ip}/tcp/1/p2p/{name}"], up)
-        d.set_reachable(name, True, verdict="public", observed_ip=ip)
+        d.relays.registered(name, [f"/ip4/{ip}/tcp/1/p2p/{name}"], up)
+        d.relays.set_reachable(name, True, verdict="public", observed_ip=ip)
     return d
 
 
 def _measured(d: Dissemination, node: str, bps: float) -> None:
-    """An uplink measured by the node and confirmed by its receivers (Dissemination.delivered)."""
-    d.measured(node, bps)
-    d.confirm(node, ("job", -1), bps)
+    """An uplink measured by the node and confirmed by its receivers (Receipts.delivered)."""
+    d.relays.measured(node, bps)
+    d.relays.confirm(node, ("job", -1), bps)
 
 
 def _plan(d: Dissemination, nodes, total=64 * MB) -> b.PlanAnnouncement:
@@ -76,13 +76,15 @@ def test_plan_reaches_every_node_once_per_stripe_fast_uploaders_inside() -> None
 
 def test_measured_rate_replaces_the_declared_one_and_unknown_nodes_are_left_out() -> None:
     d = _diss(a=5 * MB, b=5 * MB)
-    assert d.upload_of("b") == 1 * MB  # nothing measured yet: declared counts up to the default
+    # Nothing measured yet: declared counts up to the default.
+    assert d.relays.upload_of("b") == 1 * MB
     _measured(d, "a", 3 * MB)
-    assert d.upload_of("a") == 3 * MB and d.upload_of("b") == 1 * MB  # a node's own receivers
-    d.measured("a", 4 * MB)  # smoothed
-    assert d.upload_of("a") == 3 * MB  # ... and its own word only up to what they confirmed
-    d.confirm("a", ("job", 0), 4 * MB)
-    assert 3 * MB < d.upload_of("a") < 4 * MB
+    # A node's own receivers ...
+    assert d.relays.upload_of("a") == 3 * MB and d.relays.upload_of("b") == 1 * MB
+    d.relays.measured("a", 4 * MB)  # smoothed
+    assert d.relays.upload_of("a") == 3 * MB  # ... and its own word only up to what they confirmed
+    d.relays.confirm("a", ("job", 0), 4 * MB)
+    assert 3 * MB < d.relays.upload_of("a") < 4 * MB
     ann = _plan(d, ["a", "b", "stranger"])  # no registration, no address: not planned
     assert {p.peer_id for p in ann.peers} == {"L", "a", "b"}
     assert d.plan("job", 1, b"", 1, source="L", source_addrs=[], nodes=["stranger"]) is None
@@ -93,11 +95,11 @@ def test_a_claimed_uplink_does_not_buy_a_place_near_the_root() -> None:
     d = _diss(**ups, liar=1000 * MB)
     for n in ups:
         _measured(d, n, 10 * MB)
-    d.measured("liar", 1e15)  # its own status report: never confirmed by a receiver
+    d.relays.measured("liar", 1e15)  # its own status report: never confirmed by a receiver
     d.plan("job", 1, b"m", 64 * MB, source="L", source_addrs=[], nodes=[*ups, "liar"])
     d.refresh("job")
     ann = _plan(d, [*ups, "liar"])
-    assert d.upload_of("liar") == 1 * MB  # the default, as for anyone unconfirmed
+    assert d.relays.upload_of("liar") == 1 * MB  # the default, as for anyone unconfirmed
     parents = {p for s in _edges(ann) for p, kids in s.items() if kids} - {"L"}
     assert "liar" not in parents or len(parents) > 1  # one of equals, never the only relay
 
@@ -114,9 +116,9 @@ def test_a_relay_reported_for_bad_chunks_by_three_nodes_becomes_a_leaf() -> None
     for _ in range(5):  # one identity, however often it reports, cannot demote a relay
         d.reported("n7", report)
     d.reported("n6", report)
-    assert d.upload_of(victim) == 10 * MB
+    assert d.relays.upload_of(victim) == 10 * MB
     d.reported("n5", report)  # the third distinct reporter
-    assert d.upload_of(victim) == 0.0
+    assert d.relays.upload_of(victim) == 0.0
     after = _plan(d, list(ups))
     for stripe in _edges(after):
         assert not stripe.get(victim)  # receives, never forwards
@@ -124,7 +126,7 @@ def test_a_relay_reported_for_bad_chunks_by_three_nodes_becomes_a_leaf() -> None
     # A stall is not proof of anything: it does not count.
     for r in ("n5", "n6", "n7"):
         d.reported(r, b.BadPeerReport(job_id="job", version=3, peer_id="n1", reason="stalled"))
-    assert d.upload_of("n1") == 10 * MB
+    assert d.relays.upload_of("n1") == 10 * MB
 
 
 def test_versions_patch_the_last_plan_for_joins_and_leaves_and_refresh_replans() -> None:
@@ -140,8 +142,8 @@ def test_versions_patch_the_last_plan_for_joins_and_leaves_and_refresh_replans()
     left = set(names[::33][:30])
     new = {f"new{i}": 3 * MB for i in range(20)}
     for n, up in new.items():
-        d.registered(n, [f"/ip4/10.0.0.2/tcp/1/p2p/{n}"], up)
-        d.set_reachable(n, True, verdict="public", observed_ip="10.0.0.2")
+        d.relays.registered(n, [f"/ip4/10.0.0.2/tcp/1/p2p/{n}"], up)
+        d.relays.set_reachable(n, True, verdict="public", observed_ip="10.0.0.2")
     members = [n for n in names if n not in left] + list(new)
     patched = _plan(d, members)
     _reaches_everyone_once(patched, members)
@@ -181,7 +183,7 @@ def test_learner_gets_a_signed_plan_and_bad_peer_reports_are_heard(tmp_path) -> 
         for i, n in enumerate(nodes):
             await n.register(upload_bps=(4 - i) * MB)
         with trio.fail_after(20):  # plans carry only what the dial-backs verified
-            while coord.dissemination.unprobed():
+            while coord.dissemination.relays.unprobed():
                 await trio.sleep(0.1)
         ident, _, report = learner_publish_v0(coord, job_id)
         learner = await client(ident)
@@ -208,12 +210,12 @@ def test_learner_gets_a_signed_plan_and_bad_peer_reports_are_heard(tmp_path) -> 
             reply = m.decode(m.StepAck, await reporter.call(
                 ids.PROTO_BAD_PEER, reporter.seal(rep)))
             assert reply.ok
-        assert coord.dissemination.upload_of(fastest) > 0.0
+        assert coord.dissemination.relays.upload_of(fastest) > 0.0
         # Reports must come from a registered node, about someone else, signed by the sender.
         stranger = await client(Identity.generate())
         with pytest.raises(RemoteError, match="register first"):
             await stranger.call(ids.PROTO_BAD_PEER, stranger.seal(rep))
-        assert coord.dissemination.upload_of(str(nodes[1].host.peer_id)) > 0.0
+        assert coord.dissemination.relays.upload_of(str(nodes[1].host.peer_id)) > 0.0
 
     run_with_coordinator(tmp_path, body)
 

@@ -192,5 +192,7 @@ def test_echo_job_export_through_the_coordinator(tmp_path) -> None:
         assert r.exit_code == 1 and "no such job" in r.text
         r = await trio.to_thread.run_sync(cli, job_id, str(tmp_path / "b"), "--version", "7")
         assert r.exit_code == 1 and "has no version 7" in r.text
+        r = await trio.to_thread.run_sync(cli, job_id, str(tmp_path / "c"), "--merged")
+        assert r.exit_code == 1 and "is not a LoRA job" in r.text
 
     run_with_coordinator(tmp_path, body)

@@ -48,22 +48,23 @@ def test_plans_announce_circuits_only_through_vouched_relays() -> None:
 
     d = Dissemination(learner_upload_bps=1e6, default_node_upload_bps=1e6, local_addrs=False)
     d.relay_addrs = [relay_addr]
-    d.registered(pub, ["/ip4/5.6.7.8/tcp/4001"], 1e6)
-    d.set_reachable(
+    d.relays.registered(pub, ["/ip4/5.6.7.8/tcp/4001"], 1e6)
+    d.relays.set_reachable(
         pub, True, verdict="public", observed_ip="5.6.7.8", dialed="/ip4/5.6.7.8/tcp/4001"
     )
-    d.registered(nat, ["/ip4/192.168.1.2/tcp/4001"], 1e6)
-    d.set_reachable(nat, False, verdict="nat", observed_ip="7.7.7.7")
+    d.relays.registered(nat, ["/ip4/192.168.1.2/tcp/4001"], 1e6)
+    d.relays.set_reachable(nat, False, verdict="nat", observed_ip="7.7.7.7")
     # A circuit address registered later does not cost the node its verdict.
-    d.registered(nat, ["/ip4/192.168.1.2/tcp/4001", via_coord, via_pub, stranger], 1e6)
-    assert d.links[nat].reachable is False and d.links[nat].addrs == ["/ip4/192.168.1.2/tcp/4001"]
+    d.relays.registered(nat, ["/ip4/192.168.1.2/tcp/4001", via_coord, via_pub, stranger], 1e6)
+    link = d.relays.links[nat]
+    assert link.reachable is False and link.addrs == ["/ip4/192.168.1.2/tcp/4001"]
     ann = d.plan("j", 1, b"m", 1000, source=coord, source_addrs=[relay_addr], nodes=[pub, nat])
     assert ann is not None
     got = {p.peer_id: p.addrs for p in ann.peers}
     # The first two only (MAX_CIRCUITS); both relays are vouched for; the stranger is not.
     assert got[nat] == [via_coord, via_pub]
     assert got[pub] == [pub_addr]
-    d.registered(nat, ["/ip4/192.168.1.2/tcp/4001", stranger], 1e6)
+    d.relays.registered(nat, ["/ip4/192.168.1.2/tcp/4001", stranger], 1e6)
     ann = d.plan("j", 2, b"m", 1000, source=coord, source_addrs=[relay_addr], nodes=[pub, nat])
     assert {p.peer_id: p.addrs for p in ann.peers}[nat] == []
 

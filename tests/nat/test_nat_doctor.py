@@ -19,9 +19,9 @@ def test_coordinator_judges_a_registered_node_and_answers_dial_backs(tmp_path) -
         node = await client()
         await node.register()
         with trio.fail_after(10):
-            while coord.dissemination.links[node.identity.peer_id_str].reachable is None:
+            while coord.dissemination.relays.links[node.identity.peer_id_str].reachable is None:
                 await trio.sleep(0.05)
-        assert coord.dissemination.links[node.identity.peer_id_str].reachable is True
+        assert coord.dissemination.relays.links[node.identity.peer_id_str].reachable is True
         reply = await ask_dialback(node.host, coord.identity.peer_id)
         assert (reply.verdict, reply.observed_ip) == ("public", "127.0.0.1")
         # Doctor, with its own throwaway identity, on loopback: reachable, can relay.

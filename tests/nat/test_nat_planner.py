@@ -21,9 +21,9 @@ MB = 1_000_000
 def _diss(nodes: dict[str, float], addrs: dict[str, list[str]] | None = None) -> Dissemination:
     d = Dissemination(learner_upload_bps=2 * MB, default_node_upload_bps=1 * MB)
     for name, up in nodes.items():
-        d.registered(name, (addrs or {}).get(name, [f"/ip4/10.0.0.1/tcp/1/p2p/{name}"]), up)
-        d.measured(name, up)
-        d.confirm(name, ("job", -1), up)  # as its receivers would (Dissemination.delivered)
+        d.relays.registered(name, (addrs or {}).get(name, [f"/ip4/10.0.0.1/tcp/1/p2p/{name}"]), up)
+        d.relays.measured(name, up)
+        d.relays.confirm(name, ("job", -1), up)  # as its receivers would (Receipts.delivered)
     return d
 
 
@@ -40,10 +40,10 @@ def test_unreachable_nodes_relay_to_dialable_peers_and_have_no_addresses() -> No
     ups = {f"n{i}": (20 if i < 3 else 1) * MB for i in range(10)}
     hidden = {"n0", "n1", "n2"}
     d = _diss(ups)
-    assert sorted(n for n, _ in d.unprobed()) == sorted(ups)
+    assert sorted(n for n, _ in d.relays.unprobed()) == sorted(ups)
     for i in range(10):
-        d.set_reachable(f"n{i}", i >= 3, verdict="public", observed_ip="10.0.0.1")
-    assert d.unprobed() == []
+        d.relays.set_reachable(f"n{i}", i >= 3, verdict="public", observed_ip="10.0.0.1")
+    assert d.relays.unprobed() == []
     for _ in range(2):  # the quick plan, then the full re-plan patched
         ann = d.plan("job", 1, b"m", 64 * MB, source="L", source_addrs=[], nodes=list(ups))
         assert ann is not None
@@ -56,9 +56,9 @@ def test_unreachable_nodes_relay_to_dialable_peers_and_have_no_addresses() -> No
         d.refresh("job")
     # New addresses (it moved, or forwarded a port): judged afresh, announced without addresses
     # meanwhile (issue 26: nodes not yet probed are not dialable).
-    d.registered("n0", ["/ip4/10.0.0.9/tcp/4001/p2p/n0"], 20 * MB)
-    assert [n for n, _ in d.unprobed()] == ["n0"]
-    assert d.upload_of("n0") == 20 * MB
+    d.relays.registered("n0", ["/ip4/10.0.0.9/tcp/4001/p2p/n0"], 20 * MB)
+    assert [n for n, _ in d.relays.unprobed()] == ["n0"]
+    assert d.relays.upload_of("n0") == 20 * MB
     ann = d.plan("job", 2, b"m", 64 * MB, source="L", source_addrs=[], nodes=list(ups))
     assert ann is not None and {p.peer_id: p.addrs for p in ann.peers}["n0"] == []
 
@@ -82,7 +82,7 @@ def test_nodes_without_addresses_receive_and_relay_by_push(tmp_path: Path) -> No
             addrs = await start_swarm(nursery, [src, *nodes], keys, cfg)
             d = _diss({n.name: (4 if n.name in hidden else 1) * MB for n in nodes}, addrs)
             for n in nodes:
-                d.set_reachable(n.name, n.name not in hidden, observed_ip="127.0.0.1")
+                d.relays.set_reachable(n.name, n.name not in hidden, observed_ip="127.0.0.1")
             ann = d.plan(
                 JOB,
                 1,
@@ -122,12 +122,12 @@ def _nat_diss(routers: dict[str, str], ups: dict[str, float]) -> Dissemination:
     """Nodes named in ``routers`` are behind NAT (their router's public ip); the rest public."""
     d = Dissemination(learner_upload_bps=2 * MB, default_node_upload_bps=1 * MB)
     for i, (name, up) in enumerate(sorted(ups.items())):
-        d.registered(name, [f"/ip4/192.168.{i}.2/tcp/{4001 + i}/p2p/{name}"], up)
-        d.measured(name, up)
+        d.relays.registered(name, [f"/ip4/192.168.{i}.2/tcp/{4001 + i}/p2p/{name}"], up)
+        d.relays.measured(name, up)
         if name in routers:
-            d.set_reachable(name, False, verdict="nat", observed_ip=routers[name])
+            d.relays.set_reachable(name, False, verdict="nat", observed_ip=routers[name])
         else:
-            d.set_reachable(name, True, verdict="public", observed_ip="10.0.0.1")
+            d.relays.set_reachable(name, True, verdict="public", observed_ip="10.0.0.1")
     return d
 
 
@@ -136,26 +136,26 @@ def test_punch_pairs_lan_behind_one_router_punch_across_and_one_per_public_endpo
     d = _nat_diss(routers, {n: 1 * MB for n in [*routers, "p"]})
     seen: dict[frozenset[str], str] = {}
     for _ in range(10):  # book them all as ok, round by round
-        pairs = d.punch_pairs()
+        pairs = d.relays.punch_pairs()
         if not pairs:
             break
         for p in pairs:
             seen[frozenset((p.a, p.b))] = p.method
-            d.set_punched(p, True)
+            d.relays.set_punched(p, True)
     assert "p" not in {n for k in seen for n in k}  # public nodes are dialled, not punched
     assert seen[frozenset("ab")] == "lan" and seen[frozenset("ac")] == "punch"
     assert len(seen) == 6
-    assert d.punch_pairs() == []  # all tried: nothing is asked twice
-    assert d.paths_of("c") == {"a", "b", "s"}
+    assert d.relays.punch_pairs() == []  # all tried: nothing is asked twice
+    assert d.relays.paths_of("c") == {"a", "b", "s"}
     # The punch goes to the router's public ip and the node's listen port.
     d2 = _nat_diss({"a": routers["a"], "c": routers["c"]}, {"a": MB, "c": MB})
-    (ac,) = d2.punch_pairs()
+    (ac,) = d2.relays.punch_pairs()
     assert (ac.a, ac.b, ac.method) == ("a", "c", "punch")
     assert ac.addrs_for_a == ("/ip4/198.51.100.2/tcp/4002/p2p/c",)
     assert ac.addrs_for_b == ("/ip4/198.51.100.1/tcp/4001/p2p/a",)
     # New addresses: the node's paths are forgotten and it is judged (then paired) afresh.
-    d.registered("c", ["/ip4/192.168.9.2/tcp/4009/p2p/c"], 1 * MB)
-    assert d.paths_of("c") == set() and d.paths_of("a") == {"b", "s"}
+    d.relays.registered("c", ["/ip4/192.168.9.2/tcp/4009/p2p/c"], 1 * MB)
+    assert d.relays.paths_of("c") == set() and d.relays.paths_of("a") == {"b", "s"}
 
 
 def test_punches_run_side_by_side_up_to_a_few_per_node_and_none_twice() -> None:
@@ -163,14 +163,14 @@ def test_punches_run_side_by_side_up_to_a_few_per_node_and_none_twice() -> None:
 
     routers = {f"n{i}": f"198.51.100.{i}" for i in range(8)}
     d = _nat_diss(routers, {n: MB for n in routers})
-    pairs = d.punch_pairs()
+    pairs = d.relays.punch_pairs()
     per_node = Counter(n for p in pairs for n in (p.a, p.b))
     assert max(per_node.values()) == MAX_CONCURRENT_PER_NODE
     busy = Counter(per_node)
     flying = {frozenset((p.a, p.b)) for p in pairs}
-    assert d.punch_pairs(busy, flying) == []  # everyone at the cap
+    assert d.relays.punch_pairs(busy, flying) == []  # everyone at the cap
     busy.subtract(["n0"] * MAX_CONCURRENT_PER_NODE)
-    again = d.punch_pairs(busy, flying)
+    again = d.relays.punch_pairs(busy, flying)
     assert again and all("n0" in (p.a, p.b) for p in again)
     assert not {frozenset((p.a, p.b)) for p in again} & flying
 
@@ -179,25 +179,25 @@ def test_two_behind_one_router_on_one_port_only_the_first_punches() -> None:
     routers = {"a": "198.51.100.1", "b": "198.51.100.1", "c": "198.51.100.2"}
     d = Dissemination(learner_upload_bps=2 * MB, default_node_upload_bps=1 * MB)
     for n, ip in routers.items():
-        d.registered(n, [f"/ip4/192.168.0.{ord(n)}/tcp/4001/p2p/{n}"], 1 * MB)
-        d.set_reachable(n, False, verdict="nat", observed_ip=ip)
+        d.relays.registered(n, [f"/ip4/192.168.0.{ord(n)}/tcp/4001/p2p/{n}"], 1 * MB)
+        d.relays.set_reachable(n, False, verdict="nat", observed_ip=ip)
     pairs = []
     for _ in range(5):
-        got = d.punch_pairs()
+        got = d.relays.punch_pairs()
         pairs += got
         for p in got:
-            d.set_punched(p, p.method == "lan")
+            d.relays.set_punched(p, p.method == "lan")
     assert {(p.a, p.b, p.method) for p in pairs} == {("a", "b", "lan"), ("a", "c", "punch")}
 
 
 def test_an_outcome_for_old_addresses_is_not_booked() -> None:
     routers = {"a": "198.51.100.1", "c": "198.51.100.2"}
     d = _nat_diss(routers, {"a": MB, "c": MB})
-    (pair,) = d.punch_pairs()
-    d.registered("c", ["/ip4/192.168.9.2/tcp/4009/p2p/c"], 1 * MB)
-    d.set_reachable("c", False, verdict="nat", observed_ip="198.51.100.2")
-    d.set_punched(pair, True)
-    assert d.paths_of("a") == set()
+    (pair,) = d.relays.punch_pairs()
+    d.relays.registered("c", ["/ip4/192.168.9.2/tcp/4009/p2p/c"], 1 * MB)
+    d.relays.set_reachable("c", False, verdict="nat", observed_ip="198.51.100.2")
+    d.relays.set_punched(pair, True)
+    assert d.relays.paths_of("a") == set()
 
 
 def test_a_nat_node_relays_over_its_punched_paths() -> None:
@@ -208,9 +208,9 @@ def test_a_nat_node_relays_over_its_punched_paths() -> None:
     ups = {n: (4 if n in routers else 0.25) * MB for n in [*routers, "p0", "p1", "p2"]}
     d = _nat_diss(routers, ups)
     for _ in range(10):
-        for p in d.punch_pairs():
-            d.set_punched(p, "s2" not in (p.a, p.b))
-    assert d.paths_of("s2") == set() and d.paths_of("e3") == {"e0", "e1"}
+        for p in d.relays.punch_pairs():
+            d.relays.set_punched(p, "s2" not in (p.a, p.b))
+    assert d.relays.paths_of("s2") == set() and d.relays.paths_of("e3") == {"e0", "e1"}
     size = 64 * MB
     for full in (False, True):  # the quick plan, then the full re-plan patched
         ann = d.plan("job", 1, b"m", size, source="L", source_addrs=[], nodes=list(ups))
@@ -224,7 +224,7 @@ def test_a_nat_node_relays_over_its_punched_paths() -> None:
             assert parent_of["s2"] not in routers  # no path: fed by a dialable parent
             for kid, parent in parent_of.items():
                 if parent in routers and kid in routers:  # only over a path they hold
-                    assert kid in d.paths_of(parent), (parent, kid)
+                    assert kid in d.relays.paths_of(parent), (parent, kid)
                     if routers[parent] != routers[kid]:
                         across.add((parent, kid))
         # The full plan sends a stripe over a punched path across two routers (the quick one,
@@ -236,8 +236,8 @@ def test_a_nat_node_relays_over_its_punched_paths() -> None:
     # A punched path that is gone (new addresses): no edge between two NAT'd nodes is left,
     # in the patched plan and in the full re-plan.
     for i, n in enumerate(("e0", "e1", "e3")):
-        d.registered(n, [f"/ip4/192.168.9.{i + 2}/tcp/{4009 + i}/p2p/{n}"], 4 * MB)
-        d.set_reachable(n, False, verdict="nat", observed_ip=routers[n])
+        d.relays.registered(n, [f"/ip4/192.168.9.{i + 2}/tcp/{4009 + i}/p2p/{n}"], 4 * MB)
+        d.relays.set_reachable(n, False, verdict="nat", observed_ip=routers[n])
     for _ in range(2):
         ann = d.plan("job", 2, b"m", size, source="L", source_addrs=[], nodes=list(ups))
         assert ann is not None
@@ -267,16 +267,18 @@ def test_a_nat_relay_pushes_over_the_punched_connection(tmp_path: Path) -> None:
             d = _diss({n.name: (4 if n.name in hidden else 0.25) * MB for n in nodes}, addrs)
             for i, n in enumerate(nodes):
                 if n.name in hidden:
-                    d.set_reachable(n.name, False, verdict="nat", observed_ip=f"198.51.100.{i}")
+                    d.relays.set_reachable(
+                        n.name, False, verdict="nat", observed_ip=f"198.51.100.{i}"
+                    )
                 else:
-                    d.set_reachable(n.name, True, verdict="public", observed_ip="127.0.0.1")
-            pairs = d.punch_pairs()
+                    d.relays.set_reachable(n.name, True, verdict="public", observed_ip="127.0.0.1")
+            pairs = d.relays.punch_pairs()
             assert len(pairs) == 3 and {p.method for p in pairs} == {"punch"}  # three routers
             (pair,) = [p for p in pairs if {p.a, p.b} == set(hidden[:2])]
             # The "punch": a direct connection between the pair, then both ends say ok.
             a, b_ = by_name[pair.a], by_name[pair.b]
             await a.host.connect(addrs[b_.name][0])
-            d.set_punched(pair, True)
+            d.relays.set_punched(pair, True)
             ann = d.plan(JOB, 1, env, len(payload), chunk_bytes=64 * 1024, source=src.name,
                          source_addrs=addrs[src.name], nodes=[n.name for n in nodes])
             assert ann is not None

@@ -38,14 +38,14 @@ def test_the_coordinator_connects_two_nodes_and_books_the_path() -> None:
             d = Dissemination(learner_upload_bps=1e6, default_node_upload_bps=1e6)
             for node in (a, b):
                 name = str(node.peer_id)
-                d.registered(name, node.listen_multiaddrs, 1e6)
-                d.set_reachable(name, False, verdict="nat", observed_ip="127.0.0.1")
-            (pair,) = d.punch_pairs()
+                d.relays.registered(name, node.listen_multiaddrs, 1e6)
+                d.relays.set_reachable(name, False, verdict="nat", observed_ip="127.0.0.1")
+            (pair,) = d.relays.punch_pairs()
             assert pair.method == "lan"  # one public ip: behind one router
             with trio.fail_after(30):
                 assert await punch_pair(coord, d, pair)
-            assert d.paths_of(str(a.peer_id)) == {str(b.peer_id)}
-            assert d.punch_pairs() == []  # booked: not asked again
+            assert d.relays.paths_of(str(a.peer_id)) == {str(b.peer_id)}
+            assert d.relays.punch_pairs() == []  # booked: not asked again
             assert b.peer_id in a.connected_peers() and a.peer_id in b.connected_peers()
 
             # Only the node's coordinator may aim it at a peer.
@@ -69,13 +69,15 @@ def test_the_coordinator_connects_two_nodes_and_books_the_path() -> None:
             # A node that does not answer (no handler): the pair fails, nothing is booked as ok.
             d2 = Dissemination(learner_upload_bps=1e6, default_node_upload_bps=1e6)
             for node in (a, stranger):
-                d2.registered(str(node.peer_id), node.listen_multiaddrs, 1e6)
-                d2.set_reachable(str(node.peer_id), False, verdict="nat", observed_ip="127.0.0.1")
+                d2.relays.registered(str(node.peer_id), node.listen_multiaddrs, 1e6)
+                d2.relays.set_reachable(
+                    str(node.peer_id), False, verdict="nat", observed_ip="127.0.0.1"
+                )
             await stranger.connect(coord.listen_multiaddrs[0])
-            (pair2,) = d2.punch_pairs()
+            (pair2,) = d2.relays.punch_pairs()
             with trio.fail_after(30):
                 assert not await punch_pair(coord, d2, pair2)
-            assert d2.paths_of(str(a.peer_id)) == set() and d2.punch_pairs() == []
+            assert d2.relays.paths_of(str(a.peer_id)) == set() and d2.relays.punch_pairs() == []
 
     trio.run(body)
 

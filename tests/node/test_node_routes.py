@@ -46,7 +46,20 @@ def test_a_node_learns_of_a_version_from_its_lease_reply_alone() -> None:
             and call.func.attr == "sync_to"
         ]
 
+    import echo.node.base_group as base_group
+
     assert sync_calls(worker) == ["reply.current_version"]
+    # A job sharing the base of the node's job (issue 28) syncs through its turns, to what a
+    # lease reply of that job names; inside, to that same target.
+    turns = [
+        ast.unparse(call.args[1])
+        for call in ast.walk(ast.parse(inspect.getsource(worker)))
+        if isinstance(call, ast.Call)
+        and isinstance(call.func, ast.Attribute)
+        and call.func.attr == "sync"
+    ]
+    assert turns == ["reply.current_version"]
+    assert sync_calls(base_group) == ["target", "target"]
     # The follower's only call is its weight sync's, inside sync_to itself, to the same target.
     assert sync_calls(policy) == ["target"]
     assert "announced" not in inspect.getsource(policy) + inspect.getsource(worker)

@@ -259,7 +259,7 @@ def test_the_digest_is_read_from_the_model_not_the_file(engine, peaked) -> None:
     state = export_state(peaked)
     engine.load_state(state)
     other = export_state(build_model(SPEC, seed=9))
-    engine._write_weights(other)
+    engine.hf.write_weights(engine.model_dir, other)
     assert engine.state_digest() == state_digest(state)
     engine.load_state(other)
     assert engine.state_digest() == state_digest(other)

@@ -261,9 +261,9 @@ def _stale_hoarder(cfg: NodeConfig, stats: Stats, warm_groups: int) -> Any:
             self.turned = False
             self.staleness = 0
 
-        async def _lease_loop(self, job: m.JobInfo, vocab: int, sync) -> None:
+        async def _lease_loop(self, job: m.JobInfo, vocab: int, sync, shared) -> None:
             self.staleness = job.staleness
-            await super()._lease_loop(job, vocab, sync)
+            await super()._lease_loop(job, vocab, sync, shared)
 
         async def _submit(self, payload: bytes) -> m.SubmitReply | None:
             reply = await super()._submit(payload)

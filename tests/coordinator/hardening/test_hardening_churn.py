@@ -191,11 +191,11 @@ def test_placement_state_is_bounded_to_live_jobs_and_present_nodes(tmp_path) -> 
 def test_the_prober_looks_only_at_nodes_that_asked(tmp_path) -> None:
     diss = Dissemination(learner_upload_bps=1e6, default_node_upload_bps=1e6)
     for i in range(5000):  # a churn that registered and left: never probed
-        diss.registered(f"gone{i}", [f"/ip4/10.0.{i // 250}.{i % 250}/tcp/4001"], 0.0)
+        diss.relays.registered(f"gone{i}", [f"/ip4/10.0.{i // 250}.{i % 250}/tcp/4001"], 0.0)
     clock = Clock(100.0)
     probes = ProbeQueue(clock=clock)
     for n in ("new", "away", "busy"):
-        diss.registered(n, [f"/ip4/192.0.2.1/tcp/{len(n)}"], 0.0)
+        diss.relays.registered(n, [f"/ip4/192.0.2.1/tcp/{len(n)}"], 0.0)
         probes.wanted(n)
     looked: list[str] = []
 
@@ -229,14 +229,14 @@ def test_pruned_identities_leave_the_dissemination_links_too(tmp_path, monkeypat
         await gone.register()
         await staying.register()
         gone_id, staying_id = str(gone.host.peer_id), str(staying.host.peer_id)
-        assert {gone_id, staying_id} <= set(coord.dissemination.links)
+        assert {gone_id, staying_id} <= set(coord.dissemination.relays.links)
         coord.store._db.execute(
             "UPDATE nodes SET last_seen=? WHERE node_id=?", (time.time() - 2 * DAY_S, gone_id)
         )
         with trio.fail_after(10):
             while coord.store.node(gone_id) is not None:
                 await trio.sleep(0.2)
-        assert gone_id not in coord.dissemination.links
-        assert staying_id in coord.dissemination.links
+        assert gone_id not in coord.dissemination.relays.links
+        assert staying_id in coord.dissemination.relays.links
 
     run_with_coordinator(tmp_path, body)

@@ -20,7 +20,8 @@ import trio
 
 from echo.coordinator.jobs import learners
 from echo.coordinator.store import Store
-from echo.learner.service import EXIT_SUPERSEDED, Learner, Superseded
+from echo.learner.link import Superseded
+from echo.learner.service import EXIT_SUPERSEDED, Learner
 from echo.p2p.identity import Identity
 from echo.p2p.rpc import RemoteError
 from echo.protocol import ids, signing
@@ -178,8 +179,8 @@ def test_the_learner_stops_when_superseded_and_resends_under_its_own_epoch(tmp_p
         new = issued_epoch(coord, job_id)
         learner = Learner(job_dir, job_id, coord.multiaddrs[0], torch.get_num_threads(), epoch=new)
         lc = await client(ident)
-        learner.host, learner.coord_peer = lc.host, lc.coord
-        resent = learner._for_this_epoch(pending)
+        learner.link.host, learner.link.peer = lc.host, lc.coord
+        resent = learner.link.for_this_epoch(pending)
         assert signing.open_record(resent, m.StepReport)[1].epoch == new
         await learner._send_report(resent)
         assert coord.store.job(job_id).current_version == 0

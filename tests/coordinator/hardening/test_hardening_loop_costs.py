@@ -88,20 +88,20 @@ def test_a_scheduling_pass_takes_the_typical_rate_once_per_job(tmp_path, monkeyp
     """A node nothing is known of is counted at the job's typical rate, a median over every known
     node: taken per such node, a churn's fresh identities made each pass quadratic (and a pass
     runs up to 4 times a second while identities register)."""
-    from echo.coordinator.scheduling.placement import Placement
+    from echo.coordinator.scheduling.inputs import PassInputs
 
     async def body(coord, client) -> None:
         job_id, _ = await start_job(coord, client)
         for i in range(CHURNED // 4):  # active, never measured
             coord.store.upsert_node(f"churned-{i}", b"k" * 32, "torch", {}, 0.0, 0.0, 0.0)
         asked = []
-        real = Placement._typical_rate
+        real = PassInputs.typical_rate
 
         def counted(self, job, tpr):
             asked.append(job)
             return real(self, job, tpr)
 
-        monkeypatch.setattr(Placement, "_typical_rate", counted)
+        monkeypatch.setattr(PassInputs, "typical_rate", counted)
         coord.placement.refresh()
         assert asked == [job_id], f"{len(asked)} medians in one pass"
 

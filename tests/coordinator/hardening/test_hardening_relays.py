@@ -12,7 +12,7 @@ pure punch planner); the only stand-in is a hand-moved clock.
 
 from __future__ import annotations
 
-from echo.coordinator.dissemination import planning as diss
+from echo.coordinator.dissemination import relays
 from echo.coordinator.dissemination.planning import Dissemination
 from echo.coordinator.dissemination.punch_pairs import NatInfo, punch_pairs
 from echo.protocol import broadcast as b
@@ -37,8 +37,8 @@ def _swarm(n: int, clock: Clock | None = None, **kw: object) -> Dissemination:
 
 
 def _join(d: Dissemination, name: str, ip: str, declared: float) -> None:
-    d.registered(name, [f"/ip4/{ip}/tcp/4001/p2p/{name}"], declared)
-    d.set_reachable(name, True, verdict="public", observed_ip=ip)
+    d.relays.registered(name, [f"/ip4/{ip}/tcp/4001/p2p/{name}"], declared)
+    d.relays.set_reachable(name, True, verdict="public", observed_ip=ip)
 
 
 def _plan(d: Dissemination, nodes: list[str], leaves: list[str] = (), version: int = 1):
@@ -69,11 +69,11 @@ def test_three_merely_registered_identities_cannot_demote_a_relay() -> None:
     _plan(d, [f"n{i}" for i in range(6)], leaves=fresh)
     for reporter in fresh:
         d.reported(reporter, _bad("n0"))
-    assert d.upload_of("n0") == 1 * MB and not d.is_demoted("n0")
+    assert d.relays.upload_of("n0") == 1 * MB and not d.relays.is_demoted("n0")
     # The same when the handler says how many groups each reporter had accepted: none.
     for reporter in ("n1", "n2", "n3"):
         d.reported(reporter, _bad("n0"), accepted=0)
-    assert not d.is_demoted("n0")
+    assert not d.relays.is_demoted("n0")
 
 
 def test_credible_reporters_count_once_per_network() -> None:
@@ -86,9 +86,9 @@ def test_credible_reporters_count_once_per_network() -> None:
     _plan(d, ["n0", "n1", "n2", "r1", "r2", "r3", "r4"])  # nobody a leaf: all have accepted work
     for r in ("r1", "r2", "r3", "n1"):
         d.reported(r, _bad("n0"))
-    assert d.upload_of("n0") == 1 * MB  # two networks so far
+    assert d.relays.upload_of("n0") == 1 * MB  # two networks so far
     d.reported("r4", _bad("n0"))
-    assert d.upload_of("n0") == 0.0 and d.is_demoted("n0")
+    assert d.relays.upload_of("n0") == 0.0 and d.relays.is_demoted("n0")
     ann = _plan(d, ["n0", "n1", "n2", "r1", "r2", "r3", "r4"], version=2)
     assert all(not {e.parent for e in s if e.children} & {"n0"} for s in ann.plan.stripes)
 
@@ -99,11 +99,11 @@ def test_a_demotion_ages_out() -> None:
     _plan(d, ["n0", "n1", "n2", "n3"])
     for r in ("n1", "n2", "n3"):
         d.reported(r, _bad("n0"), accepted=5)
-    assert d.is_demoted("n0")
-    clock.t += diss.DEMOTE_WINDOW_S - 1
-    assert d.is_demoted("n0")
+    assert d.relays.is_demoted("n0")
+    clock.t += relays.DEMOTE_WINDOW_S - 1
+    assert d.relays.is_demoted("n0")
     clock.t += 2
-    assert not d.is_demoted("n0") and d.upload_of("n0") == 1 * MB
+    assert not d.relays.is_demoted("n0") and d.relays.upload_of("n0") == 1 * MB
 
 
 # -- finding 3: uplinks ----------------------------------------------------------------------------
@@ -115,12 +115,12 @@ def test_an_uplink_liar_is_not_planned_at_the_root() -> None:
     default; relays whose receivers measured them stay ahead of it."""
     d = _swarm(8)
     for n in ("n0", "n1"):
-        d.confirm(n, ("job", 0), 4 * MB)  # their receivers measured 4 MB/s
-        d.measured(n, 4 * MB)
+        d.relays.confirm(n, ("job", 0), 4 * MB)  # their receivers measured 4 MB/s
+        d.relays.measured(n, 4 * MB)
     _join(d, "liar", "93.0.2.66", 1e15)
-    d.measured("liar", 1e15)
-    assert d.upload_of("liar") == 1 * MB
-    assert d.upload_of("n0") == 4 * MB
+    d.relays.measured("liar", 1e15)
+    assert d.relays.upload_of("liar") == 1 * MB
+    assert d.relays.upload_of("n0") == 4 * MB
     members = [f"n{i}" for i in range(8)] + ["liar"]
     ann = _plan(d, members)
     assert "liar" not in _roots(ann)
@@ -141,9 +141,9 @@ def test_receivers_confirm_a_relays_uplink() -> None:
             "k5": "85.51.5.7", "k6": "85.51.6.7"}
     for k, ip in kids.items():
         _join(d, k, ip, 1 * MB)
-    d.measured("relay", 50 * MB)  # what it says: counts up to what its receivers confirm
-    d.confirm("relay", ("job", 0), 40 * MB)  # e.g. an earlier version's receipts
-    assert d.upload_of("relay") == 40 * MB
+    d.relays.measured("relay", 50 * MB)  # what it says: counts up to what its receivers confirm
+    d.relays.confirm("relay", ("job", 0), 40 * MB)  # e.g. an earlier version's receipts
+    assert d.relays.upload_of("relay") == 40 * MB
     ann = _plan(d, ["relay", *kids], leaves=["k6"])
     children = {c for s in ann.plan.stripes for e in s if e.parent == "relay" for c in e.children}
     assert children, ann.plan
@@ -151,8 +151,8 @@ def test_receivers_confirm_a_relays_uplink() -> None:
     d.reported("k5", b.BadPeerReport(job_id="job", version=1, peer_id="relay", reason="stalled"))
     clock.t += 40.0  # longer than the learner's floor, 64 MB / 2 MB/s
     for k in kids:
-        d.delivered(k, "job", 1)
-    got = d.links["relay"].confirmed[("job", 1)]
+        d.receipts.delivered(k, "job", 1)
+    got = d.relays.links["relay"].confirmed[("job", 1)]
     # k1 and k2 count; k3 shares k2's /24, k4 the relay's, k5 reported a stall, k6 is a leaf.
     credited = len(children & {"k1", "k2"})
     assert credited and got == credited * owed / 40.0
@@ -161,14 +161,14 @@ def test_receivers_confirm_a_relays_uplink() -> None:
     d2 = _swarm(0, Clock(0.0))
     for name, ip in (("relay", "203.0.1.7"), ("k1", "85.51.1.7"), ("k2", "85.51.2.7")):
         _join(d2, name, ip, 1 * MB)
-    d2.confirm("relay", ("job", 0), 40 * MB)
-    d2.measured("relay", 40 * MB)
+    d2.relays.confirm("relay", ("job", 0), 40 * MB)
+    d2.relays.measured("relay", 40 * MB)
     ann = _plan(d2, ["relay", "k1", "k2"])
     assert {c for s in ann.plan.stripes for e in s if e.parent == "relay" for c in e.children} \
         == {"k1", "k2"}
     for k in ("k1", "k2"):
-        d2.delivered(k, "job", 1)
-    assert d2.links["relay"].confirmed[("job", 1)] == 2 * TOTAL / (TOTAL / (2 * MB))
+        d2.receipts.delivered(k, "job", 1)
+    assert d2.relays.links["relay"].confirmed[("job", 1)] == 2 * TOTAL / (TOTAL / (2 * MB))
 
 
 # -- finding 6: addresses --------------------------------------------------------------------------
@@ -181,11 +181,11 @@ def test_plans_carry_only_addresses_a_dial_back_verified() -> None:
     d = _swarm(2)
     declared = ["/ip4/81.2.113.5/tcp/4001/p2p/x", "/ip4/8.8.8.8/tcp/53/p2p/x",
                 "/ip4/192.168.1.1/tcp/80/p2p/x"]
-    d.registered("x", declared, 1 * MB)
-    d.set_reachable("x", True, verdict="public", observed_ip="81.2.113.5")
+    d.relays.registered("x", declared, 1 * MB)
+    d.relays.set_reachable("x", True, verdict="public", observed_ip="81.2.113.5")
     ann = _plan(d, ["n0", "n1", "x"])
     assert {p.peer_id: p.addrs for p in ann.peers}["x"] == ["/ip4/81.2.113.5/tcp/4001/p2p/x"]
-    d.set_reachable("x", True, verdict="forwarded", observed_ip="81.2.113.5",
+    d.relays.set_reachable("x", True, verdict="forwarded", observed_ip="81.2.113.5",
                     dialed="/ip4/81.2.113.5/tcp/80")
     ann = _plan(d, ["n0", "n1", "x"], version=2)
     assert {p.peer_id: p.addrs for p in ann.peers}["x"] == ["/ip4/81.2.113.5/tcp/80/p2p/x"]
@@ -196,7 +196,7 @@ def test_a_node_not_yet_probed_is_not_dialable() -> None:
     planned as parent and child (neither could dial the other)."""
     d = Dissemination(learner_upload_bps=2 * MB, default_node_upload_bps=1 * MB)
     for i in range(6):
-        d.registered(f"u{i}", [f"/ip4/203.0.{i}.7/tcp/4001/p2p/u{i}"], 1 * MB)
+        d.relays.registered(f"u{i}", [f"/ip4/203.0.{i}.7/tcp/4001/p2p/u{i}"], 1 * MB)
     ann = _plan(d, [f"u{i}" for i in range(6)])
     assert all(p.addrs == [] for p in ann.peers)
     edges = {(e.parent, c) for s in ann.plan.stripes for e in s for c in e.children}

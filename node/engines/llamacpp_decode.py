@@ -1,0 +1,115 @@
+"""Decoding GRPO groups on llama.cpp: one KV sequence per sample, one batch per step.
+
+llama-cpp-python's high-level ``Llama`` holds one sequence per context, so the engine drives the
+C API directly through a :class:`~echo.node.engines.llamacpp_context.LlamaContext` of
+``max_seqs`` sequences. :func:`decode_groups` owns the schedule: the samples of all requests are
+cut into chunks of at most ``max_seqs``; in each, every request's prompt is prefilled once and
+its KV cells copied to the other samples of its group (``llama_memory_seq_cp``), then every step
+decodes one token for every unfinished sample in a single batch, and a finished sample's cells
+are freed. Logits of each step come back to Python (only the rows asked for, so ``logits_all`` is
+not needed) and are sampled by :mod:`echo.node.engines.llamacpp_sampler`. A sample ends on the
+model's EOS id (kept in its tokens) or at ``max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from echo.node.engines.base import Completion, GenRequest
+from echo.node.engines.llamacpp_context import LlamaContext
+from echo.node.engines.llamacpp_sampler import sample, sample_rng
+
+
+@dataclass
+class _Row:
+    """One sample being generated: its request, its KV sequence slot and what it produced."""
+
+    req: int
+    slot: int
+    rng: np.random.Generator | None
+    pos: int
+    tokens: list[int]
+    logprobs: list[float]
+    finish: str | None = None
+
+
+def decode_groups(
+    ll: Any, llama: LlamaContext, requests: list[GenRequest], max_seqs: int, eos_id: int
+) -> list[list[Completion]]:
+    """Every request's ``n`` completions, decoded on ``llama``'s context (``ll``: the
+    ``llama_cpp`` module), whose cells per sequence must hold each prompt and its
+    ``max_new_tokens``. :raises RuntimeError: llama.cpp fails to decode."""
+    rows = [
+        _Row(req=i, slot=-1, rng=sample_rng(r.params, j), pos=0, tokens=[], logprobs=[])
+        for i, r in enumerate(requests)
+        for j in range(r.n)
+    ]
+    for lo in range(0, len(rows), max_seqs):
+        _run_chunk(ll, llama, requests, rows[lo : lo + max_seqs], eos_id)
+    result: list[list[Completion]] = [[] for _ in requests]
+    for row in rows:
+        result[row.req].append(
+            Completion(
+                token_ids=row.tokens,
+                logprobs=row.logprobs,
+                finish_reason="stop" if row.finish == "stop" else "length",
+            )
+        )
+    return result
+
+
+def _run_chunk(
+    ll: Any, llama: LlamaContext, requests: list[GenRequest], rows: list[_Row], eos_id: int
+) -> None:
+    """Generate ``rows`` (at most ``max_seqs``, one KV sequence each) to completion."""
+    mem = ll.llama_get_memory(llama.ctx)
+    ll.llama_memory_clear(mem, True)
+    for slot, row in enumerate(rows):
+        row.slot = slot
+    # Prefill each request's prompt once, into the slot of its first row in this chunk.
+    groups: dict[int, list[_Row]] = {}
+    for row in rows:
+        groups.setdefault(row.req, []).append(row)
+    prefill = [
+        (g[0].slot, tok, pos, pos == len(requests[req].prompt_ids) - 1)
+        for req, g in groups.items()
+        for pos, tok in enumerate(requests[req].prompt_ids)
+    ]
+    logits = llama.decode(prefill)
+    for (req, g), lg in zip(groups.items(), logits, strict=True):
+        plen = len(requests[req].prompt_ids)
+        for row in g[1:]:
+            # Whole range: across KV streams (kv_unified=False) llama.cpp copies only whole
+            # sequences; the source holds just the prompt anyway.
+            ll.llama_memory_seq_cp(mem, g[0].slot, row.slot, -1, -1)
+        for row in g:
+            row.pos = plen
+        _step(requests, g, lg.unsqueeze(0).expand(len(g), -1), eos_id)
+    active = [r for r in rows if r.finish is None]
+    while active:
+        logits = llama.decode([(r.slot, r.tokens[-1], r.pos, True) for r in active])
+        for r in active:
+            r.pos += 1
+        _step(requests, active, logits, eos_id)
+        for r in active:
+            if r.finish is not None:
+                # Frees its cells (matters for a unified cache; cheap otherwise).
+                ll.llama_memory_seq_rm(mem, r.slot, -1, -1)
+        active = [r for r in active if r.finish is None]
+
+
+def _step(requests: list[GenRequest], rows: list[_Row], logits: torch.Tensor, eos_id: int) -> None:
+    """Sample one token for each of ``rows`` from its logits row; mark finished rows."""
+    params = [requests[r.req].params for r in rows]
+    toks, lps = sample(logits, params, [r.rng for r in rows])
+    for r, p, t, lp in zip(rows, params, toks, lps, strict=True):
+        r.tokens.append(t)
+        r.logprobs.append(lp)
+        if t == eos_id:
+            r.finish = "stop"
+        elif len(r.tokens) >= p.max_new_tokens:
+            r.finish = "length"
