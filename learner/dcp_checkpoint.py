@@ -28,13 +28,37 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 from echo.learner.checkpoint_files import Checkpoint, fsync, keep_newest, version_dir
 
 FORMAT = "dcp"
 DCP_DIR = "dcp"
+# A LoRA job's checkpoint holds the adapter and its optimizer state only (the base is fixed in
+# lora_base.safetensors), its tensors under peft's saved names (the live names without the
+# adapter's name, ``.default.``): the names the single LoRA learner's checkpoints use.
+# Not strict: the frozen base is no part of the state (DCP's load checks the adapter's names).
+ADAPTER_ONLY = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
+def _saved_name(name: str) -> str:
+    return name.replace(".default.", ".")
+
+
+def _model_and_optim(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, adapter: bool
+) -> tuple[dict, dict]:
+    """``get_state_dict`` of the model and optimizer; with ``adapter``, the trainable tensors
+    only, the model's under their saved names."""
+    model_sd, optim_sd = get_state_dict(model, opt, options=ADAPTER_ONLY if adapter else None)
+    if adapter:
+        model_sd = {_saved_name(n): t for n, t in model_sd.items()}
+    return model_sd, optim_sd
 
 
 def _fsync_tree(path: Path) -> None:
@@ -54,17 +78,19 @@ def save(
     model: torch.nn.Module,
     opt: torch.optim.Optimizer,
     leader: bool,
+    adapter: bool = False,
 ) -> None:
     """Write the checkpoint of ``version`` under ``root``; every rank calls it at once, and
     ``leader`` (rank 0) commits it. Returns on rank 0 once the checkpoint is durable and
-    visible. :raises OSError: the disk refused."""
+    visible. ``adapter``: a LoRA job's (see :data:`ADAPTER_ONLY`). :raises OSError: the disk
+    refused."""
     tmp = root / f".tmp-{version}"
     if leader:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         (tmp / DCP_DIR).mkdir(parents=True)
     dist.barrier()  # the folder exists before any rank writes into it
-    model_sd, optim_sd = get_state_dict(model, opt)
+    model_sd, optim_sd = _model_and_optim(model, opt, adapter)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp / DCP_DIR)
     if not leader:
         return
@@ -88,16 +114,28 @@ def is_dcp(version_dir: Path) -> bool:
         return False
 
 
-def load_sharded(version_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+def load_sharded(
+    version_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, adapter: bool = False
+) -> None:
     """Load the DCP checkpoint in ``version_dir`` into the sharded ``model`` and its ``opt``;
-    every rank calls it at once, with whatever number of ranks wrote it.
+    every rank calls it at once, with whatever number of ranks wrote it. ``adapter``: a LoRA
+    job's, as :func:`save` wrote it.
 
     :raises RuntimeError: the checkpoint does not match the model (DCP names the tensor).
     """
-    model_sd, optim_sd = get_state_dict(model, opt)  # the optimizer's state is initialised
+    # The optimizer's state is initialised by get_state_dict.
+    model_sd, optim_sd = _model_and_optim(model, opt, adapter)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=version_dir / DCP_DIR)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    live = {_saved_name(n): n for n, p in model.named_parameters()} if adapter else {}
+    model_sd = {live.get(n, n): t for n, t in state["model"].items()}
+    set_state_dict(
+        model,
+        opt,
+        model_state_dict=model_sd,
+        optim_state_dict=state["optim"],
+        options=ADAPTER_ONLY if adapter else None,
+    )
 
 
 def load_full(version_dir: Path) -> dict:

@@ -122,9 +122,14 @@ def follow(trainer: ShardedTrainer, d: Dist) -> None:
 
 
 def build(job_dir: Path, d: Dist) -> tuple[ShardedTrainer, Any]:
-    """This rank's trainer for the job in ``job_dir`` (see :func:`fsdp_trainer.build`)."""
+    """This rank's trainer for the job in ``job_dir`` (see :func:`fsdp_trainer.build`, and
+    :func:`~echo.learner.fsdp_lora.build` for a LoRA job)."""
     spec = JobSpec.model_validate_json((job_dir / "job.json").read_text())
     model_spec = ModelSpec.from_dict(spec.model_spec_dict())
+    if spec.lora is not None:  # the base sharded, the adapter trained
+        from echo.learner import fsdp_lora
+
+        return fsdp_lora.build(spec, model_spec, job_dir, d)
     return fsdp_trainer.build(spec, model_spec, job_dir, d)
 
 

@@ -34,7 +34,7 @@ import trio
 from echo.learner import fence
 from echo.learner.distributed import Dist
 from echo.learner.link import CoordinatorLink
-from echo.learner.lora import AdapterInitError, build_lora
+from echo.learner.lora import build_lora
 from echo.learner.publish import Publisher
 from echo.learner.source import VersionSource
 from echo.learner.tracking import Tracker, open_tracker
@@ -143,10 +143,12 @@ class Learner:
         if self.ranks is not None:  # with the other ranks, which build their shards alike
             from echo.learner.ranks import Leader, build
 
-            if self.spec.lora is not None:
-                raise AdapterInitError("a LoRA job trains on the single learner backend, not fsdp2")
             trainer, ckpt = build(self.job_dir, self.ranks)
             self.trainer: Trainer | Leader = Leader(trainer, self.ranks)
+            if self.spec.lora is not None:  # versions are adapters of the base, as below
+                from echo.learner.fsdp_lora import adapter_publisher
+
+                self.publisher = adapter_publisher(trainer, self.publisher)
         elif self.spec.lora is not None:  # versions are adapters of a base fixed at the start
             self.trainer, self.publisher, ckpt = build_lora(
                 self.spec, self.job_dir, self.device, self.publisher

@@ -17,8 +17,13 @@
 #   learn_gpu.txt    tools/grpo_local.py --device cuda (the recipe that learns on the CPU)
 #   learn_cpu.txt    the same on this machine's CPU, the baseline of the same run
 #   rescore.txt      benchmarks/rescore.py --quick --device cuda (its JSON line is its last line)
+#   fsdp.txt         benchmarks/fsdp.py --quick --device cuda --nproc 1: the FSDP2 learner (NCCL,
+#                    bf16 parameters, fp32 reduction) against the single learner on the same GPU:
+#                    step time and peak GPU memory as ratios (one GPU: NCCL refuses two ranks on
+#                    one device)
 #   vllm.txt         tests/node/test_vllm_engine.py, only where vllm imports
-# Exit status: non-zero if a step failed.
+# Exit status: 2 at once if the device is cuda and torch sees no GPU; else non-zero if a step
+# failed.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -32,10 +37,16 @@ SUMMARY="$RES/summary.txt"
 : >"$SUMMARY"
 say() { echo "$*" | tee -a "$SUMMARY"; }
 
+# Fail fast: a machine where torch sees no GPU runs nothing (torch alone is imported for this).
+if [ "$DEV" != cpu ] && ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    say "NO CUDA: torch sees no GPU (device $DEV); nothing was run. ECHO_GPU_DEVICE=cpu rehearses the script."
+    exit 2
+fi
+
 # The package layout of pyproject.toml's package-dir, as links: no build, no index.
 rm -rf "$SITE" && mkdir -p "$SITE/echo"
 cp echo_ns/__init__.py "$SITE/echo/"
-for pkg in protocol p2p learner coordinator node tasks models; do
+for pkg in protocol p2p learner coordinator node tasks models tools; do
     ln -s "$ROOT/$pkg" "$SITE/echo/$pkg"
 done
 if [ "${ECHO_GPU_WHEELS:-1}" = 1 ]; then
@@ -83,6 +94,12 @@ say "rescore rc=$rescore_rc:"
 grep -E "^  " "$RES/rescore.txt" | tee -a "$SUMMARY"
 tail -n 1 "$RES/rescore.txt" >>"$SUMMARY"
 
+timeout 150 "$PY" benchmarks/fsdp.py --quick --device "$DEV" --nproc 1 >"$RES/fsdp.txt" 2>&1
+fsdp_rc=$?
+say "fsdp2 rc=$fsdp_rc:"
+grep -E "^(single|fsdp2)" "$RES/fsdp.txt" | tee -a "$SUMMARY"
+tail -n 1 "$RES/fsdp.txt" >>"$SUMMARY"
+
 vllm_rc=0
 if "$PY" -c "import vllm" 2>/dev/null; then
     timeout 300 "$PY" -m pytest tests/node/test_vllm_engine.py -q -rA -s -p no:cacheprovider \
@@ -91,4 +108,4 @@ if "$PY" -c "import vllm" 2>/dev/null; then
     say "vllm rc=$vllm_rc: $(tail -n 1 "$RES/vllm.txt")"
 fi
 [ "$tests_rc" = 0 ] && [ "$gpu_rc" = 0 ] && [ "$cpu_rc" = 0 ] && [ "$rescore_rc" = 0 ] \
-    && [ "$vllm_rc" = 0 ]
+    && [ "$fsdp_rc" = 0 ] && [ "$vllm_rc" = 0 ]

@@ -47,6 +47,7 @@ from echo.coordinator.scheduling.capacity import (
     recommend_staleness,
     staleness_options,
 )
+from echo.learner import memory as learner_memory
 from echo.protocol.jobspec import JobSpec, SpecError, load_job_toml, parse_job
 from echo.tasks.dataset_io import DatasetError
 
@@ -166,6 +167,10 @@ def job_plan(coord: ApiBackend, job_id: str) -> dict[str, Any] | None:
         ],
         "recommended_staleness": recommended,
         "recommendation": why,
+        "learner_memory": learner_memory.plan(
+            spec, coord.config.learner.backend, coord.config.learner.nproc_per_node,
+            coord.config.learner.device,
+        ),  # fmt: skip
     }
 
 

@@ -189,6 +189,41 @@ def plan(job_id: str, url: UrlOpt = "http://127.0.0.1:8080", token: TokenOpt = "
             f"  S = {o['staleness']}: a version every {period}, learner busy "
             f"{o['learner_busy']:.0%}, {o['speedup_vs_sync']:.2f}x S = 0"
         )
+    if not _print_learner_memory(p.get("learner_memory")):
+        raise typer.Exit(1)
+
+
+def _print_learner_memory(mem: dict[str, Any] | None) -> bool:
+    """The learner's per-rank memory (echo.learner.memory); False when it does not fit."""
+    if mem is None:
+        return True
+    if "error" in mem:
+        console.print(f"learner memory: not estimated ({mem['error']})")
+        return True
+
+    def gb(key: str) -> str:
+        n = mem[key]
+        return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+    console.print(
+        f"learner: {mem['backend']}, {mem['ranks']} rank(s) on {mem['device']}, compute in "
+        f"{mem['compute_dtype']}; {mem['params']:,} parameters, {mem['trained_params']:,} trained"
+    )
+    console.print(
+        f"  per rank: weights {gb('weights_bytes')}, gradients {gb('grads_bytes')}, AdamW "
+        f"{gb('optim_bytes')}, KL reference {gb('reference_bytes')}, re-scorer "
+        f"{gb('rescorer_bytes')}, gathered layers {gb('gathered_bytes')}, activations "
+        f"{gb('activations_bytes')} ({mem['tokens_per_rank']:,} tokens)"
+    )
+    have = mem["available_per_rank_bytes"]
+    have_s = f"{have / 1e9:.2f} GB" if have else "unknown"
+    console.print(
+        f"  total {gb('total_bytes')} per rank ({gb('leader_total_bytes')} on rank 0), the "
+        f"device offers {have_s}; host memory while building {gb('build_host_bytes')} per rank"
+    )
+    if not mem["fits"]:
+        console.print(f"[red]the learner does not fit:[/red] {mem['misfit']}")
+    return bool(mem["fits"])
 
 
 @app.command()

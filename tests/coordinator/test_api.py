@@ -50,6 +50,8 @@ def test_job_api_auth_validation_and_lifecycle(tmp_path) -> None:
             assert plan_["R"] == 16 * 8 and plan_["measured_versions"] == 0
             assert plan_["staleness"] == 2 and len(plan_["staleness_options"]) == 7
             assert plan_["recommended_staleness"] == 2  # nothing measured: the default
+            mem = plan_["learner_memory"]  # the tiny model fits any machine these tests run on
+            assert mem["fits"] and mem["backend"] == "single" and mem["state_bytes"] > 0
             assert st["learning"]["versions"] == 0 and st["learning"]["eval_last"] is None
             assert (await http.get("/v1/jobs/nope", headers=auth)).status_code == 404
             r = await http.post(f"/v1/jobs/{job_id}/cancel", headers=auth)

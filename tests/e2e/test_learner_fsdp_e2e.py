@@ -67,3 +67,70 @@ def test_fsdp2_learner_trains_through_a_killed_rank(tmp_path: Path) -> None:
         node_bits = to_bits(node_state)
         for k in learner_bits:
             assert np.array_equal(learner_bits[k], node_bits[k]), k
+
+
+LORA_STEPS = 6
+LORA_TABLE = """
+[job.lora]
+rank = 4
+alpha = 8
+target_modules = ["q_proj", "v_proj", "up_proj", "down_proj"]
+"""
+
+
+def test_a_lora_job_on_fsdp2_publishes_adapters_through_a_killed_rank(tmp_path: Path) -> None:
+    """A LoRA job on 2 ranks: versions are adapters of the base rank 0 fixed (v0 carries it),
+    a rank killed at v3 ends in a restart from the adapter's DCP checkpoint, and the torch node
+    ends on the final adapter."""
+    from safetensors.torch import load_file
+
+    from echo.models.lora import lora_digest
+    from echo.models.weights import DTYPES
+    from echo.protocol import messages as m
+    from echo.protocol import signing
+    from echo.tools.local_swarm import HEADS, job_toml
+
+    out = tmp_path / "swarm"
+    job = tmp_path / "job.toml"
+    job.write_text(
+        job_toml("lora", steps=LORA_STEPS, group_size=8, batch_groups=4, anchor_every=4,
+                 warmup=30, lr=5e-3, eval_every=0, heads=HEADS)
+        + LORA_TABLE
+    )  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "echo.tools.local_swarm", "--out", str(out), "--quiet",
+         "--nodes", "1", "--engines", "torch", "--job", str(job),
+         "--learner-backend", "fsdp2", "--nproc-per-node", "2", "--kill-learner-at", "3",
+         "--timeout", "360"],
+        cwd=ROOT, capture_output=True, text=True, timeout=480,
+    )  # fmt: skip
+    (job_dir,) = (out / "coordinator" / "jobs").iterdir()
+    log = (job_dir / "learner.log").read_text(errors="replace")
+    assert proc.returncode == 0, proc.stdout[-3000:] + log[-6000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["status"] == "done" and s["versions"] == LORA_STEPS
+    assert s["learner_killed_at"] is not None and "resumed from checkpoint" in log
+
+    db = sqlite3.connect(out / "coordinator" / "coordinator.sqlite")
+    rows = db.execute("SELECT version, manifest FROM versions ORDER BY version").fetchall()
+    assert [v for v, _ in rows] == list(range(LORA_STEPS + 1))
+    manifests = [signing.open_record(bytes(env), m.Manifest)[1] for _, env in rows]
+    base = load_file(str(job_dir / "lora_base.safetensors"))
+    base_digest = state_digest(base)
+    for man in manifests:
+        assert man.adapter is not None and man.adapter.base_digest == base_digest
+        assert man.adapter.carries_base == (man.version == 0)
+    root = job_dir / "checkpoints"
+    final = manifests[-1]
+    meta = json.loads((root / f"v{LORA_STEPS:08d}" / "meta.json").read_text())
+    assert meta["format"] == "dcp"
+    # The checkpoint holds the adapter alone; in the publish dtype it is what was published.
+    spec = JobSpec.model_validate_json((job_dir / "job.json").read_text())
+    master = checkpoint.load_model_state(root, LORA_STEPS)
+    assert master and all(".lora_" in n for n in master)
+    published = {n: t.to(DTYPES[spec.publish_dtype]) for n, t in master.items()}
+    assert lora_digest(base_digest, published) == final.state_digest
+    node = json.loads((out / "node-0" / "policy.json").read_text())
+    assert node["version"] == LORA_STEPS and node["state_digest"] == final.state_digest
+    adapter = state_from_bytes((out / "node-0" / "policy.safetensors").read_bytes())
+    assert lora_digest(base_digest, adapter) == final.state_digest
