@@ -38,15 +38,15 @@ from torch.distributed.checkpoint.state_dict import (
 from echo.learner import checkpoint, dcp_checkpoint, distributed
 from echo.learner.checkpoint_files import version_dir
 from echo.learner.distributed import Dist
-from echo.learner.fsdp_trainer import RankSums, ShardedRescorer, ShardedTrainer, _optim_by_name
+from echo.learner.fsdp_trainer import RankSums, ShardedRescorer, ShardedTrainer, optim_by_name
 from echo.learner.grpo import GRPOLearner
 from echo.learner.lora import (
     BASE_FILE,
     AdapterInitError,
     AdapterPublisher,
     LoraTrainer,
-    _save_base,
     read_peft_folder,
+    save_base,
     shape_of,
 )
 from echo.learner.publish import Publisher
@@ -166,7 +166,7 @@ def _base_model(spec: JobSpec, model_spec: ModelSpec, job_dir: Path, d: Dist, ta
     path = job_dir / BASE_FILE
     if d.leader and not path.exists():
         LoraTrainer._warm_up(spec, model_spec, model, task, job_dir)
-        _save_base(path, export_state(model, spec.publish_dtype))
+        save_base(path, export_state(model, spec.publish_dtype))
     dist.barrier(group=d.commands)  # the base is on disk before any rank reads it
     load_state(model, load_file(str(path)))
     return model
@@ -220,7 +220,7 @@ def build(
             set_optimizer_state_dict(
                 model,
                 learner.opt,
-                _optim_by_name(model, single.optim_state),
+                optim_by_name(model, single.optim_state),
                 options=StateDictOptions(full_state_dict=True),
             )
         else:

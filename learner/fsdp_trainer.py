@@ -284,7 +284,7 @@ def build(
             set_optimizer_state_dict(
                 model,
                 learner.opt,
-                _optim_by_name(model, single.optim_state),
+                optim_by_name(model, single.optim_state),
                 options=StateDictOptions(full_state_dict=True),
             )
         else:
@@ -304,7 +304,7 @@ def build(
     return trainer, resumed
 
 
-def _optim_by_name(model: torch.nn.Module, optim_state: dict) -> dict:
+def optim_by_name(model: torch.nn.Module, optim_state: dict) -> dict:
     """The single learner's positional optimizer state keyed by parameter name (its optimizer
     was built over the trainable ``model.parameters()``, in that order)."""
     names = [n for n, p in model.named_parameters() if p.requires_grad]

@@ -119,7 +119,7 @@ def write_peft_folder(folder: Path, adapter: Mapping[str, torch.Tensor], shape: 
     )
 
 
-def _save_base(path: Path, state: Mapping[str, torch.Tensor]) -> None:
+def save_base(path: Path, state: Mapping[str, torch.Tensor]) -> None:
     """Write the base durably (fsynced, then renamed): every later version is an adapter of it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -167,7 +167,7 @@ class LoraTrainer(Trainer):
             # Rounded to the publish dtype: the learner trains on the base nodes receive.
             published = export_state(model, spec.publish_dtype)
             load_state(model, published)
-            _save_base(base_path, published)
+            save_base(base_path, published)
         model = inject(model, shape, seed=spec.model.seed).to(device)
         initial: dict[str, torch.Tensor] | None = None
         if spec.lora.init is not None:
