@@ -169,7 +169,7 @@ def worker(backend: str, job_dir: Path, batches: Path, out: Path, device: str = 
     spec = JobSpec.model_validate_json((job_dir / "job.json").read_text())
     d = None
     if backend == "fsdp2":
-        from echo.learner import distributed, ranks
+        from echo.learner.fsdp import distributed, ranks
 
         d = distributed.init(torch.device(device))
         trainer, _ = ranks.build(job_dir, d)
@@ -199,7 +199,7 @@ def worker(backend: str, job_dir: Path, batches: Path, out: Path, device: str = 
     if d is None:
         (out / "single.json").write_text(json.dumps([mine]))
         return
-    from echo.learner import distributed
+    from echo.learner.fsdp import distributed
 
     gathered = distributed.all_gather_bytes(d, json.dumps(mine).encode())
     if d.leader:

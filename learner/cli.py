@@ -5,7 +5,7 @@ operator passes, starts a :class:`~echo.learner.service.Learner`, and maps the w
 to the exit statuses the supervisor acts on (:data:`~echo.learner.service.EXIT_CANNOT_RESUME`,
 :data:`~echo.learner.service.EXIT_SUPERSEDED`). With ``--backend fsdp2`` the process is one rank
 of a sharded learner under torchrun: rank 0 becomes the Learner, the others follow it
-(:mod:`~echo.learner.ranks`).
+(:mod:`~echo.learner.fsdp.ranks`).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def main() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     sharded = args.backend == "fsdp2"
     if sharded:
-        from echo.learner import ranks as rank_roles
+        from echo.learner.fsdp import ranks as rank_roles
 
     def stop(code: int, why: object) -> SystemExit:
         """Exit with ``code``, saying ``why`` in one line of learner.log."""

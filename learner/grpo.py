@@ -56,7 +56,7 @@ Gate = Callable[[list[tuple[torch.Tensor, ...]]], list[bool]]
 class Across:
     """How the step's sums and maxima span the processes that share its batch: here, one
     process holds all of it. The FSDP2 learner passes one that reduces over its ranks
-    (``echo.learner.fsdp_trainer``), so the loss is divided by the whole batch's token count
+    (``echo.learner.fsdp.trainer``), so the loss is divided by the whole batch's token count
     and the metrics describe the whole batch, whichever rank computes them."""
 
     def sum(self, values: torch.Tensor) -> torch.Tensor:

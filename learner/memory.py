@@ -5,9 +5,9 @@ and AdamW's two moments of the policy (sharded by ``nproc_per_node`` with ``back
 the KL reference and the re-scorer's model -- and what one step adds on top: the layers FSDP2
 gathers whole while they compute, and the activations autograd keeps for the backward pass
 (with the logits over the full vocabulary, which dominate for small models with large
-vocabularies). It follows the learner as built (:mod:`~echo.learner.fsdp_trainer`,
+vocabularies). It follows the learner as built (:mod:`~echo.learner.fsdp.trainer`,
 :mod:`~echo.learner.lora`): master weights, gradients and moments in float32, compute in bf16
-where :func:`~echo.learner.distributed.mixed_precision` picks it (CUDA), else float32.
+where :func:`~echo.learner.fsdp.distributed.mixed_precision` picks it (CUDA), else float32.
 
 The formula, per rank, for ``P`` parameters, ``T`` of them trained, ``N`` ranks::
 

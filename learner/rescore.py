@@ -175,7 +175,7 @@ class Rescorer:
         self.last_seconds = time.perf_counter() - t0
         return [v for v in out if v is not None]
 
-    # Hooks of the FSDP2 learner's sharded re-scorer (echo.learner.fsdp_trainer), where each
+    # Hooks of the FSDP2 learner's sharded re-scorer (echo.learner.fsdp.trainer), where each
     # rank scores its share of a version's groups and the verdicts are gathered.
 
     def _load(self, version: int) -> None:

@@ -32,7 +32,7 @@ import torch
 import trio
 
 from echo.learner import fence
-from echo.learner.distributed import Dist
+from echo.learner.fsdp.distributed import Dist
 from echo.learner.link import CoordinatorLink
 from echo.learner.lora import build_lora
 from echo.learner.publish import Publisher
@@ -110,7 +110,7 @@ class Learner:
 
         :raises ValueError: a ``device`` this machine cannot compute on (see
             :func:`~echo.models.device.resolve_device`).
-        ``ranks``: this process is rank 0 of an FSDP2 learner (``echo.learner.ranks``).
+        ``ranks``: this process is rank 0 of an FSDP2 learner (``echo.learner.fsdp.ranks``).
 
         :raises TrackingError: the job's tracking backend cannot start."""
         self.ranks = ranks
@@ -141,12 +141,12 @@ class Learner:
     def build(self) -> None:
         """Build (or restore) the model; runs in a worker thread."""
         if self.ranks is not None:  # with the other ranks, which build their shards alike
-            from echo.learner.ranks import Leader, build
+            from echo.learner.fsdp.ranks import Leader, build
 
             trainer, ckpt = build(self.job_dir, self.ranks)
             self.trainer: Trainer | Leader = Leader(trainer, self.ranks)
             if self.spec.lora is not None:  # versions are adapters of the base, as below
-                from echo.learner.fsdp_lora import adapter_publisher
+                from echo.learner.fsdp.lora import adapter_publisher
 
                 self.publisher = adapter_publisher(trainer, self.publisher)
         elif self.spec.lora is not None:  # versions are adapters of a base fixed at the start

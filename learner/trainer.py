@@ -173,7 +173,7 @@ class Trainer:
 
     def share(self, order: list[int]) -> list[int]:
         """The groups of ``order`` (batch indices) this process steps on: all of them here;
-        one rank's share under FSDP2 (``echo.learner.fsdp_trainer``)."""
+        one rank's share under FSDP2 (``echo.learner.fsdp.trainer``)."""
         return order
 
     def gather_verdicts(self, results: dict[int, Verdict], mine: list[int]) -> None:

@@ -100,7 +100,7 @@ def exit_status(returncode: int, command: list[str], job_dir: Path) -> tuple[int
     """The learner's own exit status, and why it exited if it said ("" if not). An FSDP2
     learner runs under torchrun, which exits 1 whichever status a rank had; its rank 0 leaves
     the one that matters, its learner epoch and its reason in ``learner.exit``
-    (learner/ranks.py). One left by an earlier learner of the job (an orphan exiting superseded
+    (learner/fsdp/ranks.py). One left by an earlier learner of the job (an orphan exiting superseded
     after this one started) names another epoch and is ignored."""
     if returncode == 0 or "--epoch" not in command:
         return returncode, ""

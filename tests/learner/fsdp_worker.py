@@ -2,7 +2,7 @@
 
 ``fsdp_worker.py JOB_DIR BATCHES OUT [--save-at V]``: every rank builds the job's sharded trainer
 (restoring the newest checkpoint under JOB_DIR if there is one); rank 0 drives it through
-:class:`echo.learner.ranks.Leader` exactly as the learner process does, the others follow. Each
+:class:`echo.learner.fsdp.ranks.Leader` exactly as the learner process does, the others follow. Each
 batch of BATCHES (msgpack: a list of batches, each a list of encoded TrainingGroups) is trained
 on and published as the learner does; after version V a checkpoint is made. Rank 0 writes
 ``OUT/state.safetensors`` (the last published state) and ``OUT/results.json`` (per step: the
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from echo.learner import distributed, ranks
+from echo.learner.fsdp import distributed, ranks
 from echo.protocol import codec
 from echo.protocol import messages as m
 

@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 
-from echo.learner import distributed, fsdp_trainer
-from echo.learner.distributed import Dist
-from echo.learner.fsdp_trainer import ShardedTrainer
+from echo.learner.fsdp import distributed
+from echo.learner.fsdp import trainer as fsdp_trainer
+from echo.learner.fsdp.distributed import Dist
+from echo.learner.fsdp.trainer import ShardedTrainer
 from echo.learner.trainer import StepResult
 from echo.models.device import resolve_device
 from echo.models.spec import ModelSpec
@@ -123,11 +124,11 @@ def follow(trainer: ShardedTrainer, d: Dist) -> None:
 
 def build(job_dir: Path, d: Dist) -> tuple[ShardedTrainer, Any]:
     """This rank's trainer for the job in ``job_dir`` (see :func:`fsdp_trainer.build`, and
-    :func:`~echo.learner.fsdp_lora.build` for a LoRA job)."""
+    :func:`~echo.learner.fsdp.lora.build` for a LoRA job)."""
     spec = JobSpec.model_validate_json((job_dir / "job.json").read_text())
     model_spec = ModelSpec.from_dict(spec.model_spec_dict())
     if spec.lora is not None:  # the base sharded, the adapter trained
-        from echo.learner import fsdp_lora
+        from echo.learner.fsdp import lora as fsdp_lora
 
         return fsdp_lora.build(spec, model_spec, job_dir, d)
     return fsdp_trainer.build(spec, model_spec, job_dir, d)

@@ -4,7 +4,7 @@ The same job as :mod:`~echo.learner.lora`'s single learner, on ranks: every rank
 from ``<job dir>/lora_base.safetensors`` (rank 0 makes it the first time, after the job's
 format warm-up, exactly as the single learner does, while the others wait), injects the same
 ``peft`` adapter (A drawn from the job's seed, B = 0, or the ``[job.lora] init`` folder), and
-shards the whole model per decoder layer (:func:`~echo.learner.distributed.shard_model`): base
+shards the whole model per decoder layer (:func:`~echo.learner.fsdp.distributed.shard_model`): base
 and adapter tensors alike are sharded, only the adapter's have gradients and AdamW state.
 
 - Publishing: rank 0 gathers the adapter alone (``get_model_state_dict`` with
@@ -35,10 +35,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from echo.learner import checkpoint, dcp_checkpoint, distributed
+from echo.learner import checkpoint, dcp_checkpoint
 from echo.learner.checkpoint_files import version_dir
-from echo.learner.distributed import Dist
-from echo.learner.fsdp_trainer import RankSums, ShardedRescorer, ShardedTrainer, optim_by_name
+from echo.learner.fsdp import distributed
+from echo.learner.fsdp.distributed import Dist
+from echo.learner.fsdp.trainer import RankSums, ShardedRescorer, ShardedTrainer, optim_by_name
 from echo.learner.grpo import GRPOLearner
 from echo.learner.lora import (
     BASE_FILE,

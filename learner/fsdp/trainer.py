@@ -1,8 +1,8 @@
 """The learner's compute sharded over ranks with FSDP2: :class:`ShardedTrainer` and its build.
 
 Every rank holds a shard of the policy (``fully_shard`` per decoder layer, then the root: see
-:mod:`~echo.learner.distributed`) and runs the same :class:`~echo.learner.trainer.Trainer` code on
-the same batch: each steps on its share of the batch's groups (:meth:`ShardedTrainer.share`), the
+:mod:`~echo.learner.fsdp.distributed`) and runs the same :class:`~echo.learner.trainer.Trainer` code
+on the same batch: each steps on its share of the batch's groups (:meth:`ShardedTrainer.share`), the
 loss is divided by the whole batch's token count and FSDP sums the gradients, so the update is
 the one the single learner makes on the whole batch. Re-scoring is sharded alike
 (:class:`ShardedRescorer`: the re-scorer's model is sharded too, each rank scores its share of
@@ -11,7 +11,7 @@ published states (gathered whole, on the CPU, with ``get_model_state_dict``); ch
 ``torch.distributed.checkpoint`` (:mod:`~echo.learner.dcp_checkpoint`).
 
 Every method that computes is a collective: all ranks call it in the same order, which
-:mod:`~echo.learner.ranks` arranges (rank 0 announces each call to the others).
+:mod:`~echo.learner.fsdp.ranks` arranges (rank 0 announces each call to the others).
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from echo.learner import checkpoint, dcp_checkpoint, distributed
+from echo.learner import checkpoint, dcp_checkpoint
 from echo.learner.checkpoint_files import version_dir
-from echo.learner.distributed import Dist
+from echo.learner.fsdp import distributed
+from echo.learner.fsdp.distributed import Dist
 from echo.learner.grpo import Across, GRPOLearner, TrainGroup, pad_batch
 from echo.learner.rescore import Rescorer, Verdict
 from echo.learner.trainer import Trainer
