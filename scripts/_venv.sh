@@ -3,14 +3,15 @@
 # The llamacpp extra (llama-cpp-python, built from source: about 4-5 minutes on 2 cores the first
 # time, then from pip's wheel cache) is installed too so that its engine tests run; set
 # ECHO_NO_LLAMACPP=1 on machines without a C/C++ toolchain to skip it (those tests then skip).
+# With ECHO_LLAMACPP_BACKGROUND=1 (scripts/demo) that build runs in the background, niced, its
+# output in .venv/llamacpp-build.log: the demo starts with torch nodes and a llama.cpp node joins
+# once the build is done (echo.tools.late_build).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
 STAMP="$VENV/.echo-installed"
-EXTRAS="dev,tasks"
-if [ "${ECHO_NO_LLAMACPP:-0}" != "1" ]; then
-    EXTRAS="dev,tasks,llamacpp"
-fi
+LLAMA_PID="$VENV/llamacpp-build.pid"
+LLAMA_LOG="$VENV/llamacpp-build.log"
 if [ ! -x "$VENV/bin/python" ]; then
     echo "[setup] creating $VENV" >&2
     python3 -m venv "$VENV"
@@ -18,14 +19,42 @@ fi
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
 if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
-    echo "[setup] installing torch==2.13.0 and the project [$EXTRAS] (first run only)" >&2
+    echo "[setup] installing torch==2.13.0 and the project [dev,tasks] (first run only)" >&2
     python -m pip install -q --upgrade pip
     python -m pip install -q "torch==2.13.0"
-    python -m pip install -q -e "$ROOT[$EXTRAS]"
+    python -m pip install -q -e "$ROOT[dev,tasks]"
     touch "$STAMP"
-elif [ "$EXTRAS" = "dev,tasks,llamacpp" ] \
-    && ! python -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('llama_cpp') and u.find_spec('gguf')))"; then
-    # A venv stamped before the llamacpp extra joined the default install.
-    echo "[setup] installing the llamacpp extra (builds llama-cpp-python once, ~5 min)" >&2
-    python -m pip install -q -e "$ROOT[$EXTRAS]"
+fi
+
+llama_ready() {
+    python -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('llama_cpp') and u.find_spec('gguf')))"
+}
+llama_building() { [ -f "$LLAMA_PID" ] && kill -0 "$(cat "$LLAMA_PID")" 2>/dev/null; }
+# The extra's requirements, read from pyproject.toml (one pin, one place).
+llama_reqs() {
+    python -c 'import sys, tomllib; print(" ".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["optional-dependencies"]["llamacpp"]))' "$ROOT/pyproject.toml"
+}
+
+if [ "${ECHO_NO_LLAMACPP:-0}" != "1" ] && ! llama_ready; then
+    if llama_building; then
+        if [ "${ECHO_LLAMACPP_BACKGROUND:-0}" = "1" ]; then
+            echo "[setup] llama-cpp-python is still building in the background (log: $LLAMA_LOG)" >&2
+        else
+            echo "[setup] waiting for the background llama-cpp-python build (log: $LLAMA_LOG)" >&2
+            while llama_building; do sleep 5; done
+        fi
+    fi
+    # shellcheck disable=SC2046
+    if llama_ready || llama_building; then
+        :
+    elif [ "${ECHO_LLAMACPP_BACKGROUND:-0}" = "1" ]; then
+        echo "[setup] building llama-cpp-python in the background (~5 min on 2 cores; log: $LLAMA_LOG);" \
+             "the demo starts with torch nodes and a llama.cpp node joins when it is built" >&2
+        nohup nice -n 19 python -m pip install -q $(llama_reqs) >"$LLAMA_LOG" 2>&1 &
+        echo $! >"$LLAMA_PID"
+    else
+        echo "[setup] installing the llamacpp extra (builds llama-cpp-python once, ~5 min; log: $LLAMA_LOG)" >&2
+        python -m pip install -q $(llama_reqs) >"$LLAMA_LOG" 2>&1 \
+            || { echo "[setup] the llama-cpp-python build failed: see $LLAMA_LOG" >&2; exit 1; }
+    fi
 fi

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.live import Live
 
 from echo.protocol.jobspec import GRPOParams
+from echo.tools.late_build import LateBuild
 from echo.tools.processes import exit_on_sigterm, new_run_dir, start, stop, wait_for
 from echo.tools.swarm_report import kept_version, render, summarize
 
@@ -406,17 +407,35 @@ def main() -> int:
                 python=VLLM_PYTHON if engine == "vllm" else None,
             )
         st, nodes = {}, []
-        killed = None
+        killed = first_version_s = None
+        n_nodes = args.nodes
+        late = LateBuild.watch(Path(sys.prefix)) if args.engines == "mixed" else None
         with Live(console=console, refresh_per_second=2, transient=args.quiet) as live:
             while time.time() - t0 < args.timeout:
                 st, nodes = swarm.status(job_id)
+                if first_version_s is None and st["current_version"] >= 1:
+                    first_version_s = time.time() - t0
+                    console.print(f"first trained version after {first_version_s:.0f} s")
+                if late is not None and (late.done() or late.failed):
+                    if late.failed:
+                        console.print(f"[yellow]{late.line()}[/yellow]")
+                    else:  # a volunteer that joins late: the scheduler places it on the job
+                        console.print(f"llama.cpp is built: node-{n_nodes} (llama.cpp) joins")
+                        swarm.start_node(f"node-{n_nodes}", [
+                            "--threads", "1", "--keep-weights", "--leases-at-once",
+                            str(args.leases_at_once), "--engine", "llamacpp",
+                            *args.node_args.split()])  # fmt: skip
+                        n_nodes += 1
+                    late = None
                 if killed is None and args.kill_learner_at is not None and \
                         st["current_version"] >= args.kill_learner_at:
                     killed = st["current_version"]
                     console.print(f"crash drill: killed the learner (pid {swarm.kill_learner()}) "
                                   f"at v{killed}")
                 if not args.quiet:
-                    live.update(render(st, nodes, time.time() - t0))
+                    table = render(st, nodes, time.time() - t0)
+                    table.caption = late.line() if late is not None else None
+                    live.update(table)
                 if st["status"] in ("done", "failed", "cancelled"):
                     break
                 dead = [p for p in swarm.procs if p.poll() is not None]
@@ -436,7 +455,7 @@ def main() -> int:
             # arrived, before the engine loads them (vLLM on a CPU: about 70 s), so the wait is
             # on what --keep-weights wrote after the load.
             node_procs = swarm.procs[1:]
-            dirs = [out / f"node-{i}" for i in range(args.nodes)]
+            dirs = [out / f"node-{i}" for i in range(n_nodes)]
             deadline = time.time() + (FINAL_SYNC_VLLM_S if "vllm" in engines else FINAL_SYNC_S)
             while time.time() < deadline and any(p.poll() is None for p in node_procs):
                 st, nodes = swarm.status(job_id)
@@ -448,6 +467,7 @@ def main() -> int:
             st, nodes = swarm.status(job_id)
         summary = summarize(st, nodes, time.time() - t0)
         summary["learner_killed_at"] = killed
+        summary["first_version_s"] = first_version_s
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         console.print(
             f"[bold]{summary['status']}[/bold]: {summary['versions']} versions, reward "
