@@ -32,6 +32,7 @@ from echo.protocol import reasons as R
 if TYPE_CHECKING:
     from echo.node.config import NodeConfig
     from echo.node.display import Display
+    from echo.node.engine_slot import EngineSlot
     from echo.node.policy import PolicyFollower
     from echo.node.session import CoordinatorSession
     from echo.p2p.host import EchoHost
@@ -109,8 +110,7 @@ class WatchedNode(Protocol):
     session: CoordinatorSession
     host: EchoHost | None
     identity: Identity
-    report_engine: str
-    engine_reason: str
+    engine_slot: EngineSlot
     done_groups: int
 
     @property
@@ -175,8 +175,8 @@ class StatusKeeper:
             "node_id": node.identity.peer_id_str,
             "coordinator": node.cfg.coordinator,
             "software": ids.SOFTWARE,
-            "engine": node.report_engine,
-            "engine_reason": node.engine_reason,
+            "engine": node.engine_slot.reported,
+            "engine_reason": node.engine_slot.reason,
             "state": node.display.state,
             "job_id": job,
             "version": sync.version if sync is not None and sync.version >= 0 else None,

@@ -1,6 +1,7 @@
 """The volunteer's rollout worker: register, hold the current policy, lease, generate, submit.
 
-:class:`Node` owns the node's libp2p host and its engine, and composes the rest: a
+:class:`Node` owns the node's libp2p host and its lease loop, and composes the rest: an
+:class:`~echo.node.engine_slot.EngineSlot` (the engine it holds across jobs), a
 :class:`~echo.node.session.CoordinatorSession` (registration and signed calls), a
 :class:`~echo.node.policy.PolicyFollower` per job (broadcasts, weight syncs, status and bad-relay
 reports) and a :class:`~echo.node.display.Display` (what the volunteer sees). Beside the jobs,
@@ -17,9 +18,10 @@ dataset nor any task code), sign and submit each group, and show the volunteer w
 and why anything was rejected. Each lease reply names the job's current version, the one way a
 node learns of a new one: it syncs to it before generating again (a gossiped plan only brings
 the version's chunks, see :mod:`~echo.node.policy`). When the job ends, or a lease reply says the
-scheduler moved the node, it passes the version in hand on to its relay children, closes the
-engine (freeing its memory), and goes back to registration for its next job; the chunk stores of
-jobs it no longer serves are pruned to the volunteer's ``max_disk_gb``.
+scheduler moved the node, it passes the version in hand on to its relay children and goes back
+to registration for its next job; its engine slot frees the engine's memory meanwhile (unless the
+next job may share its base) and prunes the chunk stores of jobs it no longer serves to the
+volunteer's ``max_disk_gb``.
 
 Generation and weight decoding run in trio worker threads so the host keeps serving chunks to
 peers meanwhile; every network wait has a timeout.
@@ -32,21 +34,19 @@ import time
 import trio
 from rich.console import Console
 
-from echo.models.device import resolve_device
 from echo.models.spec import ModelSpec, load_tokenizer
 from echo.node.adapter_sync import say_base_loaded
-from echo.node.base_group import SharedJob, Turns, keeps_base, open_shared, serve
+from echo.node.base_group import SharedJob, Turns, open_shared, serve
 from echo.node.config import NodeConfig
 from echo.node.display import Display
-from echo.node.engines.base import Engine, GenRequest, SamplingParams
-from echo.node.engines.factory import EngineChoice, make_engine_or_torch
+from echo.node.engine_slot import EngineSlot
+from echo.node.engines.base import GenRequest, SamplingParams
 from echo.node.errors import NodeError
 from echo.node.policy import PolicyFollower
-from echo.node.probe import choose_engine, probe
+from echo.node.probe import probe
 from echo.node.relay_slots import VolunteerRelays
 from echo.node.session import CoordinatorSession
 from echo.node.weights import WeightSync
-from echo.p2p.chunkstore import prune_job_stores
 from echo.p2p.host import EchoHost, open_host
 from echo.p2p.identity import Identity
 from echo.p2p.rpc import RemoteError, RpcError
@@ -54,8 +54,6 @@ from echo.protocol import codec, ids, signing
 from echo.protocol import messages as m
 from echo.protocol.errors import ProtocolError
 
-# Stopping an engine's worker processes (vLLM's shutdown waits up to 2 s per process).
-ENGINE_CLOSE_TIMEOUT_S = 10.0
 # When the job ends, a node finishes relaying the last version to its children (for at most
 # this long) before it leaves: its subtree may have nobody else to get it from.
 FINAL_FORWARD_S = 30.0
@@ -86,20 +84,6 @@ def lease_request(lease: m.Lease, prompt_ids: list[int]) -> GenRequest:
     )
 
 
-async def open_engine(name: str, spec: ModelSpec, device: str, cfg: NodeConfig) -> EngineChoice:
-    """Start engine ``name`` on a job's model in a worker thread (torch where ``name`` cannot
-    run the model). :raises NodeError: the model does not fit in memory."""
-    try:
-        return await trio.to_thread.run_sync(
-            lambda: make_engine_or_torch(
-                name, spec, device=device, threads=cfg.threads,
-                gpu_memory_fraction=cfg.gpu_memory_fraction,
-            )
-        )  # fmt: skip
-    except MemoryError:
-        raise NodeError("the model does not fit in this machine's memory") from None
-
-
 class Node:
     """One volunteer node (see the module docstring): :meth:`run` serves jobs until
     ``max_groups`` groups are done or it is cancelled.
@@ -119,17 +103,12 @@ class Node:
         cfg.data_dir.mkdir(parents=True, exist_ok=True)
         self.identity = Identity.load_or_create(cfg.data_dir / "identity.key")
         self.probe = probe(cfg.data_dir)
-        self.engine_name, self.engine_reason = choose_engine(self.probe, cfg.engine)
-        # What each job's engine starts as (a job whose model it cannot run gets torch).
-        self.chosen_engine = self.engine_name
-        self.engine: Engine | None = None
+        self.engine_slot = EngineSlot(cfg, self.probe, self.display)
         self.host: EchoHost | None = None
-        self.report_engine = self.engine_name
         self.session = CoordinatorSession(self.identity, self.display, self._register_record)
         self.upload_limit_bps = (cfg.max_upload_mbps or 0.0) * 1e6
         self.policy = self._follower()
         self.jobs_served: list[str] = []  # in the order the node served them
-        self._base_group: set[str] = set()  # the engine's last jobs, of one base: it stays
 
     def say(self, text: str) -> None:
         """Print ``text`` to the volunteer (see :meth:`Display.say`)."""
@@ -142,7 +121,7 @@ class Node:
             self.cfg,
             self.session,
             self.display,
-            self.engine_name,
+            self.engine_slot.name,
             self.upload_limit_bps,
             measured.upload_bps if measured is not None else 0.0,
         )
@@ -150,16 +129,16 @@ class Node:
     async def run(self) -> None:
         """Serve the jobs the coordinator places this node on, one after another, until
         cancelled (or ``max_groups`` are done); idle in between. The engine is closed after
-        each job and on the way out. Meanwhile DATA_DIR/status.json says what the node does
-        (and the local page shows it, with ``ui_port``). :raises NodeError: see the class
-        docstring."""
+        each job (unless the next may share its base) and on the way out. Meanwhile
+        DATA_DIR/status.json says what the node does (and the local page shows it, with
+        ``ui_port``). :raises NodeError: see the class docstring."""
         from echo.node.state import StatusKeeper
         from echo.node.ui import serve_ui
 
         cfg = self.cfg
         self.say(
-            f"node {self.identity.peer_id_str} · engine [bold]{self.engine_name}[/bold] "
-            f"({self.engine_reason}) · cost {cfg.cost:g}"
+            f"node {self.identity.peer_id_str} · engine [bold]{self.engine_slot.name}[/bold] "
+            f"({self.engine_slot.reason}) · cost {cfg.cost:g}"
         )
         keeper = StatusKeeper(self)
         with keeper.kept():
@@ -204,25 +183,16 @@ class Node:
                 await self._serve_job(host, job)
                 if self.max_groups is not None and self.done_groups >= self.max_groups:
                     return
-                if len(self._base_group) < 2:  # no other job of its base: free it while idle
-                    await self._close_engine()
+                await self.engine_slot.idle()
                 job = await self.session.wait_for_job()
         finally:
-            await self._close_engine()
-
-    async def _close_engine(self) -> None:
-        """Free the engine's memory. vLLM runs worker processes: stop them here rather than
-        leave them to be force-killed at interpreter exit."""
-        engine, self.engine = self.engine, None
-        if engine is not None:
-            with trio.CancelScope(shield=True), trio.move_on_after(ENGINE_CLOSE_TIMEOUT_S):
-                await trio.to_thread.run_sync(engine.close, abandon_on_cancel=True)
+            await self.engine_slot.close()
 
     def _register_record(self) -> m.Register:
         return m.Register(
             protocol_version=ids.PROTOCOL_VERSION,
             software=ids.SOFTWARE,
-            engine=self.engine_name,
+            engine=self.engine_slot.name,
             hardware=self.probe.hardware,
             tokens_per_s=self.stats.tokens_per_s,
             upload_bps=self.policy.upload_bps,
@@ -235,40 +205,16 @@ class Node:
             cost=self.cfg.cost,
         )
 
-    def _prune_other_jobs(self, job_id: str) -> None:
-        """Keep the chunks of jobs no longer served within the volunteer's disk allowance."""
-        removed = prune_job_stores(
-            self.cfg.data_dir / "chunks", {job_id}, int(self.cfg.max_disk_gb * 1e9)
-        )
-        if removed:
-            self.say(
-                f"freed the weights of {len(removed)} earlier job(s) (max_disk_gb "
-                f"{self.cfg.max_disk_gb:g})"
-            )
-
     async def _serve_job(self, host: EchoHost, job: m.JobInfo) -> None:
         """Work for ``job`` until it ends, the scheduler moves the node, or ``max_groups``."""
         cfg = self.cfg
         # A job of the base the engine holds keeps it (an adapter switch); else the last job's
         # engine goes first: never two models in memory.
-        kept = self.engine is not None and keeps_base(self.policy.sync, job, self._base_group)
-        held = self.policy.sync if kept else None
-        if held is None:
-            await self._close_engine()
-        await trio.to_thread.run_sync(self._prune_other_jobs, job.job_id)
+        held = await self.engine_slot.make_room(job, self.policy.sync)
         self.policy = self._follower()
         spec = ModelSpec.from_dict(job.model)
-        device = str(resolve_device(cfg.device))  # the learner's rule: auto is CUDA if seen
-        if held is None:
-            choice = await open_engine(self.chosen_engine, spec, device, cfg)
-            self.engine = choice.engine
-            self.engine_name = self.policy.engine_name = choice.name
-            if choice.fallback:  # an architecture the chosen engine cannot run: one line
-                self.say(f"[yellow]{choice.fallback}; running the torch engine instead[/yellow]")
-        # Re-scoring thresholds are per engine and device: GPU kernels differ more from the
-        # learner's CPU float32 than a CPU does.
-        gpu_torch = self.engine_name == "torch" and device != "cpu"
-        self.report_engine = f"torch-{device}" if gpu_torch else self.engine_name
+        await self.engine_slot.open(spec)
+        self.policy.engine_name = self.engine_slot.name
         # The tokenizer only bounds the ids a lease may carry: prompts come tokenized.
         vocab = spec.vocab if spec.kind == "tiny" else len(load_tokenizer(spec))
         sync = await self.policy.prepare(host, job)
@@ -277,10 +223,10 @@ class Node:
         # LoRA jobs on the same base: served too, by adapter switches (echo.node.base_group).
         shared = await open_shared(cfg, host, self.session.peer, self.session.base_jobs,
                                    self.display)  # fmt: skip
-        self._base_group = {job.job_id, *(s.job.job_id for s in shared)}
+        self.engine_slot.serving({job.job_id, *(s.job.job_id for s in shared)})
         async with trio.open_nursery() as nursery:
-            assert self.engine is not None
-            await self.policy.start(nursery, self.engine)
+            assert self.engine_slot.engine is not None
+            await self.policy.start(nursery, self.engine_slot.engine)
             await self._lease_loop(job, vocab, sync, shared)
             nursery.cancel_scope.cancel()
 
@@ -358,17 +304,18 @@ class Node:
         return signing.open_record(data, m.Lease, expected_signer=self.session.key)[1]
 
     async def _work(self, work: list[tuple[m.Lease, list[int]]], sync: WeightSync) -> None:
-        assert self.engine is not None
+        engine = self.engine_slot.engine
+        assert engine is not None
         # Several jobs of one base take turns on the engine: switch to this job's adapter.
-        if await serve(self.engine, sync):
-            self.say(say_base_loaded(self.engine, sync.adapter.base_digest))
+        if await serve(engine, sync):
+            self.say(say_base_loaded(engine, sync.adapter.base_digest))
         version, digest = sync.version, sync.digest
         if sync.adapter is not None:  # what the engine serves, as computed when it loaded
-            digest = self.engine.lora_served
+            digest = engine.lora_served
         leases = [lease for lease, _ in work]
         reqs = [lease_request(lease, prompt) for lease, prompt in work]
         t0 = time.perf_counter()
-        results = await trio.to_thread.run_sync(self.engine.generate, reqs)
+        results = await trio.to_thread.run_sync(engine.generate, reqs)
         gen_s = time.perf_counter() - t0
         tokens = sum(len(c.token_ids) for group in results for c in group)
         self.stats.tokens += tokens
@@ -379,7 +326,7 @@ class Node:
                 lease_id=lease.lease_id,
                 job_id=lease.job_id,
                 version=version,
-                engine=self.report_engine,
+                engine=self.engine_slot.reported,
                 state_digest=digest,
                 completions=[
                     m.CompletionRecord(

@@ -64,7 +64,7 @@ class Adversary(Node):
 
     def _true_logprobs(self, prompt: list[int], tokens: list[int], lease: m.Lease) -> list[float]:
         """Log-probs of ``tokens`` under the node's real current weights (honest-looking)."""
-        model = self.engine.model
+        model = self.engine_slot.engine.model
         ids = torch.tensor([prompt + tokens])
         with torch.no_grad():
             logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
@@ -101,7 +101,7 @@ class Adversary(Node):
                 self.first_accepted = payload
 
     def _honest(self, lease: m.Lease, prompt: list[int]):
-        return prompt, self.engine.generate([lease_request(lease, prompt)])[0]
+        return prompt, self.engine_slot.engine.generate([lease_request(lease, prompt)])[0]
 
     def _submission(self, lease, comps, sync, **over) -> m.Submission:
         fields = dict(

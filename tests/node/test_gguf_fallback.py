@@ -1,5 +1,5 @@
 """A model the llama.cpp engine cannot run gets the torch engine at join, with one line saying
-why (``echo.node.engines.factory.make_engine_or_torch``, used by ``echo.node.worker``)."""
+why (``echo.node.engines.factory.make_engine_or_torch``, used by ``echo.node.engine_slot``)."""
 
 from __future__ import annotations
 

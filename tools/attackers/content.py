@@ -288,7 +288,7 @@ def _stale_hoarder(cfg: NodeConfig, stats: Stats, warm_groups: int) -> Any:
                 lease_id=leases[0].lease_id,
                 job_id=leases[0].job_id,
                 version=stale,
-                engine=self.report_engine,
+                engine=self.engine_slot.reported,
                 state_digest=sync.digest,
                 completions=[
                     m.CompletionRecord(
