@@ -44,13 +44,11 @@ Closing errors are logged, never raised.
 
 from __future__ import annotations
 
-import functools
-import ipaddress
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import trio
 from libp2p.abc import INetConn, INetStream, INetwork, INotifee
@@ -60,7 +58,8 @@ from libp2p.rcmgr import Direction
 from multiaddr import Multiaddr
 
 from echo.p2p.budget import LruMap
-from echo.p2p.wide_rate import WideRate, wide_of
+from echo.p2p.prefixes import Prefix, prefix_of, wide_of
+from echo.p2p.wide_rate import WideRate
 
 logger = logging.getLogger(__name__)
 
@@ -106,42 +105,8 @@ REAP_CLOSE_TIMEOUT_S = 5.0
 # Bound on closing a refused socket (it has not done a handshake: one close call).
 REFUSE_CLOSE_TIMEOUT_S = 1.0
 
-PrefixKind = Literal["public", "private", "loopback"]
 Endpoint = tuple[str, int]
 UpgradeFn = Callable[[Any, Multiaddr], Awaitable[Any]]
-
-
-@dataclass(frozen=True)
-class Prefix:
-    """The network an address is counted in: its kind and the network (``"1.2.3.0/24"``)."""
-
-    kind: PrefixKind
-    network: str
-
-
-# prefix_of runs for every inbound connection held, at every admission
-# (ConnectionGuard.inbound_count): parsing them was a tenth of the coordinator's loop under a
-# churn of identities (benchmarks/attack.py). Pure, so its answers are kept, a bounded number.
-@functools.lru_cache(maxsize=1 << 16)
-def prefix_of(address: str) -> Prefix | None:
-    """The prefix ``address`` is counted in, or None for something that is not an IP address.
-
-    IPv4: its /24; IPv6: its /48 (one site's allocation); an IPv4-mapped IPv6 address counts as
-    its IPv4 address. Loopback addresses are each their own prefix (/32 or /128), so a policy
-    that caps loopback caps each address. Private covers ``ipaddress``'s ``is_private`` (RFC
-    1918, unique-local, documentation ranges) and link-local.
-    """
-    try:
-        ip = ipaddress.ip_address(address.split("%", 1)[0])  # drop an IPv6 zone id
-    except ValueError:
-        return None
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    if ip.is_loopback:
-        return Prefix("loopback", str(ipaddress.ip_network(ip)))
-    bits = 24 if ip.version == 4 else 48
-    kind: PrefixKind = "private" if ip.is_private or ip.is_link_local else "public"
-    return Prefix(kind, str(ipaddress.ip_network(f"{ip}/{bits}", strict=False)))
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,11 @@ nothing.
 
 from __future__ import annotations
 
-import functools
-import ipaddress
 import time
 from collections.abc import Callable
 
 from echo.p2p.budget import LruMap
+from echo.p2p.prefixes import wide_of
 
 # A wide network without a protected peer: this many handshakes at once, then this many again
 # every WIDE_REFILL_S (1 a second). Far above what honest newcomers from one ISP's /16 ask, far
@@ -34,20 +33,6 @@ WIDE_BURST = 16
 WIDE_REFILL_S = 16.0
 # Wide networks whose bucket is kept at once (a dropped one starts again with a full burst).
 MAX_TRACKED_WIDE = 20_000
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def wide_of(address: str) -> str | None:
-    """The wide network of ``address`` (``"1.2.0.0/16"``, an IPv6 /32; an IPv4-mapped IPv6
-    address counts as its IPv4 address), or None for something that is not an IP address."""
-    try:
-        ip = ipaddress.ip_address(address.split("%", 1)[0])
-    except ValueError:
-        return None
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    bits = 16 if ip.version == 4 else 32
-    return str(ipaddress.ip_network(f"{ip}/{bits}", strict=False))
 
 
 class WideRate:
@@ -85,4 +70,4 @@ class WideRate:
         return True
 
 
-__all__ = ["MAX_TRACKED_WIDE", "WIDE_BURST", "WIDE_REFILL_S", "WideRate", "wide_of"]
+__all__ = ["MAX_TRACKED_WIDE", "WIDE_BURST", "WIDE_REFILL_S", "WideRate"]

@@ -24,8 +24,8 @@ import re
 from collections.abc import Mapping, Sequence
 
 from echo.coordinator.dissemination.circuits import trusted_circuits
-from echo.p2p.conn_guard import prefix_of
 from echo.p2p.nat.dialback import candidates
+from echo.p2p.prefixes import prefix_of
 from echo.protocol import broadcast as b
 
 _IP_ADDR = re.compile(r"^/ip[46]/([^/]+)/")

@@ -23,7 +23,7 @@ import re
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass
 
-from echo.p2p.conn_guard import prefix_of
+from echo.p2p.prefixes import prefix_of
 from echo.protocol.nat import MAX_PUNCH_ADDRS, PunchMethod
 
 _TCP_PORT = re.compile(r"^/ip4/[^/]+/tcp/(\d{1,5})(?:/|$)")

@@ -58,9 +58,10 @@ from libp2p.relay.circuit_v2.protocol_buffer import StatusCode, to_proto_status
 from libp2p.relay.circuit_v2.resources import RelayLimits as _Libp2pLimits
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 
-from echo.p2p.conn_guard import PUBLIC_PREFIX_CAP, prefix_of
+from echo.p2p.conn_guard import PUBLIC_PREFIX_CAP
 from echo.p2p.host import INBOUND_CONNECTION_CAP, EchoHost
 from echo.p2p.nat.circuit import CLOSE_TIMEOUT_S
+from echo.p2p.prefixes import prefix_of
 from echo.p2p.rpc import is_relayed, remote_ip
 from echo.p2p.streams import close_quietly, reset_quietly, stream_peer
 

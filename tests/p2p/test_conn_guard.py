@@ -18,9 +18,10 @@ from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.peer.id import ID
 
 import echo.p2p.host as host_mod
-from echo.p2p.conn_guard import ConnectionGuard, GuardPolicy, Prefix, prefix_of
+from echo.p2p.conn_guard import ConnectionGuard, GuardPolicy
 from echo.p2p.host import EchoHost, open_host
 from echo.p2p.identity import Identity
+from echo.p2p.prefixes import Prefix, prefix_of
 from echo.p2p.rpc import RpcConnectionError, RpcTimeout
 from tests.conftest import Clock
 

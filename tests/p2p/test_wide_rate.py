@@ -13,7 +13,8 @@ from libp2p.network.exceptions import SwarmException
 from echo.p2p.conn_guard import ConnectionGuard, GuardPolicy
 from echo.p2p.host import open_host
 from echo.p2p.identity import Identity
-from echo.p2p.wide_rate import WIDE_BURST, WIDE_REFILL_S, WideRate, wide_of
+from echo.p2p.prefixes import wide_of
+from echo.p2p.wide_rate import WIDE_BURST, WIDE_REFILL_S, WideRate
 from tests.conftest import Clock
 from tests.p2p.test_conn_guard import dial_from, inbound_from, run
 

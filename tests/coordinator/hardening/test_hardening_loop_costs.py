@@ -76,7 +76,7 @@ def test_a_status_report_builds_no_row_per_active_identity(tmp_path, monkeypatch
 def test_admission_parses_each_address_once() -> None:
     """Every admission counts the prefix's inbound connections, parsing each held connection's
     address (a tenth of the loop under churn); the parse is kept per address."""
-    from echo.p2p.conn_guard import prefix_of
+    from echo.p2p.prefixes import prefix_of
 
     first = prefix_of("203.0.113.9")
     assert first is not None and first.network == "203.0.113.0/24"
