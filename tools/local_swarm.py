@@ -482,6 +482,9 @@ def main() -> int:
                 f"{copies:.2f} copies of each version to {summary['nodes']} nodes (relay tree)"
             )
         console.print(f"logs and summary.json in {out}")
+        if late is not None:
+            console.print(f"llama.cpp is still building in the background (log {late.log}): "
+                          "the next run has a llama.cpp node from the start")
         return 0 if summary["status"] == "done" else 1
     finally:
         swarm.stop()
