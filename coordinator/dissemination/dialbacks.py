@@ -14,12 +14,15 @@ identities that register and leave left thousands of unprobed links, each looked
 decode and a connection lookup) every :data:`POLL_S`. A node that is not connected when its turn
 comes waits at most :data:`PENDING_S`.
 
-Only nodes with accepted work are probed (``worked``, and :meth:`ProbeQueue.earned` on a node's
-first accepted group): identities are free, and a churn of them cost the coordinator a second
-connection each (TCP, Noise, yamux, identify), about a third of the ~40 ms of CPU a churned
-identity cost (``benchmarks/churn_cost.py``). A node without a verdict is planned as not
-dialable: it receives over the connections it opens to its parents, as a node behind NAT does,
-which is all a node that has delivered nothing needs.
+Nodes with accepted work are probed at once (``worked``, and :meth:`ProbeQueue.earned` on a
+node's first accepted group); others only from a small shared budget (:data:`STRANGER_BURST`,
+then one every :data:`STRANGER_EVERY_S`). Identities are free, and a churn of them cost the
+coordinator a second connection each (TCP, Noise, yamux, identify), about a third of the ~40 ms
+of CPU a churned identity cost (``benchmarks/churn_cost.py``); with no probe at all before
+accepted work, though, a swarm that starts at once was planned for its first minute as if every
+node were behind NAT, and the circuits that reach a NAT'd node slow to dial its parent were
+never announced (``tests/e2e/test_nat_swarm.py``). A node without a verdict is planned as not
+dialable: it receives over the connections it opens to its parents, as a node behind NAT does.
 
 Owns the prober host, its probe tasks, the queue and the punching loop; runs until cancelled and
 raises nothing else (a failed probe is logged and retried at the next registration).
@@ -47,6 +50,11 @@ PARALLEL = 8
 # connection's); one that stays away this long is dropped until it registers again. A node dials
 # the coordinator to register, so an honest one is connected at once.
 PENDING_S = 30.0
+# Dial-backs for nodes with no accepted work: a burst that judges an operator's swarm started at
+# once (the NAT swarm's 7 nodes, a lab's 16), then one every 2 s, so a churn of identities at
+# 5 a second costs one probe in ten.
+STRANGER_BURST = 16
+STRANGER_EVERY_S = 2.0
 # Nodes waiting at once, at most (oldest dropped): registrations are admission-limited per peer
 # and per network, so this is only a backstop against a churn of identities from many networks.
 MAX_PENDING = 10_000
@@ -62,21 +70,36 @@ class ProbeQueue:
         self,
         clock: Callable[[], float] = time.monotonic,
         worked: Callable[[str], bool] | None = None,
+        stranger_burst: int | None = None,
+        stranger_every_s: float | None = None,
     ) -> None:
         self._clock = clock
-        # Whether a node has accepted work (None: every node is probed). One without waits
-        # for :meth:`earned`.
+        # Whether a node has accepted work (None: every node is probed). One without is
+        # probed from the strangers' budget, else when it :meth:`earned` it.
         self._worked = worked
         self._pending: dict[str, float] = {}  # node -> when it (last) asked, oldest first
+        self._burst = STRANGER_BURST if stranger_burst is None else stranger_burst
+        self._every_s = STRANGER_EVERY_S if stranger_every_s is None else stranger_every_s
+        self._tokens, self._filled_at = float(self._burst), clock()
 
     def __len__(self) -> int:
         return len(self._pending)
 
     def wanted(self, node_id: str) -> None:
-        """The node registered addresses no dial-back has judged: probe it (again), once it
-        has accepted work."""
-        if self._worked is None or self._worked(node_id):
+        """The node registered addresses no dial-back has judged: probe it (again) if it has
+        accepted work or the strangers' budget has a probe left; else once it earns one."""
+        if self._worked is None or self._worked(node_id) or self._take_stranger():
             self._enqueue(node_id)
+
+    def _take_stranger(self) -> bool:
+        now = self._clock()
+        if self._every_s > 0:
+            self._tokens = min(self._burst, self._tokens + (now - self._filled_at) / self._every_s)
+        self._filled_at = now
+        if self._tokens < 1.0:
+            return False
+        self._tokens -= 1.0
+        return True
 
     def earned(self, node_id: str) -> None:
         """The node's first group was accepted: probe its addresses if no dial-back judged
