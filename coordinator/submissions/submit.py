@@ -236,7 +236,8 @@ class Submissions:
     def _store_accepted(self, node_id: str, data: bytes, result: Accepted, received: float) -> None:
         """Store the verified group as the learner trains on it (a batch hands it out as
         stored), its envelope for audit, even if its lease expired after ``received`` (the
-        group came in time; see ``Ledger.accept_rollout``);
+        group came in time), unless its node was excluded meanwhile (see
+        ``Ledger.accept_rollout``);
         under the job's ``skip_uniform_groups``, one whose rewards are all equal is stored
         without being buffered (see :func:`buffers`)."""
         job = self.jobs.get(result.lease.job_id)
@@ -262,4 +263,9 @@ class Submissions:
                 received_at=received,
             )
         except StoreError as exc:
+            refused = admission(self.store.node(node_id))
+            if str(exc) == R.NODE_EXCLUDED and refused is not None:
+                # Excluded while this group was scored (a learner's report of its earlier
+                # groups): the answer an excluded node stops on, not "duplicate".
+                raise Rejected(*refused) from None
             raise Rejected(R.DUPLICATE, str(exc)) from None
