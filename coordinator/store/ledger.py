@@ -45,21 +45,39 @@ class Ledger(Database):
         content_hash: bytes,
         envelope: bytes,
         buffered: bool = True,
+        received_at: float | None = None,
     ) -> None:
         """Store an accepted group (``group``: its encoded TrainingGroup) and close its lease,
         atomically.
 
         ``buffered=False`` stores it ``dropped`` with reason ``uniform`` instead of buffering it
         for a batch: valid work its node is credited for, with no advantage to train on.
+        ``received_at``: when the group arrived (the caller checked its node admitted and its
+        lease open and in time then). Scoring comes between that check and this write, and
+        meanwhile housekeeping may expire the lease at its deadline, or the node may be
+        excluded (its leases expired with it, by a learner's report of its earlier groups).
+        Decided here, in the transaction that stores the group: an excluded node's group is
+        refused (StoreError(R.NODE_EXCLUDED)), never stored; a lease expired with a deadline
+        not before ``received_at`` still takes the group (the delay was the coordinator's, and
+        its prompt id is never issued again). None: only an open lease takes it.
         Raises StoreError(R.DUPLICATE) if the lease was already used or the same content was
-        already accepted for this job; the caller turns that into a rejection.
+        already accepted for this job; the caller turns a StoreError into a rejection with the
+        reason it carries.
         """
         now = time.time()
         status, reason = ("accepted", "") if buffered else ("dropped", R.UNIFORM)
         with self._tx() as db:
+            if db.execute(
+                "SELECT 1 FROM nodes WHERE node_id=? AND excluded=1", (node_id,)
+            ).fetchone():
+                raise StoreError(R.NODE_EXCLUDED)
+            in_time = "status='open'"
+            args: tuple = (lease_id,)
+            if received_at is not None:
+                in_time = "(status='open' OR (status='expired' AND deadline>=?))"
+                args = (lease_id, received_at)
             cur = db.execute(
-                "UPDATE leases SET status='submitted' WHERE lease_id=? AND status='open'",
-                (lease_id,),
+                f"UPDATE leases SET status='submitted' WHERE lease_id=? AND {in_time}", args
             )
             if cur.rowcount != 1:
                 raise StoreError(R.DUPLICATE)

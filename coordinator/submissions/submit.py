@@ -117,6 +117,9 @@ class Submissions:
             return refused
         assert node is not None
         t0 = time.perf_counter()
+        # The group's lease must be open and in time when it arrives; scoring may outlast the
+        # deadline (waiting for a slot under load), and that delay is the coordinator's.
+        received = time.time()
         # The lease check_submission looks up, kept so a rejection can close it without
         # parsing the submission a second time.
         seen: list[LeaseRow] = []
@@ -146,13 +149,14 @@ class Submissions:
                 node_key=node.public_key,
                 lookup_lease=lookup_lease,
                 jobs={k: j.ctx for k, j in self.jobs.items()},
+                now=received,
             )
             if checked.lease.node_id != node_id:
                 raise Rejected(R.LEASE_NOT_YOURS, "lease was issued to another node")
             scores = await self._score(node, checked.lease, checked.texts)
             detail = outcome_summary(scores)
             result = check_claimed_rewards(checked, [s.value for s in scores])
-            self._store_accepted(node_id, data, result)
+            self._store_accepted(node_id, data, result, received)
             if self.guard is not None:
                 self.guard.protect(peer_id)
             if node.accepted == 0 and self.on_first_accepted is not None:
@@ -229,9 +233,11 @@ class Submissions:
         self.metrics.submissions.labels(result="rejected", reason=rej.reason).inc()
         log.info("rejected %s from %s: %s", lease_id or "?", node_id[-8:], rej)
 
-    def _store_accepted(self, node_id: str, data: bytes, result: Accepted) -> None:
+    def _store_accepted(self, node_id: str, data: bytes, result: Accepted, received: float) -> None:
         """Store the verified group as the learner trains on it (a batch hands it out as
-        stored), its envelope for audit;
+        stored), its envelope for audit, even if its lease expired after ``received`` (the
+        group came in time), unless its node was excluded meanwhile (see
+        ``Ledger.accept_rollout``);
         under the job's ``skip_uniform_groups``, one whose rewards are all equal is stored
         without being buffered (see :func:`buffers`)."""
         job = self.jobs.get(result.lease.job_id)
@@ -254,6 +260,12 @@ class Submissions:
                 content_hash=result.content_hash,
                 envelope=data,
                 buffered=buffered,
+                received_at=received,
             )
         except StoreError as exc:
+            refused = admission(self.store.node(node_id))
+            if str(exc) == R.NODE_EXCLUDED and refused is not None:
+                # Excluded while this group was scored (a learner's report of its earlier
+                # groups): the answer an excluded node stops on, not "duplicate".
+                raise Rejected(*refused) from None
             raise Rejected(R.DUPLICATE, str(exc)) from None
