@@ -11,8 +11,9 @@ checked against the state digest the learner signed for that version, and read b
 written files before the folder is complete. Only versions whose checkpoint the learner still
 keeps can be exported (the newest ``checkpoint.KEEP``).
 
-The folder is written under a temporary name next to ``out`` and renamed, so a crash never
-leaves a half-written export where a complete one is expected.
+The folder is written under a temporary name next to ``out`` and renamed
+(:func:`staged_folder`, which the adapter and merged exports use too), so a crash never leaves a
+half-written export where a complete one is expected.
 """
 
 from __future__ import annotations
