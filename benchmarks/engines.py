@@ -37,7 +37,7 @@ from echo.models.spec import ModelSpec, build_model, encode_prompt
 from echo.models.weights import export_state, to_bits
 from echo.node.engines.base import Engine, GenRequest
 from echo.node.engines.factory import make_engine
-from echo.node.worker import lease_prompt, lease_request
+from echo.node.worker import lease_prompt, lease_request, lease_submission
 from echo.protocol import codec, signing
 from echo.protocol import messages as m
 from echo.protocol.patch import apply_patch, encode_patch
@@ -143,20 +143,12 @@ class NodePath:
         tokens = 0
         for lease, group in zip(leases, results, strict=True):
             tokens += sum(len(c.token_ids) for c in group)
-            sub = m.Submission(
-                lease_id=lease.lease_id,
-                job_id=lease.job_id,
+            sub = lease_submission(
+                lease,
+                group,
                 version=1,
                 engine=engine.name,
                 state_digest="0" * 64,
-                completions=[
-                    m.CompletionRecord(
-                        token_ids=m.pack_tokens(c.token_ids),
-                        logprobs=m.pack_logprobs(c.logprobs),
-                        finish_reason=c.finish_reason,
-                    )
-                    for c in group
-                ],
                 gen_seconds=gen_s / len(leases),
             )
             out.append(codec.compress(signing.seal_record(self.node_key, sub)))

@@ -11,8 +11,9 @@ checked against the state digest the learner signed for that version, and read b
 written files before the folder is complete. Only versions whose checkpoint the learner still
 keeps can be exported (the newest ``checkpoint.KEEP``).
 
-The folder is written under a temporary name next to ``out`` and renamed, so a crash never
-leaves a half-written export where a complete one is expected.
+The folder is written under a temporary name next to ``out`` and renamed
+(:func:`staged_folder`, which the adapter and merged exports use too), so a crash never leaves a
+half-written export where a complete one is expected.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +138,40 @@ def write_config_and_tokenizer(
     load_tokenizer(spec).save_pretrained(out)
 
 
+def write_model_folder(
+    state: dict[str, torch.Tensor],
+    spec: ModelSpec,
+    model: torch.nn.Module,
+    dtype: str,
+    folder: Path,
+    progress: Progress | None = None,
+) -> None:
+    """``state`` (tensors of ``model``'s architecture in ``dtype``) as a Hugging Face model folder
+    under ``folder``: the weights, read back against ``state``, then the config, generation config
+    and tokenizer.
+
+    :raises ExportError: a written tensor does not read back as ``state`` holds it.
+    """
+    write_weights(state, folder, progress)
+    read_back(state, folder)
+    write_config_and_tokenizer(spec, model, dtype, folder)
+
+
+@contextmanager
+def staged_folder(out: Path) -> Iterator[Path]:
+    """A new empty folder beside ``out`` to write an export in, renamed to ``out`` when the block
+    completes and removed when it raises: ``out`` holds a complete export or nothing."""
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)  # a crashed run's leftover of the same pid
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def export_version(
     job_dir: Path,
     spec: JobSpec,
@@ -181,17 +217,8 @@ def export_version(
             f"the checkpoint of version {version} does not hold the state the "
             "learner published for it"
         )
-    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        write_weights(state, tmp, progress)
-        read_back(state, tmp)
-        write_config_and_tokenizer(model_spec, model, spec.publish_dtype, tmp)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with staged_folder(out) as tmp:
+        write_model_folder(state, model_spec, model, spec.publish_dtype, tmp, progress)
     return sorted(p.name for p in out.iterdir())
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from safetensors.torch import load_file, save_file
 
 from echo.learner import checkpoint
+from echo.learner.export import staged_folder
 from echo.learner.grpo import GRPOLearner
 from echo.learner.publish import Publisher
 from echo.learner.rescore import Rescorer
@@ -319,15 +319,9 @@ def export_adapter(job_dir: Path, spec: JobSpec, version: int, digest: str, out:
             f"the checkpoint of version {version} does not hold the adapter the learner "
             "published for it"
         )
-    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+    with staged_folder(out) as tmp:
         write_peft_folder(tmp, adapter, shape_of(spec.lora))
         back = read_peft_folder(tmp, shape_of(spec.lora))
         if lora_digest(base_digest, back) != digest:
             raise ValueError(f"{tmp}: the adapter written does not read back as published")
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return sorted(p.name for p in out.iterdir())

@@ -14,7 +14,6 @@ state, so no signed digest names them: what is checked is what they are made of.
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
@@ -25,9 +24,8 @@ from echo.learner.export import (
     ExportError,
     meta_model,
     published_state,
-    read_back,
-    write_config_and_tokenizer,
-    write_weights,
+    staged_folder,
+    write_model_folder,
 )
 from echo.learner.lora import BASE_FILE, export_adapter
 from echo.models.spec import ModelSpec, build_model
@@ -63,10 +61,7 @@ def export_merged(job_dir: Path, spec: JobSpec, version: int, digest: str, out: 
         raise ExportError("--merged is for a LoRA job: this job's export holds every weight")
     if out.exists():
         raise FileExistsError(f"{out} exists")
-    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with staged_folder(out) as tmp:
         try:
             export_adapter(job_dir, spec, version, digest, tmp / "adapter")
         except ValueError as exc:
@@ -77,11 +72,5 @@ def export_merged(job_dir: Path, spec: JobSpec, version: int, digest: str, out: 
         state = published_state(master, meta, spec.publish_dtype)
         del master
         shutil.rmtree(tmp / "adapter")
-        write_weights(state, tmp, None)
-        read_back(state, tmp)
-        write_config_and_tokenizer(model_spec, meta, spec.publish_dtype, tmp)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        write_model_folder(state, model_spec, meta, spec.publish_dtype, tmp)
     return sorted(p.name for p in out.iterdir())

@@ -34,6 +34,25 @@ STORED_GROUP = m.encode(
     )
 )
 
+def store_with_anchor(path: Path, job_id: str = "j") -> Store:
+    """A fresh store at ``path`` holding job ``job_id`` with its version 0 booked (an anchor,
+    digest ``d0``): the store as a learner's first publish leaves it."""
+    store = Store.open(path)
+    store.create_job(job_id, job_id, {})
+    store.publish_version(
+        job_id,
+        0,
+        kind="anchor",
+        manifest=b"m",
+        state_digest="d0",
+        total_size=1,
+        trained=[],
+        rejected=[],
+        metrics={},
+    )
+    return store
+
+
 TEST_DEADLINE = 60.0
 
 

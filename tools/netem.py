@@ -54,7 +54,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -312,8 +312,9 @@ def _sysctl_quiet(path: str, value: str) -> None:
         Path(path).write_text(value)
 
 
-def down(prefix: str = DEFAULT_PREFIX, *, quiet: bool = False) -> None:
-    """Remove every namespace, veth and bridge this prefix made (idempotent)."""
+def remove_namespaces_and_links(prefix: str, ours: Callable[[str], bool]) -> None:
+    """Delete every namespace ``<prefix>-*`` (with the links inside it), then every link of the
+    root namespace whose name ``ours`` accepts; what is already gone is passed over."""
     listing = run_command(["ip", "netns", "list"], check=False).stdout
     for line in listing.splitlines():
         ns = line.split()[0] if line.strip() else ""
@@ -325,9 +326,17 @@ def down(prefix: str = DEFAULT_PREFIX, *, quiet: bool = False) -> None:
         if len(parts) < 2:
             continue
         name = parts[1].strip().split("@")[0]
-        if name == f"{prefix}br" or (name.startswith(f"{prefix}v") and name[len(prefix) + 1:]
-                                     .isdigit()):
+        if ours(name):
             run_command(["ip", "link", "del", name], check=False)
+
+
+def down(prefix: str = DEFAULT_PREFIX, *, quiet: bool = False) -> None:
+    """Remove every namespace, veth and bridge this prefix made (idempotent)."""
+    remove_namespaces_and_links(
+        prefix,
+        lambda name: name == f"{prefix}br"
+        or (name.startswith(f"{prefix}v") and name[len(prefix) + 1 :].isdigit()),
+    )
     _state_path(prefix).unlink(missing_ok=True)
     if not quiet:
         print(f"netem: removed hosts with prefix {prefix!r}", file=sys.stderr)

@@ -380,24 +380,15 @@ def down(prefix: str = DEFAULT_PREFIX, *, quiet: bool = False) -> None:
     """Remove every namespace, veth and bridge this prefix made (idempotent). Deleting a
     namespace deletes the veths and LAN bridge inside it; the public bridge and the root-side
     veth ends go by name."""
-    listing = run_command(["ip", "netns", "list"], check=False).stdout
-    for line in listing.splitlines():
-        ns = line.split()[0] if line.strip() else ""
-        if ns.startswith(f"{prefix}-"):
-            run_command(["ip", "netns", "del", ns], check=False)
-    links = run_command(["ip", "-o", "link", "show"], check=False).stdout
-    for line in links.splitlines():
-        parts = line.split(":")
-        if len(parts) < 2:
-            continue
-        name = parts[1].strip().split("@")[0]
-        tail = name[len(prefix) + 1 :]
-        if name == f"{prefix}pub" or (
+    netem.remove_namespaces_and_links(
+        prefix,
+        lambda name: name == f"{prefix}pub"
+        or (
             name.startswith(prefix)
             and name[len(prefix) :][:1] in ("w", "p", "l")
-            and tail.isdigit()
-        ):
-            run_command(["ip", "link", "del", name], check=False)
+            and name[len(prefix) + 1 :].isdigit()
+        ),
+    )
     _state_path(prefix).unlink(missing_ok=True)
     if not quiet:
         print(f"netem_nat: removed the internet with prefix {prefix!r}", file=sys.stderr)

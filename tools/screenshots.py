@@ -10,57 +10,33 @@ the job has trained ``--versions`` versions and node 0's credit is paid, and sav
 - ``node-page.png``: node 0's own page (``echo-node join --ui-port``).
 
 Each PNG is reduced to a 256-colour palette, which keeps these flat pages sharp at a fraction of
-the size. Needs chromium, chromedriver and selenium (as tests/e2e/test_dashboard_browser.py).
+the size. Needs chromium, chromedriver and selenium (:mod:`echo.tools.browser`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from echo.tools.browser import (
+    BrowserMissing,
+    PageTimeout,
+    headless_chromium,
+    missing,
+    wait_for,
+)
 from echo.tools.local_swarm import Swarm, job_toml
 
 ROOT = Path(__file__).resolve().parents[1]
 WAIT_S = 60.0
 
 
-def browser(width: int, height: int):
-    """Debian's headless Chromium through Selenium."""
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver = shutil.which("chromedriver")
-    if chromium is None or driver is None:
-        raise SystemExit(
-            "needs chromium and chromedriver (apt-get install chromium chromium-driver)"
-        )
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = chromium
-    for arg in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-dev-shm-usage",
-        "--disable-gpu",
-        f"--window-size={width},{height}",
-        "--hide-scrollbars",
-    ):
-        opts.add_argument(arg)
-    return webdriver.Chrome(options=opts, service=Service(executable_path=driver))
-
-
 def wait(driver, what: str, predicate):
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    try:
-        return WebDriverWait(driver, WAIT_S, poll_frequency=0.3).until(predicate)
-    except Exception as exc:
-        raise SystemExit(f"the page never showed {what}") from exc
+    return wait_for(driver, what, predicate, WAIT_S, poll_s=0.3)
 
 
 def save(driver, path: Path) -> int:
@@ -87,7 +63,7 @@ def shoot(base: str, token: str, node_id: str, node_page: str, out: Path) -> dic
     from selenium.webdriver.common.by import By
 
     sizes: dict[str, int] = {}
-    driver = browser(1400, 2250)
+    driver = headless_chromium(1400, 2250)
     try:
         driver.get(f"{base}/#node={node_id}")
         wait(
@@ -140,6 +116,10 @@ def main() -> int:
     ap.add_argument("--versions", type=int, default=20, help="trained versions before the shots")
     ap.add_argument("--nodes", type=int, default=3)
     args = ap.parse_args()
+    # Before the swarm's minutes of training, not after them.
+    reason = missing()
+    if reason is not None:
+        raise SystemExit(f"needs a browser: {reason}")
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="echo-shots-") as tmp:
@@ -163,7 +143,10 @@ def main() -> int:
                 time.sleep(2)
             else:
                 raise SystemExit("the swarm did not reach the version in 10 minutes")
-            sizes = shoot(http, info["token"], node["node_id"], node["ui"], args.out)
+            try:
+                sizes = shoot(http, info["token"], node["node_id"], node["ui"], args.out)
+            except (BrowserMissing, PageTimeout) as exc:
+                raise SystemExit(str(exc)) from exc
         finally:
             swarm.stop()
     print(

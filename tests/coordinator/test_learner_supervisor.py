@@ -15,7 +15,7 @@ from pathlib import Path
 import trio
 
 from echo.coordinator.jobs import learners
-from echo.coordinator.store import Store
+from tests.conftest import store_with_anchor
 
 # A stand-in learner: books the next version in the real store, then crashes (exit 1), until
 # the ledger reaches STOP_AT, where it exits cleanly. With PROGRESS=0 it crashes at once.
@@ -39,20 +39,8 @@ class _Host:
 
     def __init__(self, tmp: Path, progress: bool, stop_at: int) -> None:
         self.db = tmp / "c.db"
-        self.store = Store.open(self.db)
-        self.store.create_job("j", "j", {})
+        self.store = store_with_anchor(self.db)
         self.store.set_job_status("j", "running")
-        self.store.publish_version(
-            "j",
-            0,
-            kind="anchor",
-            manifest=b"m",
-            state_digest="d0",
-            total_size=1,
-            trained=[],
-            rejected=[],
-            metrics={},
-        )
         self.tmp, self.progress, self.stop_at = tmp, progress, stop_at
 
     def job_dir(self, job_id: str) -> Path:

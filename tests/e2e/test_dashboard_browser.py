@@ -9,7 +9,6 @@ installs them where it runs as root with apt-get)."""
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -20,43 +19,18 @@ import trio
 from echo.protocol import ids
 from echo.protocol import messages as m
 from echo.protocol import reasons as R
+from echo.tools import browser
 from tests import conftest
 from tests.conftest import run_with_coordinator
 from tests.coordinator.test_coordinator import group_for, open_lease, start_job
 from tests.coordinator.test_dashboard_api import publish, take_batch
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-DRIVER = shutil.which("chromedriver")
 WAIT_S = 30.0
-
-
-def _selenium():
-    if CHROMIUM is None or DRIVER is None:
-        pytest.skip("headless chromium and chromedriver are not installed "
-                    "(apt-get install chromium chromium-driver)")
-    return pytest.importorskip("selenium", reason="selenium is not installed (the dev extra)")
-
-
-def _browser():
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--window-size=1400,2200"):
-        opts.add_argument(arg)
-    return webdriver.Chrome(options=opts, service=Service(executable_path=DRIVER))
 
 
 def _wait(driver, what: str, predicate):
     """Poll ``predicate(driver)`` until it is truthy; fails naming ``what`` after WAIT_S."""
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    try:
-        return WebDriverWait(driver, WAIT_S, poll_frequency=0.2).until(predicate)
-    except Exception as exc:
-        raise AssertionError(f"the page never showed {what}") from exc
+    return browser.wait_for(driver, what, predicate, WAIT_S)
 
 
 def _short(node_id: str) -> str:
@@ -67,7 +41,7 @@ def _drive(base: str, node_a: str, job_id: str, shots: Path) -> None:
     from selenium.webdriver.common.by import By
 
     api = httpx.Client(base_url=base, timeout=10, headers={"Authorization": "Bearer test-token"})
-    driver = _browser()
+    driver = browser.headless_chromium(1400, 2200)
     try:
         # The public view: a volunteer looks up its own node and credit, no token.
         driver.get(f"{base}/#node={node_a}")
@@ -122,7 +96,9 @@ def _drive(base: str, node_a: str, job_id: str, shots: Path) -> None:
 
 
 def test_dashboard_in_headless_chromium(tmp_path, monkeypatch) -> None:
-    _selenium()
+    reason = browser.missing()
+    if reason is not None:
+        pytest.skip(reason)
     # Starting chromium alone took 10-20 s on the shared 2-core machine under load: the default
     # 60 s for a coordinator test left too little for the page's own waits.
     monkeypatch.setattr(conftest, "TEST_DEADLINE", 180.0)

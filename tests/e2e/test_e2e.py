@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +16,7 @@ from echo.protocol import messages as m
 from echo.protocol import signing
 from echo.protocol.jobspec import JobSpec
 from echo.tools.local_swarm import node_engines
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.e2e.swarm_tool import run_swarm_tool
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -27,32 +24,14 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def swarm_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("swarm")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m", "echo.tools.local_swarm",
-            "--out",
-            str(out),
-            "--quiet",
-            "--nodes",
-            "3",
-            "--steps",
-            "150",
-            "--timeout",
-            "220",
-            "--kill-learner-at",
-            "40",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    run_swarm_tool(
+        "echo.tools.local_swarm",
+        out,
+        ["--quiet", "--nodes", "3", "--steps", "150", "--timeout", "220",
+         "--kill-learner-at", "40"],
         timeout=360,
-    )
-    if proc.returncode != 0:
-        logs = "\n".join(
-            f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(out.glob("*.log"))
-        )
-        pytest.fail(f"local swarm failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{logs}")
+        what="local swarm",
+    )  # fmt: skip
     return out
 
 
@@ -152,13 +131,14 @@ def test_synchronous_mode_trains_only_on_the_current_version(tmp_path: Path) -> 
     """S = 0: leases are for the newest version only and every batch comes from the weights the
     learner holds (staleness 0 in every version's metrics), so the run is on-policy."""
     out = tmp_path / "sync"
-    proc = subprocess.run(
-        [sys.executable, "-m", "echo.tools.local_swarm", "--out", str(out), "--quiet",
-         "--nodes", "2", "--engines", "torch", "--steps", "12", "--staleness", "0",
+    run_swarm_tool(
+        "echo.tools.local_swarm",
+        out,
+        ["--quiet", "--nodes", "2", "--engines", "torch", "--steps", "12", "--staleness", "0",
          "--batch-groups", "4", "--timeout", "150"],
-        cwd=ROOT, capture_output=True, text=True, timeout=240,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:]
+        timeout=240,
+        what="local swarm",
+    )  # fmt: skip
     s = json.loads((out / "summary.json").read_text())
     assert s["status"] == "done" and s["versions"] == 12
     trained = [v for v in s["learner_by_version"] if v["version"] > 0]
@@ -175,13 +155,14 @@ def test_skip_uniform_groups_trains_only_on_groups_with_an_advantage(tmp_path: P
 
     out = tmp_path / "ds"
     batch = 4
-    proc = subprocess.run(
-        [sys.executable, "-m", "echo.tools.local_swarm", "--out", str(out), "--quiet",
-         "--nodes", "2", "--engines", "torch", "--steps", "12", "--skip-uniform",
+    run_swarm_tool(
+        "echo.tools.local_swarm",
+        out,
+        ["--quiet", "--nodes", "2", "--engines", "torch", "--steps", "12", "--skip-uniform",
          "--batch-groups", str(batch), "--timeout", "150"],
-        cwd=ROOT, capture_output=True, text=True, timeout=240,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:]
+        timeout=240,
+        what="local swarm",
+    )  # fmt: skip
     s = json.loads((out / "summary.json").read_text())
     assert s["status"] == "done" and s["versions"] == 12
     assert s["rollouts_uniform"] > 0  # the untrained tiny model fails whole groups often
@@ -207,13 +188,14 @@ def test_nodes_that_hear_no_plan_follow_every_version_through_their_lease_replie
     gossiped (broadcast off: as if every announcement were lost), nodes still follow the job
     version by version and end on the final version's exact weights, pulled."""
     out = tmp_path / "noplan"
-    proc = subprocess.run(
-        [sys.executable, "-m", "echo.tools.local_swarm", "--out", str(out), "--quiet",
-         "--nodes", "2", "--engines", "torch", "--steps", "12", "--batch-groups", "4",
+    run_swarm_tool(
+        "echo.tools.local_swarm",
+        out,
+        ["--quiet", "--nodes", "2", "--engines", "torch", "--steps", "12", "--batch-groups", "4",
          "--no-broadcast", "--timeout", "150"],
-        cwd=ROOT, capture_output=True, text=True, timeout=240,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:]
+        timeout=240,
+        what="local swarm",
+    )  # fmt: skip
     s = json.loads((out / "summary.json").read_text())
     assert s["status"] == "done" and s["versions"] == 12
     db = sqlite3.connect(out / "coordinator" / "coordinator.sqlite")

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,8 +19,7 @@ from echo.models.weights import state_digest, state_from_bytes
 from echo.protocol import messages as m
 from echo.protocol import signing
 from echo.tools.local_swarm import HEADS, VLLM_HEADS, job_toml, node_engines
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.e2e.swarm_tool import run_swarm_tool
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -60,17 +57,15 @@ def lora_run(request, tmp_path_factory) -> tuple[Path, list[str]]:
                  lr=5e-3, eval_every=4, heads=VLLM_HEADS if vllm else HEADS)
         + LORA_TABLE
     )  # fmt: skip
-    proc = subprocess.run(
-        [sys.executable, "-m", "echo.tools.local_swarm", "--out", str(out), "--quiet",
-         "--nodes", str(len(engines)), "--engines", ",".join(engines), "--job", str(job),
-         "--timeout", "600" if vllm else "240"],
-        cwd=ROOT, capture_output=True, text=True, timeout=1200 if vllm else 360,
+    run_swarm_tool(
+        "echo.tools.local_swarm",
+        out,
+        ["--quiet", "--nodes", str(len(engines)), "--engines", ",".join(engines), "--job",
+         str(job), "--timeout", "600" if vllm else "240"],
+        timeout=1200 if vllm else 360,
+        what="LoRA swarm",
+        logs="**/*.log",
     )  # fmt: skip
-    if proc.returncode != 0:
-        logs = "\n".join(
-            f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(out.rglob("*.log"))
-        )
-        pytest.fail(f"LoRA swarm failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{logs}")
     return out, engines
 
 

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,8 +26,7 @@ import pytest
 import echo.tools.nat_swarm as nat_swarm
 import echo.tools.netem_nat as netem_nat
 from echo.models.weights import state_digest, state_from_bytes
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.e2e.swarm_tool import run_swarm_tool
 
 _OK, _WHY = netem_nat.available(prefix="ecnq")
 pytestmark = [
@@ -42,38 +39,14 @@ NODES = 7
 
 
 def _swarm(out: Path, *extra: str) -> Path:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m", "echo.tools.nat_swarm",
-            "--out",
-            str(out),
-            "--nodes",
-            str(NODES),
-            "--nat",
-            "4",
-            "--steps",
-            str(STEPS),
-            "--timeout",
-            "300",
-            "--prefix",
-            "ecnw",
-            *extra,
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    run_swarm_tool(
+        "echo.tools.nat_swarm",
+        out,
+        ["--nodes", str(NODES), "--nat", "4", "--steps", str(STEPS), "--timeout", "300",
+         "--prefix", "ecnw", *extra],
         timeout=540,
-    )
-    if proc.returncode != 0:
-        logs = "\n".join(
-            f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
-            for p in sorted(out.glob("*.log"))
-        )
-        pytest.fail(
-            f"nat swarm failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
-            f"{proc.stderr[-3000:]}\n{logs}"
-        )
+        what="nat swarm",
+    )  # fmt: skip
     return out
 
 

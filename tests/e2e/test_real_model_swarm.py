@@ -25,6 +25,7 @@ import torch
 
 from echo.models.weights import state_digest, state_from_bytes, to_bits
 from echo.tools.local_swarm import VLLM_READY, Swarm, node_engines
+from tests.e2e.swarm_tool import run_swarm_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -109,38 +110,14 @@ def run_swarm(out: Path, task: str, model: Path, eng: list[str], steps: int) -> 
     job = out / "job-in.toml"
     out.mkdir(parents=True, exist_ok=True)
     job.write_text(JOB_HEAD.format(name=f"real-{task}", steps=steps, model=model) + TASKS[task])
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m", "echo.tools.local_swarm",
-            "--out",
-            str(out),
-            "--quiet",
-            "--job",
-            str(job),
-            "--nodes",
-            str(len(eng)),
-            "--engines",
-            ",".join(eng),
-            "--leases-at-once",
-            "1",
-            "--timeout",
-            "480",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    run_swarm_tool(
+        "echo.tools.local_swarm",
+        out,
+        ["--quiet", "--job", str(job), "--nodes", str(len(eng)), "--engines", ",".join(eng),
+         "--leases-at-once", "1", "--timeout", "480"],
         timeout=600,
-    )
-    if proc.returncode != 0:
-        logs = "\n".join(
-            f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
-            for p in sorted(out.glob("*.log"))
-        )
-        pytest.fail(
-            f"local swarm failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
-            f"{proc.stderr[-3000:]}\n{logs}"
-        )
+        what="local swarm",
+    )  # fmt: skip
     return json.loads((out / "summary.json").read_text())
 
 

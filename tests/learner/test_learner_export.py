@@ -15,7 +15,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from typer.testing import CliRunner
 
 from echo.coordinator.api.job_cli import app as job_cli
-from echo.learner.export import ExportError, export_version
+from echo.learner.export import (
+    ExportError,
+    export_version,
+    read_back,
+    staged_folder,
+    write_weights,
+)
 from echo.learner.service import Learner
 from echo.models.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, byte_tokenizer
 from echo.models.weights import to_bits
@@ -196,3 +202,29 @@ def test_echo_job_export_through_the_coordinator(tmp_path) -> None:
         assert r.exit_code == 1 and "is not a LoRA job" in r.text
 
     run_with_coordinator(tmp_path, body)
+
+
+def test_a_staged_export_is_complete_or_absent(tmp_path: Path) -> None:
+    out = tmp_path / "exports" / "v3"
+    with pytest.raises(ExportError, match="half written"), staged_folder(out) as tmp:
+        (tmp / "model.safetensors").write_bytes(b"x")
+        raise ExportError("half written")
+    assert not out.exists() and list(out.parent.iterdir()) == []
+    with staged_folder(out) as tmp:
+        (tmp / "config.json").write_text("{}")
+    assert [p.name for p in out.parent.iterdir()] == ["v3"]
+    assert (out / "config.json").read_text() == "{}"
+
+
+def test_read_back_finds_a_tensor_changed_on_disk(tmp_path: Path) -> None:
+    state = {"a": torch.arange(64, dtype=torch.float32), "b": torch.ones(8, dtype=torch.bfloat16)}
+    write_weights(state, tmp_path, None)
+    read_back(state, tmp_path)
+    raw = (tmp_path / "model.safetensors").read_bytes()
+    # The last byte is in the last tensor's data ("b", sorted after "a").
+    (tmp_path / "model.safetensors").write_bytes(raw[:-1] + bytes([raw[-1] ^ 0x01]))
+    with pytest.raises(ExportError, match="tensor 'b' was not written as published"):
+        read_back(state, tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(raw)
+    with pytest.raises(ExportError, match=r"missing from the written files: \['c'\]"):
+        read_back({**state, "c": torch.zeros(1)}, tmp_path)

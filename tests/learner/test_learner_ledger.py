@@ -20,23 +20,11 @@ from echo.coordinator.store import Store
 from echo.coordinator.store.rows import LeaseRow
 from echo.learner import checkpoint
 from echo.learner.service import LedgerAhead, resume_action
-from tests.conftest import STORED_GROUP
+from tests.conftest import STORED_GROUP, store_with_anchor
 
 
 def _store_with_groups(path, n: int) -> tuple[Store, list[str]]:
-    store = Store.open(path)
-    store.create_job("j", "j", {})
-    store.publish_version(
-        "j",
-        0,
-        kind="anchor",
-        manifest=b"m",
-        state_digest="d0",
-        total_size=1,
-        trained=[],
-        rejected=[],
-        metrics={},
-    )
+    store = store_with_anchor(path)
     store.upsert_node("node", b"k" * 32, "torch", {}, 0.0, 0.0, 0.0)
     ids = []
     for i in range(n):

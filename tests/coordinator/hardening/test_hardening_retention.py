@@ -16,7 +16,7 @@ from echo.coordinator.metrics import Metrics
 from echo.coordinator.store import Store
 from echo.coordinator.store.rows import LeaseRow
 from echo.coordinator.submissions.penalties import MAX_TRACKED_NODES, Penalties
-from tests.conftest import STORED_GROUP
+from tests.conftest import STORED_GROUP, store_with_anchor
 
 ROUNDS = 8
 CHURN = 100
@@ -84,19 +84,7 @@ def churn_round(store: Store, job_id: str, r: int, now: float, churn: int = CHUR
 
 
 def run_rounds(path, churn: int) -> list[dict[str, int]]:
-    store = Store.open(path)
-    store.create_job("j", "j", {})
-    store.publish_version(
-        "j",
-        0,
-        kind="anchor",
-        manifest=b"m",
-        state_digest="d0",
-        total_size=1,
-        trained=[],
-        rejected=[],
-        metrics={},
-    )
+    store = store_with_anchor(path)
     store.upsert_node("honest", b"h" * 32, "torch", {}, 0.0, 0.0, 0.0)
     retention = RetentionSection(
         closed_leases_s=3600, trained_envelopes_s=3600, rejections_s=3600, idle_nodes_s=3600
