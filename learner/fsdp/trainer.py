@@ -310,8 +310,8 @@ def shard_and_resume(
     whether the policy computes in bf16.
     """
     policy = distributed.mixed_precision(d.device)
-    distributed.shard_model(model.to(d.device), policy)
-    if reference is not None:
+    distributed.shard_model(model.to(d.device), policy, d.checkpoint_layers)
+    if reference is not None:  # no grad: nothing to recompute
         distributed.shard_model(reference.to(d.device), policy)
     learner = GRPOLearner(
         model, spec.grpo, spec.sampling.temperature, reference, across=RankSums(d)

@@ -153,3 +153,23 @@ def test_two_ranks_resume_from_the_single_learners_checkpoint(reference: dict) -
     torchrun(2, job, reference["batches"] / "dc", out)
     state = runs.resumed_run(reference, out, trained=False)
     assert_close(state, reference["restart_state"])
+
+
+def test_activation_checkpointing_gives_the_same_step(reference: dict) -> None:
+    """``[learner] activation_checkpointing``: each layer recomputes its activations in the
+    backward (its MLP runs again), and the steps are bit for bit those without it."""
+    root, runs_of = reference["root"], {}
+    for flag in ((), ("--activation-checkpointing",)):
+        out = root / f"out-ac-{len(flag)}"
+        torchrun(2, job_dir(root, f"ac-{len(flag)}"), reference["batches"] / "abc", out, *flag)
+        runs_of[bool(flag)] = (
+            json.loads((out / "results.json").read_text()),
+            load_file(str(out / "state.safetensors")),
+        )
+    (plain, plain_state), (recomputed, state) = runs_of[False], runs_of[True]
+    assert recomputed["layer0_mlp_forwards"] > plain["layer0_mlp_forwards"]
+    assert state.keys() == plain_state.keys()
+    assert all(torch.equal(state[k], plain_state[k]) for k in state)
+    for a, b in zip(recomputed["steps"], plain["steps"], strict=True):
+        assert a["verdicts"] == b["verdicts"] and a["trained"] == b["trained"]
+        assert a["metrics"]["loss"] == b["metrics"]["loss"]
