@@ -8,7 +8,7 @@ encoded TrainingGroups) is trained on and published as the learner does; after v
 checkpoint is made. Rank 0 writes
 ``OUT/state.safetensors`` (the last published state) and ``OUT/results.json`` (per step: the
 trained ids, verdicts and metrics; rank 0's peak memory and how many times its policy's first
-decoder layer's MLP ran forward: twice per forward with grad when layers recompute).
+decoder layer's MLP started a forward: twice per forward with grad when layers recompute).
 """
 
 from __future__ import annotations
@@ -45,7 +45,9 @@ def main() -> None:
     lead = ranks.Leader(trainer, d)
     mlp_forwards = [0]
     mlp = trainer.learner.model.model.layers[0].mlp
-    mlp.register_forward_hook(lambda *_: mlp_forwards.__setitem__(0, mlp_forwards[0] + 1))
+    # A pre-hook: a recomputation stops once it has what the backward needs, before the MLP's
+    # forward returns, so a forward hook would not see it.
+    mlp.register_forward_pre_hook(lambda *_: mlp_forwards.__setitem__(0, mlp_forwards[0] + 1))
     batches = [
         [m.decode(m.TrainingGroup, g, max_bytes=1 << 26) for g in b]
         for b in codec.unpackb(args.batches.read_bytes(), max_bytes=1 << 28)
