@@ -178,11 +178,18 @@ class LearnerSection(BaseModel):
     nproc_per_node: int = Field(
         default=1, ge=1, le=64, description="ranks of an fsdp2 learner (one per GPU on CUDA)"
     )
+    activation_checkpointing: bool = Field(
+        default=False,
+        description="fsdp2: each decoder layer recomputes its activations in the backward "
+        "instead of keeping them (less memory, about one more forward of time)",
+    )
 
     @model_validator(mode="after")
     def _ranks_need_fsdp2(self) -> LearnerSection:
         if self.nproc_per_node > 1 and self.backend != "fsdp2":
             raise ValueError('nproc_per_node > 1 needs backend = "fsdp2"')
+        if self.activation_checkpointing and self.backend != "fsdp2":
+            raise ValueError('activation_checkpointing needs backend = "fsdp2"')
         if self.backend == "fsdp2" and self.device == "mps":
             raise ValueError("backend fsdp2 runs on cuda or cpu, not mps")
         return self

@@ -60,7 +60,15 @@ def main() -> None:
         help="single: one process; fsdp2: one rank of a sharded learner, started by torchrun "
         "(python -m torch.distributed.run), as the coordinator does with [learner] backend",
     )
+    ap.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="fsdp2: each decoder layer recomputes its activations in the backward "
+        "([learner] activation_checkpointing)",
+    )
     args = ap.parse_args()
+    if args.activation_checkpointing and args.backend != "fsdp2":
+        ap.error("--activation-checkpointing needs --backend fsdp2")
     if args.upload_limit_bps is not None and args.upload_limit_bps <= 0:
         ap.error("--upload-limit-bps must be positive")
     if args.epoch < 0:
@@ -85,7 +93,9 @@ def main() -> None:
     ranks = None
     if sharded:
         try:
-            ranks = rank_roles.start(args.job_dir, args.device, args.threads)
+            ranks = rank_roles.start(
+                args.job_dir, args.device, args.threads, args.activation_checkpointing
+            )
         except ValueError as exc:  # a device it lacks, not started by torchrun
             raise stop(EXIT_CANNOT_RESUME, exc) from None
         if ranks is None:  # a follower rank: it computed alongside rank 0 until it stopped

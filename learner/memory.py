@@ -15,6 +15,8 @@ The formula, per rank, for ``P`` parameters, ``T`` of them trained, ``N`` ranks:
     + gathered: 2 decoder layers and the root (embeddings, norm, head) in the compute dtype
     + activations: tokens of the rank's groups x (layers x (10 h + 4 i + 2 kv) x compute bytes
                    + vocab x (compute bytes + 8))
+      (with activation checkpointing: layers x h + one layer's (10 h + 4 i + 2 kv), the
+      layers' inputs kept and one layer recomputed at a time)
 
 A LoRA job trains only the adapter (``T`` is its parameters; ``P`` counts base and adapter,
 both sharded). On the CPU, rank 0 also keeps the published versions the re-scorer remembers
@@ -191,19 +193,24 @@ def estimate(
     device: str = "cpu",
     prompt_tokens: float = DEFAULT_PROMPT_TOKENS,
     shape: Shape | None = None,
+    checkpoint_layers: bool = False,
 ) -> RankMemory:
     """Per-rank memory of the learner of a job (``job``: its spec as a dict, ``model``: its
     ``model_spec_dict()``) on ``device`` (``cuda*`` computes in bf16 with fsdp2, as the learner
     does where the GPU supports it), with ``nproc_per_node`` ranks of ``backend``. ``shape``
-    overrides the model's (a calculation for a model not on this machine).
+    overrides the model's (a calculation for a model not on this machine);
+    ``checkpoint_layers``: ``[learner] activation_checkpointing`` (fsdp2 only).
 
-    :raises ValueError: a model that cannot be sized, or ranks without fsdp2.
+    :raises ValueError: a model that cannot be sized, or ranks or activation checkpointing
+        without fsdp2.
     """
     if backend not in ("single", "fsdp2"):
         raise ValueError(f"unknown learner backend {backend!r}")
     n = nproc_per_node if backend == "fsdp2" else 1
     if n < 1 or (backend == "single" and nproc_per_node != 1):
         raise ValueError('nproc_per_node > 1 needs backend = "fsdp2"')
+    if checkpoint_layers and backend != "fsdp2":
+        raise ValueError('activation_checkpointing needs backend = "fsdp2"')
     s = shape or shape_of(model)
     p = s.params()
     lora = job.get("lora")
@@ -226,7 +233,10 @@ def estimate(
     seq = int(prompt_tokens) + max_new
     seqs = groups * int(job.get("group_size", 16))
     per_token_layer = _LAYER_H * s.hidden + _LAYER_I * s.intermediate + _LAYER_KV * s.kv_dim
-    activations = seqs * seq * s.layers * per_token_layer * cb
+    if checkpoint_layers:  # each layer keeps its input; one layer's activations at a time
+        activations = seqs * seq * (s.layers * s.hidden + per_token_layer) * cb
+    else:
+        activations = seqs * seq * s.layers * per_token_layer * cb
     activations += seqs * max_new * s.vocab * (cb + _LOGIT_F32_BYTES)
     publish = _DTYPE_BYTES.get(str(job.get("publish_dtype", "float32")), 4)
     keep = int(job.get("staleness", 1)) + 1
@@ -290,9 +300,16 @@ def misfit(need: RankMemory, available_per_rank: int) -> str | None:
     return None
 
 
-def plan(job: Mapping[str, Any], backend: str, nproc_per_node: int, device: str) -> dict[str, Any]:
+def plan(
+    job: Mapping[str, Any],
+    backend: str,
+    nproc_per_node: int,
+    device: str,
+    checkpoint_layers: bool = False,
+) -> dict[str, Any]:
     """``echo-job plan``'s learner memory: the estimate for ``job`` (its spec as a dict) on the
-    coordinator's ``[learner]`` settings, the memory each rank has, and whether it fits (with
+    coordinator's ``[learner]`` settings (``checkpoint_layers``: its
+    ``activation_checkpointing``), the memory each rank has, and whether it fits (with
     the reason when not). A model that cannot be sized gives ``{"error": ...}``."""
     from echo.protocol.jobspec import JobSpec
 
@@ -300,7 +317,7 @@ def plan(job: Mapping[str, Any], backend: str, nproc_per_node: int, device: str)
     dev = resolved_device(device)
     try:
         need = estimate(spec.model_spec_dict(), spec.model_dump(mode="json"), backend,
-                        nproc_per_node, dev)  # fmt: skip
+                        nproc_per_node, dev, checkpoint_layers=checkpoint_layers)  # fmt: skip
     except ValueError as exc:
         return {"error": str(exc), "fits": True}
     have = available_per_rank(device, need.ranks)

@@ -17,7 +17,7 @@
 #   learn_gpu.txt    tools/grpo_local.py --device cuda (the recipe that learns on the CPU)
 #   learn_cpu.txt    the same on this machine's CPU, the baseline of the same run
 #   rescore.txt      benchmarks/rescore.py --quick --device cuda (its JSON line is its last line)
-#   fsdp.txt         benchmarks/fsdp.py --quick --device cuda --nproc 1: the FSDP2 learner (NCCL,
+#   fsdp.txt         benchmarks/learner_scale.py --quick --device cuda --nproc 1: FSDP2 (NCCL,
 #                    bf16 parameters, fp32 reduction) against the single learner on the same GPU:
 #                    step time and peak GPU memory as ratios (one GPU: NCCL refuses two ranks on
 #                    one device)
@@ -94,7 +94,7 @@ say "rescore rc=$rescore_rc:"
 grep -E "^  " "$RES/rescore.txt" | tee -a "$SUMMARY"
 tail -n 1 "$RES/rescore.txt" >>"$SUMMARY"
 
-timeout 150 "$PY" benchmarks/fsdp.py --quick --device "$DEV" --nproc 1 >"$RES/fsdp.txt" 2>&1
+timeout 150 "$PY" benchmarks/learner_scale.py --quick --device "$DEV" --nproc 1 >"$RES/fsdp.txt" 2>&1
 fsdp_rc=$?
 say "fsdp2 rc=$fsdp_rc:"
 grep -E "^(single|fsdp2)" "$RES/fsdp.txt" | tee -a "$SUMMARY"

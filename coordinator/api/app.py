@@ -169,7 +169,7 @@ def job_plan(coord: ApiBackend, job_id: str) -> dict[str, Any] | None:
         "recommendation": why,
         "learner_memory": learner_memory.plan(
             spec, coord.config.learner.backend, coord.config.learner.nproc_per_node,
-            coord.config.learner.device,
+            coord.config.learner.device, coord.config.learner.activation_checkpointing,
         ),  # fmt: skip
     }
 

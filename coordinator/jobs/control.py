@@ -163,6 +163,8 @@ class JobControl:
         ]
         if self.config.learner.backend == "fsdp2":
             cmd += ["--backend", "fsdp2"]
+            if self.config.learner.activation_checkpointing:
+                cmd += ["--activation-checkpointing"]
         bc = self.config.broadcast
         if bc.learner_pace > 0:
             cmd += ["--upload-limit-bps", str(bc.learner_pace * bc.learner_upload_bps)]

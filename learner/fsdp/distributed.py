@@ -17,10 +17,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
 
 # Followers wait on the command group while rank 0 waits for rollouts, which may take long on
 # a quiet swarm; a rank that dies is noticed by torchrun (it ends the others), not by this.
@@ -39,6 +41,9 @@ class Dist:
     world: int
     device: torch.device
     commands: dist.ProcessGroup  # gloo, for host-side bytes
+    # ``[learner] activation_checkpointing``: the policy's decoder layers recompute their
+    # activations in the backward (see :func:`recompute_in_backward`).
+    checkpoint_layers: bool = False
 
     @property
     def leader(self) -> bool:
@@ -51,9 +56,9 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def init(device: torch.device) -> Dist:
+def init(device: torch.device, checkpoint_layers: bool = False) -> Dist:
     """Join the process group torchrun set up; ``device`` is the one the learner resolved
-    (``cuda`` becomes ``cuda:LOCAL_RANK``).
+    (``cuda`` becomes ``cuda:LOCAL_RANK``); ``checkpoint_layers``: see :class:`Dist`.
 
     :raises ValueError: not started by torchrun (a restart cannot help).
     :raises RuntimeError: the rendezvous failed.
@@ -70,7 +75,7 @@ def init(device: torch.device) -> Dist:
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT, device_id=_device_id(device))
     commands = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
-    return Dist(dist.get_rank(), dist.get_world_size(), device, commands)
+    return Dist(dist.get_rank(), dist.get_world_size(), device, commands, checkpoint_layers)
 
 
 def _device_id(device: torch.device) -> torch.device | None:
@@ -104,16 +109,44 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(layers)
 
 
+def recompute_in_backward(layer: torch.nn.Module) -> None:
+    """Make ``layer`` keep only its inputs in a forward with grad, and recompute its
+    activations in the backward (``torch.utils.checkpoint``, non-reentrant): memory for time.
+
+    Its ``forward`` is wrapped in place rather than the module wrapped in another, so parameter
+    names, state dicts and checkpoints stay those of the plain model. A no-grad forward
+    (re-scoring, evaluation) runs as before.
+    """
+    forward = layer.forward
+
+    def forward_recomputed(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        # A training forward keeps no KV cache (its output is only the logits): a cache that
+        # the recomputation appended to a second time would give it other shapes.
+        if "cache" in kwargs:
+            kwargs["cache"], kwargs["use_cache"] = None, False
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    layer.forward = forward_recomputed
+
+
 def shard_model(
-    model: torch.nn.Module, policy: MixedPrecisionPolicy | None = None
+    model: torch.nn.Module,
+    policy: MixedPrecisionPolicy | None = None,
+    checkpoint_layers: bool = False,
 ) -> torch.nn.Module:
     """``model`` sharded in place over the default process group: ``fully_shard`` per decoder
     layer (each is gathered only while it computes), then the root (embeddings, final norm and
     LM head). Gradients are summed, not averaged, across ranks: the step divides its loss by
-    the token count of the whole batch (see :class:`~echo.learner.grpo.GRPOLearner`)."""
+    the token count of the whole batch (see :class:`~echo.learner.grpo.GRPOLearner`). With
+    ``checkpoint_layers`` each layer recomputes its activations in the backward
+    (:func:`recompute_in_backward`; FSDP gathers the layer's weights again for it)."""
     kw = {"mp_policy": policy} if policy is not None else {}
     layers = decoder_layers(model)
     for layer in layers:
+        if checkpoint_layers:
+            recompute_in_backward(layer)
         fully_shard(layer, **kw)
     # The root too gives its weights back after each forward: left gathered (the default) it
     # holds plain tensors that loading a state or a no-grad forward then trips over.

@@ -21,7 +21,6 @@ and adapter tensors alike are sharded, only the adapter's have gradients and Ada
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 from typing import Any
 
@@ -32,14 +31,18 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     set_model_state_dict,
-    set_optimizer_state_dict,
 )
 
 from echo.learner import checkpoint, dcp_checkpoint
-from echo.learner.checkpoint_files import version_dir
 from echo.learner.fsdp import distributed
 from echo.learner.fsdp.distributed import Dist
-from echo.learner.fsdp.trainer import RankSums, ShardedRescorer, ShardedTrainer, optim_by_name
+from echo.learner.fsdp.trainer import (
+    ShardedRescorer,
+    ShardedTrainer,
+    newest_checkpoint,
+    shard_and_resume,
+    single_checkpoint,
+)
 from echo.learner.grpo import GRPOLearner
 from echo.learner.lora import (
     BASE_FILE,
@@ -194,49 +197,18 @@ def build(
         except ValueError as exc:
             raise AdapterInitError(f"lora.init {spec.lora.init}: {exc}") from None
     root = job_dir / "checkpoints"
-    # Rank 0 decides which checkpoint every rank reads: they must agree whatever they see.
-    newest = str(max(checkpoint.versions(root), default=-1)).encode() if d.leader else None
-    version = int(distributed.broadcast_bytes(d, newest))
-    found = version_dir(root, version) if version >= 0 else None
+    found = newest_checkpoint(root, d)
     # The KL term holds the policy near the initial adapter, as the single LoRA learner's does.
     reference = copy.deepcopy(model) if spec.grpo.kl_coef > 0 else None
     single = None
     if found is not None and not dcp_checkpoint.is_dcp(found):
-        single = checkpoint.latest(root)
-        if single is None or single.version != version:
-            raise OSError(f"cannot read the checkpoint of v{version} under {root}")
+        single = single_checkpoint(root, found)
         load_adapter_state(model, single.model_state)
     base = base_state(model, spec.publish_dtype)
-    policy = distributed.mixed_precision(d.device)
-    distributed.shard_model(model.to(d.device), policy)
-    if reference is not None:
-        distributed.shard_model(reference.to(d.device), policy)
-    learner = GRPOLearner(
-        model, spec.grpo, spec.sampling.temperature, reference, across=RankSums(d)
+    learner, resumed, mixed = shard_and_resume(
+        spec, d, model, reference, found, single, adapter=True
     )
-    resumed = None
-    if found is not None:
-        meta = json.loads((found / "meta.json").read_text())
-        if single is not None:
-            set_optimizer_state_dict(
-                model,
-                learner.opt,
-                optim_by_name(model, single.optim_state),
-                options=StateDictOptions(full_state_dict=True),
-            )
-        else:
-            dcp_checkpoint.load_sharded(found, model, learner.opt, adapter=True)
-        learner.version = version
-        resumed = checkpoint.Checkpoint(
-            version=version,
-            anchor_version=int(meta["anchor_version"]),
-            model_state={},
-            optim_state={},
-            report=(found / "report.bin").read_bytes(),
-        )
-    trainer = ShardedLoraTrainer(
-        spec, model_spec, learner, task, tokenizer, d, policy is not None, base, shape
-    )
+    trainer = ShardedLoraTrainer(spec, model_spec, learner, task, tokenizer, d, mixed, base, shape)
     trainer.rescorer.remember(learner.version, trainer.published_state())
     return trainer, resumed
 

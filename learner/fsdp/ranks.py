@@ -141,15 +141,18 @@ def run_follower(job_dir: Path, d: Dist) -> None:
     log.info("rank %d: rank 0 is done; exiting", d.rank)
 
 
-def start(job_dir: Path, device: str, threads: int) -> Dist | None:
+def start(
+    job_dir: Path, device: str, threads: int, checkpoint_layers: bool = False
+) -> Dist | None:
     """Join the learner's process group (this process was started by torchrun). Rank 0 gets its
     place in the group back and goes on to be the learner; any other rank follows rank 0 here
-    until it is done, and gets None.
+    until it is done, and gets None. ``checkpoint_layers``: ``[learner]
+    activation_checkpointing`` (see :class:`~echo.learner.fsdp.distributed.Dist`).
 
     :raises ValueError: a ``device`` this machine cannot compute on, or not under torchrun.
     """
     torch.set_num_threads(threads)
-    d = distributed.init(resolve_device(device))
+    d = distributed.init(resolve_device(device), checkpoint_layers)
     if d.leader:
         (job_dir / EXIT_FILE).unlink(missing_ok=True)  # a status left by an earlier life
         return d

@@ -233,10 +233,7 @@ def build(
     task = make_task(spec.task.name, dict(spec.task.params))
     tokenizer = load_tokenizer(model_spec) if model_spec.kind == "hf" else None
     root = job_dir / "checkpoints"
-    # Rank 0 decides which checkpoint every rank reads: they must agree whatever they see.
-    newest = str(max(checkpoint.versions(root), default=-1)).encode() if d.leader else None
-    version = int(distributed.broadcast_bytes(d, newest))
-    found = version_dir(root, version) if version >= 0 else None
+    found = newest_checkpoint(root, d)
 
     def initial(m: torch.nn.Module) -> torch.nn.Module:
         """``m`` after the job's format warm-up (computed once, on rank 0)."""
@@ -260,9 +257,7 @@ def build(
     if found is None:
         initial(model)
     elif not dcp_checkpoint.is_dcp(found):  # the single learner's: every rank reads it whole
-        single = checkpoint.latest(root)
-        if single is None or single.version != version:
-            raise OSError(f"cannot read the checkpoint of v{version} under {root}")
+        single = single_checkpoint(root, found)
         model.load_state_dict(single.model_state)
     reference = None
     if spec.grpo.kl_coef > 0:  # the KL term's anchor is the starting policy
@@ -271,38 +266,77 @@ def build(
             reference.load_state_dict(model.state_dict())  # the policy just warmed up
         else:
             initial(reference)
+    learner, resumed, mixed = shard_and_resume(spec, d, model, reference, found, single)
+    trainer = ShardedTrainer(spec, model_spec, learner, task, tokenizer, d, names, mixed)
+    trainer.rescorer.remember(learner.version, trainer.published_state())
+    return trainer, resumed
+
+
+def newest_checkpoint(root: Path, d: Dist) -> Path | None:
+    """The folder of the newest checkpoint under ``root`` as rank 0 sees it (None: none), the
+    same on every rank: they must agree whatever they see. Collective."""
+    newest = str(max(checkpoint.versions(root), default=-1)).encode() if d.leader else None
+    version = int(distributed.broadcast_bytes(d, newest))
+    return version_dir(root, version) if version >= 0 else None
+
+
+def single_checkpoint(root: Path, found: Path) -> checkpoint.Checkpoint:
+    """The single learner's checkpoint in ``found`` (not a DCP one), read whole.
+
+    :raises OSError: it is not the newest readable one under ``root``.
+    """
+    version = int(json.loads((found / "meta.json").read_text())["version"])
+    single = checkpoint.latest(root)
+    if single is None or single.version != version:
+        raise OSError(f"cannot read the checkpoint of v{version} under {root}")
+    return single
+
+
+def shard_and_resume(
+    spec: JobSpec,
+    d: Dist,
+    model: torch.nn.Module,
+    reference: torch.nn.Module | None,
+    found: Path | None,
+    single: checkpoint.Checkpoint | None,
+    adapter: bool = False,
+) -> tuple[GRPOLearner, checkpoint.Checkpoint | None, bool]:
+    """The common tail of both builds: ``model`` (and the KL ``reference``) sharded, the
+    learner over the ranks, and, with a checkpoint ``found``, its optimizer state loaded (by
+    name from the single learner's ``single``, else from the DCP shards; ``adapter``: the
+    trainable tensors only) and its version, anchor and report. Collective.
+
+    Returns the learner, the resumed checkpoint (no states: they are loaded) or None, and
+    whether the policy computes in bf16.
+    """
     policy = distributed.mixed_precision(d.device)
-    distributed.shard_model(model.to(d.device), policy)
-    if reference is not None:
+    distributed.shard_model(model.to(d.device), policy, d.checkpoint_layers)
+    if reference is not None:  # no grad: nothing to recompute
         distributed.shard_model(reference.to(d.device), policy)
     learner = GRPOLearner(
         model, spec.grpo, spec.sampling.temperature, reference, across=RankSums(d)
     )
-    resumed = None
-    if found is not None:
-        meta = json.loads((found / "meta.json").read_text())
-        if single is not None:
-            set_optimizer_state_dict(
-                model,
-                learner.opt,
-                optim_by_name(model, single.optim_state),
-                options=StateDictOptions(full_state_dict=True),
-            )
-        else:
-            dcp_checkpoint.load_sharded(found, model, learner.opt)
-        learner.version = version
-        resumed = checkpoint.Checkpoint(
-            version=version,
-            anchor_version=int(meta["anchor_version"]),
-            model_state={},
-            optim_state={},
-            report=(found / "report.bin").read_bytes(),
+    if found is None:
+        return learner, None, policy is not None
+    meta = json.loads((found / "meta.json").read_text())
+    if single is not None:
+        set_optimizer_state_dict(
+            model,
+            learner.opt,
+            optim_by_name(model, single.optim_state),
+            options=StateDictOptions(full_state_dict=True),
         )
-    trainer = ShardedTrainer(
-        spec, model_spec, learner, task, tokenizer, d, names, policy is not None
+    else:
+        dcp_checkpoint.load_sharded(found, model, learner.opt, adapter=adapter)
+    learner.version = int(meta["version"])
+    resumed = checkpoint.Checkpoint(
+        version=learner.version,
+        anchor_version=int(meta["anchor_version"]),
+        model_state={},
+        optim_state={},
+        report=(found / "report.bin").read_bytes(),
     )
-    trainer.rescorer.remember(learner.version, trainer.published_state())
-    return trainer, resumed
+    return learner, resumed, policy is not None
 
 
 def optim_by_name(model: torch.nn.Module, optim_state: dict) -> dict:

@@ -35,8 +35,13 @@ def test_fsdp2_learners_start_under_torchrun(tmp_path: Path) -> None:
     assert cmd[7] == "echo.learner"
     assert cmd[cmd.index("--backend") + 1] == "fsdp2"
     assert int(cmd[cmd.index("--epoch") + 1]) >= 1
+    assert "--activation-checkpointing" not in cmd
     single = coordinator(tmp_path / "single").learner_command("job-1")
     assert single[:3] == [sys.executable, "-m", "echo.learner"] and "--backend" not in single
+    recomputing = coordinator(
+        tmp_path / "ac", backend="fsdp2", nproc_per_node=2, activation_checkpointing=True
+    ).learner_command("job-1")
+    assert "--activation-checkpointing" in recomputing
 
 
 @pytest.mark.parametrize(
@@ -46,6 +51,7 @@ def test_fsdp2_learners_start_under_torchrun(tmp_path: Path) -> None:
         ('[learner]\nbackend = "ddp"\n', "learner.backend"),
         ('[learner]\nbackend = "fsdp2"\nnproc_per_node = 0\n', "learner.nproc_per_node"),
         ('[learner]\nbackend = "fsdp2"\ndevice = "mps"\n', "not mps"),
+        ("[learner]\nactivation_checkpointing = true\n", "activation_checkpointing needs"),
     ],
 )
 def test_bad_learner_settings_are_refused_by_name(tmp_path: Path, toml: str, message: str) -> None:

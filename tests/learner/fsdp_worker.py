@@ -1,12 +1,14 @@
 """One rank of an FSDP2 learner's trainer, for tests and benchmarks (run under torchrun).
 
-``fsdp_worker.py JOB_DIR BATCHES OUT [--save-at V]``: every rank builds the job's sharded trainer
-(restoring the newest checkpoint under JOB_DIR if there is one); rank 0 drives it through
-:class:`echo.learner.fsdp.ranks.Leader` exactly as the learner process does, the others follow. Each
-batch of BATCHES (msgpack: a list of batches, each a list of encoded TrainingGroups) is trained
-on and published as the learner does; after version V a checkpoint is made. Rank 0 writes
+``fsdp_worker.py JOB_DIR BATCHES OUT [--save-at V] [--activation-checkpointing]``: every rank
+builds the job's sharded trainer (restoring the newest checkpoint under JOB_DIR if there is one);
+rank 0 drives it through :class:`echo.learner.fsdp.ranks.Leader` exactly as the learner process
+does, the others follow. Each batch of BATCHES (msgpack: a list of batches, each a list of
+encoded TrainingGroups) is trained on and published as the learner does; after version V a
+checkpoint is made. Rank 0 writes
 ``OUT/state.safetensors`` (the last published state) and ``OUT/results.json`` (per step: the
-trained ids, verdicts and metrics; and each rank's step seconds and peak memory).
+trained ids, verdicts and metrics; rank 0's peak memory and how many times its policy's first
+decoder layer's MLP started a forward: twice per forward with grad when layers recompute).
 """
 
 from __future__ import annotations
@@ -31,15 +33,21 @@ def main() -> None:
     ap.add_argument("batches", type=Path)
     ap.add_argument("out", type=Path)
     ap.add_argument("--save-at", type=int, default=-1)
+    ap.add_argument("--activation-checkpointing", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    d = distributed.init(torch.device("cpu"))
+    d = distributed.init(torch.device("cpu"), args.activation_checkpointing)
     trainer, resumed = ranks.build(args.job_dir, d)
     if not d.leader:
         ranks.follow(trainer, d)
         distributed.close()
         return
     lead = ranks.Leader(trainer, d)
+    mlp_forwards = [0]
+    mlp = trainer.learner.model.model.layers[0].mlp
+    # A pre-hook: a recomputation stops once it has what the backward needs, before the MLP's
+    # forward returns, so a forward hook would not see it.
+    mlp.register_forward_pre_hook(lambda *_: mlp_forwards.__setitem__(0, mlp_forwards[0] + 1))
     batches = [
         [m.decode(m.TrainingGroup, g, max_bytes=1 << 26) for g in b]
         for b in codec.unpackb(args.batches.read_bytes(), max_bytes=1 << 28)
@@ -73,6 +81,7 @@ def main() -> None:
                 "steps": steps,
                 "version": lead.version,
                 "rank0_peak_rss_mb": peak_kb / 1024,
+                "layer0_mlp_forwards": mlp_forwards[0],
             }
         )
     )

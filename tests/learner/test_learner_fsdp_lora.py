@@ -28,12 +28,12 @@ from echo.node.engines.base import GenRequest, SamplingParams
 from echo.node.engines.torch_engine import TorchEngine
 from echo.p2p.chunkstore import ChunkStore
 from echo.p2p.identity import Identity
-from echo.protocol import codec
 from echo.protocol import messages as m
 from echo.protocol.jobspec import JobSpec
 from echo.protocol.manifest import verify_manifest
 from echo.tasks import make_task
-from tests.learner.test_learner_fsdp import torchrun, verdicts
+from tests.learner import fsdp_runs as runs
+from tests.learner.fsdp_runs import torchrun, verdicts
 
 LR = 3e-3
 JOB = JobSpec.model_validate(
@@ -53,14 +53,12 @@ pytestmark = pytest.mark.slow
 
 
 def job_dir(root: Path, name: str) -> Path:
-    d = root / "jobs" / name  # the warm-up cache is shared: root / "cache"
-    d.mkdir(parents=True)
-    (d / "job.json").write_text(JOB.model_dump_json())
-    return d
+    return runs.job_dir(root, name, JOB)
 
 
-def groups(trainer: LoraTrainer, adapter: dict, version: int, seeds: range,
-           tamper: int = -1) -> list[m.TrainingGroup]:  # fmt: skip
+def groups(
+    trainer: LoraTrainer, adapter: dict, version: int, seeds: range, tamper: int
+) -> list[m.TrainingGroup]:
     """Groups sampled from the base with ``adapter``, labelled ``version``; the group of seed
     ``tamper`` carries made-up log-probs."""
     engine = TorchEngine(SPEC, threads=1)
@@ -112,51 +110,24 @@ def assert_close(state: dict, want: dict, floor: tuple[float, float]) -> tuple[f
     return worst, bulk
 
 
+def build(job: Path) -> LoraTrainer:
+    trainer, _ = LoraTrainer.build(JOB, SPEC, job)
+    assert isinstance(trainer, LoraTrainer)
+    return trainer
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The single LoRA learner through batches A (3 groups of v0), B (3 of v0, one made up; 2
-    of v1) and C (1 of v1); and, for the restarts, A then D (3 of v1) and C."""
-    root = tmp_path_factory.mktemp("fsdp-lora")
-    trainer, _ = LoraTrainer.build(JOB, SPEC, job_dir(root, "single"))
-    assert isinstance(trainer, LoraTrainer)
-    s0 = trainer.published_state()
-    a = groups(trainer, s0, 0, range(0, 3))
-    ra = trainer.train(a)
-    s1 = trainer.published_state()
-    trainer.remember(1, s1)
-    b = groups(trainer, s0, 0, range(10, 13), tamper=11) + groups(trainer, s1, 1, range(20, 22))
-    rb = trainer.train(b)
-    trainer.remember(2, trainer.published_state())
-    c = groups(trainer, s1, 1, range(30, 31))
-    rc = trainer.train(c)
-    again, _ = LoraTrainer.build(JOB, SPEC, job_dir(root, "single-again"))
-    again.train(a)
-    again.remember(1, again.published_state())
-    d = groups(trainer, s1, 1, range(40, 43))
-    rd = again.train(d)
-    again.remember(2, again.published_state())
-    rc2 = again.train(c)
-    # The rounding floor of each run: the same run with each batch's groups reversed.
-    floor = spread(run_single(job_dir(root, "rev"), [a, b, c], True), trainer.published_state())
-    again_floor = spread(run_single(job_dir(root, "rev-again"), [a, d, c], True),
-                         again.published_state())  # fmt: skip
-    print(f"rounding floor: {floor} (abc), {again_floor} (adc)")
-    batches = root / "batches"
-    batches.mkdir()
-    for name, bs in (("abc", [a, b, c]), ("a", [a]), ("dc", [d, c])):
-        (batches / name).write_bytes(codec.packb([[m.encode(g) for g in x] for x in bs]))
-    return {
-        "root": root,
-        "batches": batches,
-        "trainer": trainer,
-        "start": s0,
-        "state": trainer.published_state(),
-        "results": [ra, rb, rc],
-        "restart_state": again.published_state(),
-        "floor": floor,
-        "again_floor": again_floor,
-        "restart_results": [rd, rc2],
-    }
+    """The single LoRA learner's runs (see :func:`tests.learner.fsdp_runs.reference_runs`),
+    and the rounding floor of each (the same run with each batch's groups reversed)."""
+    ref = runs.reference_runs(tmp_path_factory.mktemp("fsdp-lora"), JOB, build, groups)
+    root, g = ref["root"], ref["groups"]
+    ref["floor"] = spread(run_single(job_dir(root, "rev"), [g["a"], g["b"], g["c"]], True),
+                          ref["state"])  # fmt: skip
+    ref["again_floor"] = spread(run_single(job_dir(root, "rev-again"), [g["a"], g["d"], g["c"]],
+                                           True), ref["restart_state"])  # fmt: skip
+    print(f"rounding floor: {ref['floor']} (abc), {ref['again_floor']} (adc)")
+    return ref
 
 
 def test_two_ranks_train_the_adapter_like_the_single_learner(reference: dict) -> None:
@@ -201,48 +172,22 @@ def test_a_sharded_adapter_checkpoint_restarts_with_another_number_of_ranks(
 ) -> None:
     """2 ranks checkpoint at v1 (DCP: the adapter and its AdamW state); the single LoRA
     learner (then = 1) or 2 ranks again resume there and reproduce the run without a restart."""
-    root = reference["root"]
-    job = job_dir(root, f"restart-2-{then}")
-    torchrun(2, job, reference["batches"] / "a", root / f"out-r{then}", "--save-at", "1")
-    meta = json.loads((job / "checkpoints" / "v00000001" / "meta.json").read_text())
-    assert meta["format"] == "dcp"
+    job = runs.restart_at_v1(reference, f"restart-2-{then}", 2)
     saved = checkpoint.load_model_state(job / "checkpoints", 1)  # as echo-job export reads it
     assert saved.keys() == reference["state"].keys()
     if then == 2:
-        out = root / f"out-2-{then}"
+        out = reference["root"] / f"out-2-{then}"
         torchrun(2, job, reference["batches"] / "dc", out)
-        got = json.loads((out / "results.json").read_text())
-        assert got["resumed"] == 1 and got["version"] == 3
-        for step, want in zip(got["steps"], reference["restart_results"], strict=True):
-            assert step["verdicts"] == verdicts(want)
-            assert step["trained"] == want.trained
-        assert_close(load_file(str(out / "state.safetensors")), reference["restart_state"],
-                     reference["again_floor"])  # fmt: skip
-        return
-    trainer, ckpt = LoraTrainer.build(JOB, SPEC, job)
-    assert ckpt is not None and ckpt.version == 1 and ckpt.report == b"v1"
-    trainer.remember(1, trainer.published_state())
-    batches = codec.unpackb((reference["batches"] / "dc").read_bytes(), max_bytes=1 << 28)
-    for b, want in zip(batches, reference["restart_results"], strict=True):
-        result = trainer.train([m.decode(m.TrainingGroup, g, max_bytes=1 << 26) for g in b])
-        assert verdicts(result) == verdicts(want)
-        trainer.remember(trainer.version, trainer.published_state())
-    assert_close(trainer.published_state(), reference["restart_state"], reference["again_floor"])
+        state = runs.resumed_run(reference, out)
+    else:
+        state = runs.single_resumes(reference, *LoraTrainer.build(JOB, SPEC, job))
+    assert_close(state, reference["restart_state"], reference["again_floor"])
 
 
 @pytest.mark.soak
 def test_two_ranks_resume_from_the_single_lora_learners_checkpoint(reference: dict) -> None:
-    root = reference["root"]
-    job = job_dir(root, "from-single")
-    trainer, _ = LoraTrainer.build(JOB, SPEC, job)
-    batches = codec.unpackb((reference["batches"] / "a").read_bytes(), max_bytes=1 << 28)
-    trainer.train([m.decode(m.TrainingGroup, g, max_bytes=1 << 26) for g in batches[0]])
-    trainer.save_checkpoint(job / "checkpoints", 0, b"v1")
-    out = root / "out-from-single"
+    job = runs.single_checkpoint_at_v1(reference, "from-single", build)
+    out = reference["root"] / "out-from-single"
     torchrun(2, job, reference["batches"] / "dc", out)
-    got = json.loads((out / "results.json").read_text())
-    assert got["resumed"] == 1 and got["version"] == 3
-    for step, want in zip(got["steps"], reference["restart_results"], strict=True):
-        assert step["verdicts"] == verdicts(want)
-    assert_close(load_file(str(out / "state.safetensors")), reference["restart_state"],
-                     reference["again_floor"])  # fmt: skip
+    state = runs.resumed_run(reference, out, trained=False)
+    assert_close(state, reference["restart_state"], reference["again_floor"])

@@ -62,6 +62,19 @@ def test_fsdp2_divides_the_training_state_by_the_ranks() -> None:
     assert est.trained_params < est.params // 10 and est.reference_bytes == est.weights_bytes
     with pytest.raises(ValueError, match="needs backend"):
         memory.estimate(model, fields, "single", 2)
+    # Activation checkpointing keeps each layer's input and one layer's activations; the
+    # logits and everything else are the same.
+    ac = memory.estimate(model, fields, "fsdp2", 2, checkpoint_layers=True)
+    shape = memory.shape_of(model)
+    per_layer = 10 * shape.hidden + 4 * shape.intermediate + 2 * shape.kv_dim
+    tokens = two.tokens_per_rank
+    layers_part = tokens * shape.layers * per_layer * 4
+    assert ac.activations_bytes == two.activations_bytes - layers_part + tokens * (
+        shape.layers * shape.hidden + per_layer
+    ) * 4
+    assert ac.activations_bytes < two.activations_bytes and ac.state_bytes == two.state_bytes
+    with pytest.raises(ValueError, match="activation_checkpointing needs"):
+        memory.estimate(model, fields, "single", 1, checkpoint_layers=True)
 
 
 def test_a_learner_that_cannot_fit_is_refused_with_its_reason(capsys) -> None:

