@@ -284,6 +284,15 @@ def figures(trials: int = 1) -> dict:
             "dcutr_interop_one_router_s": [t.get("s") for t in one["trials"]]}
 
 
+def summary(fig: dict) -> str:
+    """One line on :func:`figures`' result."""
+    if fig.get("dcutr_interop_skipped"):
+        return f"skipped: {fig['dcutr_interop_skipped']}"
+    return (f"punched through two eim routers {fig['dcutr_interop_direct']}; direct with our node"
+            f" behind one {fig['dcutr_interop_one_router_direct']}"
+            f" ({fig['dcutr_interop_one_router_s']} s)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trials", type=int, default=2)
