@@ -38,6 +38,8 @@ Run (root): ``python benchmarks/nat.py [--quick] [--direct-only] [--swarm]``; ``
 runs ``tools/nat_swarm.py`` (6 nodes, 30 versions, ~1.5 min) and reports ``swarm_trained``,
 ``relayed_control_share`` (NAT'd nodes a stranger reached through a volunteer's relay alone) and
 ``swarm_circuits`` (circuits the coordinator's and the volunteers' relays opened).
+4. **DCUtR with js-libp2p** (``--no-dcutr-js`` skips): ``dcutr_interop`` and
+   ``dcutr_interop_one_router`` (:func:`echo.tools.dcutr_js.figures`, one trial each).
 The last line is one JSON object.
 """
 
@@ -415,6 +417,9 @@ def _extra(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="tree runs per configuration")
     parser.add_argument("--swarm", action="store_true", help="also run tools/nat_swarm.py")
     parser.add_argument(
+        "--no-dcutr-js", action="store_true", help="leave out the js-libp2p DCUtR interop runs"
+    )
+    parser.add_argument(
         "--direct-only", action="store_true", help="only part 1 (direct connections, punching)"
     )
     parser.set_defaults(prefix="ecb", pace=0.92)
@@ -452,6 +457,11 @@ def main() -> None:
         f" (without punching: {result['direct_share_by_pair_no_punch']}); punches that worked"
         f" per pair kind: {result['punch_ok_by_pair']}"
     )
+    if not args.no_dcutr_js:
+        from echo.tools import dcutr_js
+
+        result.update(dcutr_js.figures(trials=1))
+        say(f"DCUtR with js-libp2p: {dcutr_js.summary(result)}")
     if args.direct_only:
         result.update({"n": args.n, "behind_nat": len(router_of)})
         emit(result)

@@ -268,6 +268,7 @@ def up(
     public_subnet: str = DEFAULT_PUBLIC,
     lan_base: int = 10,
     quiet: bool = False,
+    global_subnet: bool = False,
 ) -> Internet:
     """Build the internet (after removing any previous one with this prefix). On any failure
     everything built so far is removed and :class:`NetemError` raised.
@@ -275,7 +276,10 @@ def up(
     :raises ValueError: duplicate names, an unknown router, too many hosts for the subnet.
     """
     net = ipaddress.ip_network(public_subnet)
-    if not net.is_private:
+    # A global range is refused unless asked for: no namespace routes off the machine, but a
+    # private one cannot be mistaken for the real internet. js-libp2p's DCUtR dials only
+    # addresses outside private ranges, so its interop test (tools/dcutr_js.py) needs one.
+    if not net.is_private and not global_subnet:
         raise ValueError(f"public_subnet {public_subnet} is not a private range")
     public = [h for h in hosts if not h.router]
     if len(public) + len(routers) > net.num_addresses - 3:
