@@ -201,6 +201,8 @@ class ConnectionGuard:
         # Per capped prefix: (handshakes it may still start, when that was counted).
         self._allowance: LruMap[Prefix, tuple[float, float]] = LruMap(MAX_TRACKED_PREFIXES)
         self.wide = WideRate(clock=clock)  # /16s without a protected peer: a rate of their own
+        # Set by echo.p2p.shedding: whether a capped prefix's handshake is refused for now.
+        self.refuse_newcomer: Callable[[str], bool] | None = None
         self.refused = 0  # inbound connections refused over their prefix's cap or rate, ever
         self.reaped = 0  # idle connections closed by the reaper, ever
 
@@ -264,6 +266,10 @@ class ConnectionGuard:
             return False
         if cap is not None and not self._take_handshake(prefix, cap):
             logger.debug("refused inbound from %s: %s over its rate", endpoint[0], prefix.network)
+            return False
+        shed = self.refuse_newcomer
+        if cap is not None and shed is not None and shed(endpoint[0]):
+            logger.debug("refused inbound from %s: the loop lags, strangers wait", endpoint[0])
             return False
         wide = cap is not None and prefix.kind != "private"  # a LAN lab starts all at once
         if wide and not self.wide.take(endpoint[0], self._vouched):
