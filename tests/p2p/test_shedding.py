@@ -46,6 +46,14 @@ async def raw_dial_reply(source_ip: str, server) -> bytes:
             return await sock.recv(64)
 
 
+class HandLag(LoopLag):
+    """A lag set by the test alone (observe), not measured: the test's own handshakes keep its
+    loop busy."""
+
+    async def run(self, probe_s: float = 0.0) -> None:
+        await trio.sleep_forever()
+
+
 def test_loop_lag_sees_a_blocked_loop_and_holds() -> None:
     clock = Clock()
     lag = LoopLag(0.2, 5.0, clock=clock)
@@ -74,6 +82,33 @@ def test_loop_lag_sees_a_blocked_loop_and_holds() -> None:
     run(body)
 
 
+def test_loop_lag_sees_a_saturated_loop_whose_turns_are_all_quick() -> None:
+    """Ready tasks all the time, each turn short: no turn is late, but the loop never idles in
+    its I/O wait (the attack benchmark's coordinator: lease calls at 1.7 s, no turn 0.2 s late)."""
+
+    async def body() -> None:
+        probe = LoopLag(0.2, 5.0)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(probe.run, 0.02)
+            await trio.sleep(1.2)  # quiet: idle most of each window
+            assert not probe.lagging and probe.busy_windows == 0
+
+            async def spin() -> None:
+                while True:
+                    t = time.perf_counter()
+                    while time.perf_counter() - t < 0.002:
+                        pass
+                    await trio.lowlevel.checkpoint()
+
+            for _ in range(4):
+                nursery.start_soon(spin)
+            await trio.sleep(2.5)
+            assert probe.lagging and probe.busy_windows >= 1 and probe.worst_s < 0.2
+            nursery.cancel_scope.cancel()
+
+    run(body)
+
+
 def test_a_lagging_host_serves_protected_peers_and_sheds_strangers() -> None:
     """While the loop lags: the protected peer is answered, the stranger's stream is reset
     unread and its connection closed, a newcomer from a prefix without a protected peer is
@@ -93,7 +128,7 @@ def test_a_lagging_host_serves_protected_peers_and_sheds_strangers() -> None:
             trio.open_nursery() as nursery,
         ):
             clock = Clock()
-            lag = LoopLag(0.2, 5.0, clock=clock)
+            lag = HandLag(0.2, 5.0, clock=clock)
             shedder = install_shedder(server, lag)
             nursery.start_soon(shedder.run)
             server.set_handler(PING, ping, max_request=16)
