@@ -69,6 +69,11 @@ BUSY_WINDOW_S = 1.0
 # Shedding lasts this long after the last late turn or busy window: strangers shut out come
 # back at once, and a shorter hold lets them in to saturate the loop again.
 SHED_HOLD_S = 10.0
+# Saturated again within this long of a hold's end: the strangers let back in saturated it at
+# once (run 5: 1.5 s after each 10 s hold), so the next hold is twice as long, up to this many
+# times SHED_HOLD_S; a calm spell of RELAPSE_S starts again from one hold.
+RELAPSE_S = 10.0
+MAX_HOLD_FACTOR = 8
 # How often, while shedding, strangers' connections are looked for and closed.
 SHED_SWEEP_S = 0.5
 
@@ -93,8 +98,9 @@ class _IdleClock(trio.abc.Instrument):
 class LoopLag:
     """Whether the trio loop this runs on is behind (see the module docstring): a turn later than
     ``threshold_s``, or a window of :data:`BUSY_WINDOW_S` in which the loop was idle less than
-    ``1 - busy_share`` of the time. Either starts a hold of ``hold_s``. ``clock`` is monotonic
-    seconds (injectable for tests)."""
+    ``1 - busy_share`` of the time. Either starts a hold of ``hold_s``, doubled for each
+    relapse within :data:`RELAPSE_S` of the last hold's end (up to :data:`MAX_HOLD_FACTOR`).
+    ``clock`` is monotonic seconds (injectable for tests)."""
 
     def __init__(
         self,
@@ -112,13 +118,18 @@ class LoopLag:
         self.threshold_s, self.hold_s, self.busy_share = threshold_s, hold_s, busy_share
         self._clock = clock
         self._until = float("-inf")
+        self._factor = 1  # the hold's multiple: doubled by each relapse (see _hold)
         self.worst_s = 0.0  # the largest lag seen, ever (for logs and tests)
         self.busiest = 0.0  # the largest busy share of a window, ever
         self.late_turns = 0  # probes over the threshold, ever
         self.busy_windows = 0  # windows over the busy share, ever
 
     def _hold(self) -> None:
-        self._until = self._clock() + self.hold_s
+        now = self._clock()
+        if now >= self._until:  # a new episode: a relapse soon after the last one holds longer
+            relapse = now - self._until < RELAPSE_S
+            self._factor = min(self._factor * 2, MAX_HOLD_FACTOR) if relapse else 1
+        self._until = max(self._until, now + self.hold_s * self._factor)
 
     def observe(self, lag_s: float) -> None:
         """One measured lag: a late one starts (or extends) the shedding hold."""
@@ -244,6 +255,7 @@ __all__ = [
     "BUSY_WINDOW_S",
     "LAG_SHED_S",
     "PROBE_S",
+    "RELAPSE_S",
     "SHED_HOLD_S",
     "LoopLag",
     "Shedder",

@@ -19,7 +19,7 @@ from echo.p2p.conn_guard import GuardPolicy
 from echo.p2p.host import open_host
 from echo.p2p.identity import Identity
 from echo.p2p.rpc import RpcConnectionError, RpcTimeout
-from echo.p2p.shedding import LoopLag, install_shedder
+from echo.p2p.shedding import RELAPSE_S, LoopLag, install_shedder
 from tests.conftest import Clock
 from tests.p2p.test_conn_guard import dial_from
 
@@ -64,6 +64,17 @@ def test_loop_lag_sees_a_blocked_loop_and_holds() -> None:
     clock.t += 4.9
     assert lag.lagging
     clock.t += 0.2
+    assert not lag.lagging
+    # A relapse right after a hold holds twice as long; a calm spell starts again from one hold.
+    clock.t += 1.0
+    lag.observe(0.3)
+    clock.t += 9.9
+    assert lag.lagging
+    clock.t += 10.0
+    assert not lag.lagging
+    clock.t += RELAPSE_S + 1.0
+    lag.observe(0.3)
+    clock.t += 5.1
     assert not lag.lagging
     with pytest.raises(ValueError):
         LoopLag(0.0)
