@@ -236,7 +236,15 @@ def _run_timed_node(argv: list[str]) -> None:
     async def call(self, proto: str, payload: bytes, **kw) -> bytes:
         t0 = time.monotonic()
         try:
-            return await real_call(self, proto, payload, **kw)
+            reply = await real_call(self, proto, payload, **kw)
+            if proto == ids.PROTO_LEASE:  # what was granted, and why nothing when nothing
+                from echo.protocol import messages as m
+
+                got = m.decode(m.LeaseReply, reply)
+                why = got.message.split(" ")[0] or "-"
+                with open(out.with_suffix(".grants"), "a") as f:
+                    f.write(f"{time.time():.3f} {len(got.leases)} {why}\n")
+            return reply
         finally:
             if proto in TIMED_RPCS:
                 dt = time.monotonic() - max(t0, ready.get())
@@ -408,6 +416,19 @@ class Bench:
                     out.append(float(dt))
         return out
 
+    def grants(self, window: tuple[float, float]) -> tuple[int, dict[str, int]]:
+        """Leases the honest nodes were granted in ``window``, and the replies that granted
+        none, by the first word of their message ("update", "buffer", ...)."""
+        total, empty = 0, {}
+        for f in self.times_dir.glob("*.grants"):
+            for line in f.read_text().splitlines():
+                at, n, why = line.split()
+                if window[0] <= float(at) <= window[1]:
+                    total += int(n)
+                    if not int(n):
+                        empty[why] = empty.get(why, 0) + 1
+        return total, empty
+
     def phase(self, name: str, seconds: float) -> dict:
         """Measure ``seconds`` of the swarm as it is now."""
         learner = self.learner()
@@ -432,6 +453,7 @@ class Bench:
             # A zygote started during the phase counts from 0.
             "scoring_cpu_pct": 100.0 * sum(s1[p] - s0.get(p, 0.0) for p in s1) / (t1 - t0),
         }
+        res["leases_granted"], res["empty_lease_replies"] = self.grants((t0, t1))
         for rpc in TIMED_RPCS.values():
             lat = self.rpc_times(rpc, [(t0, t1)])
             res[f"{rpc}_p50_ms"] = None if not lat else 1000 * _pct(lat, 0.5)
@@ -444,7 +466,8 @@ class Bench:
             f"{res['learner_cpu_pct']:.0f}%, scoring {res['scoring_cpu_pct']:.0f}%; lease p50 "
             f"{_ms(res['lease_p50_ms'])}, p99 {_ms(res['lease_p99_ms'])} "
             f"({res['lease_calls']} calls); submit p50 {_ms(res['submit_p50_ms'])}, p99 "
-            f"{_ms(res['submit_p99_ms'])} ({res['submit_calls']} calls)"
+            f"{_ms(res['submit_p99_ms'])} ({res['submit_calls']} calls); leases granted "
+            f"{res['leases_granted']}, empty replies {res['empty_lease_replies']}"
         )
         return res
 

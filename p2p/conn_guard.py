@@ -196,6 +196,9 @@ class ConnectionGuard:
         self._clock = clock
         self._network: Any = None
         self._last_active: dict[INetConn, float] = {}
+        # Each connection's remote endpoint and prefix, looked up once: admission scans every
+        # connection per handshake (8% of the coordinator's loop with every attacker).
+        self._where: dict[INetConn, tuple[Endpoint | None, Prefix | None]] = {}
         self._pending: dict[Endpoint, Prefix] = {}
         self._protected: set[ID] = set()
         # Per capped prefix: (handshakes it may still start, when that was counted).
@@ -296,7 +299,7 @@ class ConnectionGuard:
     def _vouched(self, network: str) -> bool:
         """Whether a protected peer is connected from the wide ``network`` (wide_rate)."""
         mine = self._protected
-        eps = (_remote_endpoint(c) for c in self._connections() if c.muxed_conn.peer_id in mine)
+        eps = (self.where(c)[0] for c in self._connections() if c.muxed_conn.peer_id in mine)
         return any(ep is not None and wide_of(ep[0]) == network for ep in eps)
 
     def inbound_count(self, prefix: Prefix) -> int:
@@ -304,10 +307,18 @@ class ConnectionGuard:
         endpoints = {ep for ep, p in self._pending.items() if p == prefix}
         for conn in self._connections():
             if _is_inbound(conn):
-                ep = _remote_endpoint(conn)
-                if ep is not None and prefix_of(ep[0]) == prefix:
+                ep, p = self.where(conn)
+                if ep is not None and p == prefix:
                     endpoints.add(ep)
         return len(endpoints)
+
+    def where(self, conn: INetConn) -> tuple[Endpoint | None, Prefix | None]:
+        """``conn``'s remote endpoint and its prefix (kept until :meth:`forget`)."""
+        known = self._where.get(conn)
+        if known is None:
+            ep = _remote_endpoint(conn)
+            known = self._where[conn] = (ep, prefix_of(ep[0]) if ep is not None else None)
+        return known
 
     # -- activity -------------------------------------------------------------------------------
 
@@ -322,6 +333,7 @@ class ConnectionGuard:
 
     def forget(self, conn: INetConn) -> None:
         self._last_active.pop(conn, None)
+        self._where.pop(conn, None)
 
     def idle_for(self, conn: INetConn) -> float:
         """Seconds since ``conn``'s last stream event (0 for one the guard has not seen yet:
@@ -357,14 +369,15 @@ class ConnectionGuard:
         live = set(conns)
         for gone in [c for c in self._last_active if c not in live]:
             del self._last_active[gone]
+        for gone in [c for c in self._where if c not in live]:
+            del self._where[gone]
         host_pressure = self.under_pressure()
         per_prefix: dict[Prefix, int] = {}
         inbound: list[tuple[INetConn, Prefix | None]] = []
         for conn in conns:
             if not _is_inbound(conn):
                 continue
-            ep = _remote_endpoint(conn)
-            prefix = prefix_of(ep[0]) if ep is not None else None
+            prefix = self.where(conn)[1]
             if prefix is not None:
                 per_prefix[prefix] = per_prefix.get(prefix, 0) + 1
             inbound.append((conn, prefix))

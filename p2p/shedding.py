@@ -46,7 +46,6 @@ from echo.p2p.conn_guard import (
     ConnectionGuard,
     _close_quietly,
     _is_inbound,
-    _remote_endpoint,
 )
 from echo.p2p.host import EchoHost
 from echo.p2p.prefixes import prefix_of
@@ -187,10 +186,9 @@ class Shedder:
             return False
         prefix = prefix_of(address)
         for conn in self.guard._connections():
-            if conn.muxed_conn.peer_id in self.guard._protected:
-                ep = _remote_endpoint(conn)
-                if ep is not None and prefix_of(ep[0]) == prefix:
-                    return False
+            mine = conn.muxed_conn.peer_id in self.guard._protected
+            if mine and self.guard.where(conn)[1] == prefix:
+                return False
         self.refused += 1
         return True
 
@@ -207,8 +205,8 @@ class Shedder:
         for conn in self.guard._connections():
             if not _is_inbound(conn) or conn.muxed_conn.peer_id in self.guard._protected:
                 continue
-            ep = _remote_endpoint(conn)
-            if ep is not None and self._capped(ep[0]):
+            prefix = self.guard.where(conn)[1]
+            if prefix is not None and self.guard.policy.cap_for(prefix) is not None:
                 out.append(conn)
         return out
 
