@@ -85,6 +85,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -235,7 +236,15 @@ def _run_timed_node(argv: list[str]) -> None:
     async def call(self, proto: str, payload: bytes, **kw) -> bytes:
         t0 = time.monotonic()
         try:
-            return await real_call(self, proto, payload, **kw)
+            reply = await real_call(self, proto, payload, **kw)
+            if proto == ids.PROTO_LEASE:  # what was granted, and why nothing when nothing
+                from echo.protocol import messages as m
+
+                got = m.decode(m.LeaseReply, reply)
+                why = got.message.split(" ")[0] or "-"
+                with open(out.with_suffix(".grants"), "a") as f:
+                    f.write(f"{time.time():.3f} {len(got.leases)} {why}\n")
+            return reply
         finally:
             if proto in TIMED_RPCS:
                 dt = time.monotonic() - max(t0, ready.get())
@@ -246,6 +255,18 @@ def _run_timed_node(argv: list[str]) -> None:
     session.CoordinatorSession.call = call  # type: ignore[method-assign]
     sys.argv = [sys.argv[0], *argv]
     app()
+
+
+def _runq_wait_s(pid: int) -> float:
+    """Seconds the threads of ``pid`` have spent ready to run but waiting for a core
+    (``/proc/<pid>/task/*/schedstat``; 0 where the kernel does not keep it)."""
+    total = 0.0
+    for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+        try:
+            total += int(stat.read_text().split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            continue  # a thread that ended meanwhile
+    return total
 
 
 def _free_port() -> int:
@@ -395,26 +416,44 @@ class Bench:
                     out.append(float(dt))
         return out
 
+    def grants(self, window: tuple[float, float]) -> tuple[int, dict[str, int]]:
+        """Leases the honest nodes were granted in ``window``, and the replies that granted
+        none, by the first word of their message ("update", "buffer", ...)."""
+        total, empty = 0, {}
+        for f in self.times_dir.glob("*.grants"):
+            for line in f.read_text().splitlines():
+                at, n, why = line.split()
+                if window[0] <= float(at) <= window[1]:
+                    total += int(n)
+                    if not int(n):
+                        empty[why] = empty.get(why, 0) + 1
+        return total, empty
+
     def phase(self, name: str, seconds: float) -> dict:
         """Measure ``seconds`` of the swarm as it is now."""
         learner = self.learner()
         t0, v0 = time.time(), self.version()
         c0 = sum(self.coord.cpu_times()[:2])
+        q0 = _runq_wait_s(self.coord.pid)
         l0 = sum(learner.cpu_times()[:2]) if learner else 0.0
         s0 = self.sandbox_cpu()
         time.sleep(seconds)
         t1, v1 = time.time(), self.version()
         c1 = sum(self.coord.cpu_times()[:2])
+        q1 = _runq_wait_s(self.coord.pid)
         l1 = sum(learner.cpu_times()[:2]) if learner and learner.is_running() else l0
         s1 = self.sandbox_cpu()
         res: dict = {
             "window": [t0, t1],
             "versions_per_min": (v1 - v0) * 60.0 / (t1 - t0),
             "coordinator_cpu_pct": 100.0 * (c1 - c0) / (t1 - t0),
+            # Time its threads were ready to run but waited for a core (the machine's load).
+            "coordinator_runq_wait_pct": 100.0 * (q1 - q0) / (t1 - t0),
             "learner_cpu_pct": 100.0 * (l1 - l0) / (t1 - t0),
             # A zygote started during the phase counts from 0.
             "scoring_cpu_pct": 100.0 * sum(s1[p] - s0.get(p, 0.0) for p in s1) / (t1 - t0),
         }
+        res["leases_granted"], res["empty_lease_replies"] = self.grants((t0, t1))
         for rpc in TIMED_RPCS.values():
             lat = self.rpc_times(rpc, [(t0, t1)])
             res[f"{rpc}_p50_ms"] = None if not lat else 1000 * _pct(lat, 0.5)
@@ -422,13 +461,43 @@ class Bench:
             res[f"{rpc}_calls"] = len(lat)
         say(
             f"{name}: v{v0} -> v{v1} in {t1 - t0:.0f} s = {res['versions_per_min']:.1f} "
-            f"versions/min; coordinator CPU {res['coordinator_cpu_pct']:.0f}%, learner "
+            f"versions/min; coordinator CPU {res['coordinator_cpu_pct']:.0f}% (waited for a "
+            f"core {res['coordinator_runq_wait_pct']:.0f}%), learner "
             f"{res['learner_cpu_pct']:.0f}%, scoring {res['scoring_cpu_pct']:.0f}%; lease p50 "
             f"{_ms(res['lease_p50_ms'])}, p99 {_ms(res['lease_p99_ms'])} "
             f"({res['lease_calls']} calls); submit p50 {_ms(res['submit_p50_ms'])}, p99 "
-            f"{_ms(res['submit_p99_ms'])} ({res['submit_calls']} calls)"
+            f"{_ms(res['submit_p99_ms'])} ({res['submit_calls']} calls); leases granted "
+            f"{res['leases_granted']}, empty replies {res['empty_lease_replies']}"
         )
         return res
+
+    def profile(self, folder: Path) -> list[subprocess.Popen]:
+        """py-spy on the coordinator, the learner and the honest nodes until interrupted: where
+        their time goes, waits included (``--idle``), since a wait is what an honest call sees."""
+        folder.mkdir(parents=True, exist_ok=True)
+        procs = [psutil.Process(p.pid) for p in self.swarm.procs if p.poll() is None]
+        learner = self.learner()
+        if learner is not None:
+            procs.append(learner)
+        exe = Path(sys.executable).with_name("py-spy")
+        all_cpus = set(range(os.cpu_count() or 1))
+        spies = []
+        for proc in procs:
+            # The swarm's launchers may be wrappers: sample the python that runs the part.
+            name = "-".join(a.rsplit("/", 1)[-1] for a in proc.cmdline()[1:4])[:60]
+            cmd = [str(exe) if exe.exists() else "py-spy", "record", "-p", str(proc.pid)]
+            out = folder / f"{proc.pid}-{name}.txt"
+            cmd += ["--idle", "-f", "raw", "-r", "100", "-o", str(out)]
+            spies.append(
+                subprocess.Popen(
+                    cmd,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    # Not on the swarm's cores, which it would take from what it measures.
+                    preexec_fn=lambda: os.sched_setaffinity(0, self.attacker_cpus or all_cpus),
+                )
+            )
+        return spies
 
     def start_attackers(self, kinds: list[str]) -> None:
         cpus = self.attacker_cpus
@@ -564,6 +633,13 @@ def main() -> int:
             ),
             p.add_argument("--out", type=Path, default=None),
             p.add_argument(
+                "--profile",
+                type=Path,
+                default=None,
+                help="folder: py-spy samples (idle included, raw stacks) of every swarm "
+                "process during the attack phase, one file per process",
+            ),
+            p.add_argument(
                 "--attacker-sched",
                 choices=sorted(ATTACKER_SCHED),
                 default="idle",
@@ -639,7 +715,12 @@ def main() -> int:
         bench.wait_for_start(ATTACKER_START_S[args.quick])
         time.sleep(SETTLE_S[args.quick])  # the attackers start up (identities, engines)
         demoted_before = bench.demotions()
+        spies = bench.profile(args.profile) if args.profile else []
         hit = bench.phase("under attack", phase_s)
+        for spy in spies:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its samples on an interrupt
+        for spy in spies:
+            spy.wait(30)
         demoted = bench.demotions() - demoted_before
         dead = bench.dead_attackers()
         bench.stop_attackers()

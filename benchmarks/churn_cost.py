@@ -38,9 +38,9 @@ import trio
 
 from echo.p2p.host import open_host
 from echo.p2p.identity import Identity
-from echo.protocol import ids, signing
-from echo.protocol import messages as m
+from echo.protocol import ids
 from echo.tools.bench import emit, parse_args, say
+from echo.tools.peer_kit import lease_request, loopback_config, registration
 
 JOB = "churn"
 IDLE_S = 2.0
@@ -63,21 +63,13 @@ def _py_spy(pid: int, out: str) -> subprocess.Popen:
 
 def serve(data_dir: Path) -> None:
     """The coordinator's process: a job, its address written to ``data_dir/addr``."""
-    from echo.coordinator.config import CoordinatorConfig
     from echo.coordinator.service import Coordinator
     from echo.coordinator.store import Store
     from echo.protocol.jobspec import parse_job
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-    cfg = CoordinatorConfig(
-        data_dir=data_dir,
-        listen=["/ip4/127.0.0.1/tcp/0"],
-        http_port=0,
-        api_token="bench-token",
-        learner={"local": False},
-        # Budgets are not what this measures: the honest node asks back to back.
-        admission={"requests_per_s": 1000.0, "burst_requests": 1000.0},
-    )
+    # Budgets are not what this measures: the honest node asks back to back.
+    cfg = loopback_config(data_dir, {"requests_per_s": 1000.0, "burst_requests": 1000.0})
     coord = Coordinator(cfg, Store.open(data_dir / "db.sqlite"), Identity.generate())
 
     async def main() -> None:
@@ -93,24 +85,8 @@ def serve(data_dir: Path) -> None:
     trio.run(main)
 
 
-def _register(ident: Identity, addrs: list[str]) -> bytes:
-    reg = m.Register(
-        protocol_version=ids.PROTOCOL_VERSION,
-        software="bench",
-        engine="torch",
-        hardware=m.Hardware(cpu_count=2, ram_bytes=1 << 30),
-        tokens_per_s=0.0,
-        upload_bps=0.0,
-        download_bps=0.0,
-        timestamp=time.time(),
-        addrs=addrs,
-    )
-    return signing.seal_record(ident.private_key, reg)
-
-
-def _lease(ident: Identity, job_id: str) -> bytes:
-    req = m.LeaseRequest(job_id=job_id, max_leases=2, have_version=0, timestamp=time.time())
-    return signing.seal_record(ident.private_key, req)
+def _registration(ident: Identity, host) -> bytes:
+    return registration(ident, host.listen_multiaddrs, software="bench")
 
 
 async def _call(host, peer, proto: str, payload: bytes) -> bytes:
@@ -127,9 +103,9 @@ async def _visit(
             if bare:  # the connection alone: no request
                 await trio.sleep(linger_s)
                 return
-            await _call(host, peer, ids.PROTO_REGISTER, _register(ident, host.listen_multiaddrs))
+            await _call(host, peer, ids.PROTO_REGISTER, _registration(ident, host))
             try:
-                await _call(host, peer, ids.PROTO_LEASE, _lease(ident, job_id))
+                await _call(host, peer, ids.PROTO_LEASE, lease_request(ident, job_id, n=2))
                 await _call(host, peer, ids.PROTO_SUBMIT, os.urandom(4096))
             except Exception as exc:  # noqa: BLE001 (refusals are expected: junk)
                 errors.append(type(exc).__name__)
@@ -232,11 +208,11 @@ async def _honest_phase(addr: str, job_id: str, n: int, pid: int) -> tuple[float
     ident = Identity.generate()
     async with open_host(ident, ["/ip4/127.0.0.1/tcp/0"], pubsub=False) as host:
         peer = await host.connect(addr)
-        await _call(host, peer, ids.PROTO_REGISTER, _register(ident, host.listen_multiaddrs))
+        await _call(host, peer, ids.PROTO_REGISTER, _registration(ident, host))
         await trio.sleep(1.0)  # its dial-back and scheduling pass are done before the count
         t0, c0 = time.monotonic(), _cpu_s(pid)
         for _ in range(n):
-            await _call(host, peer, ids.PROTO_LEASE, _lease(ident, job_id))
+            await _call(host, peer, ids.PROTO_LEASE, lease_request(ident, job_id, n=2))
         return _cpu_s(pid) - c0, time.monotonic() - t0
 
 

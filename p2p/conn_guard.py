@@ -196,11 +196,16 @@ class ConnectionGuard:
         self._clock = clock
         self._network: Any = None
         self._last_active: dict[INetConn, float] = {}
+        # Each connection's remote endpoint and prefix, looked up once: admission scans every
+        # connection per handshake (8% of the coordinator's loop with every attacker).
+        self._where: dict[INetConn, tuple[Endpoint | None, Prefix | None]] = {}
         self._pending: dict[Endpoint, Prefix] = {}
         self._protected: set[ID] = set()
         # Per capped prefix: (handshakes it may still start, when that was counted).
         self._allowance: LruMap[Prefix, tuple[float, float]] = LruMap(MAX_TRACKED_PREFIXES)
         self.wide = WideRate(clock=clock)  # /16s without a protected peer: a rate of their own
+        # Set by echo.p2p.shedding: whether a capped prefix's handshake is refused for now.
+        self.refuse_newcomer: Callable[[str], bool] | None = None
         self.refused = 0  # inbound connections refused over their prefix's cap or rate, ever
         self.reaped = 0  # idle connections closed by the reaper, ever
 
@@ -265,6 +270,10 @@ class ConnectionGuard:
         if cap is not None and not self._take_handshake(prefix, cap):
             logger.debug("refused inbound from %s: %s over its rate", endpoint[0], prefix.network)
             return False
+        shed = self.refuse_newcomer
+        if cap is not None and shed is not None and shed(endpoint[0]):
+            logger.debug("refused inbound from %s: the loop lags, strangers wait", endpoint[0])
+            return False
         wide = cap is not None and prefix.kind != "private"  # a LAN lab starts all at once
         if wide and not self.wide.take(endpoint[0], self._vouched):
             logger.debug("refused inbound from %s: its /16 proved nothing yet", endpoint[0])
@@ -290,7 +299,7 @@ class ConnectionGuard:
     def _vouched(self, network: str) -> bool:
         """Whether a protected peer is connected from the wide ``network`` (wide_rate)."""
         mine = self._protected
-        eps = (_remote_endpoint(c) for c in self._connections() if c.muxed_conn.peer_id in mine)
+        eps = (self.where(c)[0] for c in self._connections() if c.muxed_conn.peer_id in mine)
         return any(ep is not None and wide_of(ep[0]) == network for ep in eps)
 
     def inbound_count(self, prefix: Prefix) -> int:
@@ -298,10 +307,18 @@ class ConnectionGuard:
         endpoints = {ep for ep, p in self._pending.items() if p == prefix}
         for conn in self._connections():
             if _is_inbound(conn):
-                ep = _remote_endpoint(conn)
-                if ep is not None and prefix_of(ep[0]) == prefix:
+                ep, p = self.where(conn)
+                if ep is not None and p == prefix:
                     endpoints.add(ep)
         return len(endpoints)
+
+    def where(self, conn: INetConn) -> tuple[Endpoint | None, Prefix | None]:
+        """``conn``'s remote endpoint and its prefix (kept until :meth:`forget`)."""
+        known = self._where.get(conn)
+        if known is None:
+            ep = _remote_endpoint(conn)
+            known = self._where[conn] = (ep, prefix_of(ep[0]) if ep is not None else None)
+        return known
 
     # -- activity -------------------------------------------------------------------------------
 
@@ -316,6 +333,7 @@ class ConnectionGuard:
 
     def forget(self, conn: INetConn) -> None:
         self._last_active.pop(conn, None)
+        self._where.pop(conn, None)
 
     def idle_for(self, conn: INetConn) -> float:
         """Seconds since ``conn``'s last stream event (0 for one the guard has not seen yet:
@@ -351,14 +369,15 @@ class ConnectionGuard:
         live = set(conns)
         for gone in [c for c in self._last_active if c not in live]:
             del self._last_active[gone]
+        for gone in [c for c in self._where if c not in live]:
+            del self._where[gone]
         host_pressure = self.under_pressure()
         per_prefix: dict[Prefix, int] = {}
         inbound: list[tuple[INetConn, Prefix | None]] = []
         for conn in conns:
             if not _is_inbound(conn):
                 continue
-            ep = _remote_endpoint(conn)
-            prefix = prefix_of(ep[0]) if ep is not None else None
+            prefix = self.where(conn)[1]
             if prefix is not None:
                 per_prefix[prefix] = per_prefix.get(prefix, 0) + 1
             inbound.append((conn, prefix))

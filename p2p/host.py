@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
@@ -113,6 +113,8 @@ class EchoHost:
         # Every request handler's admission: per-peer and per-prefix budgets, backoff. The
         # defaults are generous; a daemon sets tighter limits per protocol (gate.set_limit).
         self.gate = Gate()
+        # Set by echo.p2p.shedding (the coordinator): whose streams are reset unread for now.
+        self.shed_stream: Callable[[ID, str | None], bool] | None = None
         # Optional shared cap on what this host uploads to peers (relay pushes and chunks served):
         # set by the relay when its config has an upload limit; chunk serving waits on it too.
         self.upload_limiter: UploadLimiter | None = None
@@ -207,7 +209,7 @@ class EchoHost:
         )
 
         async def _stream_handler(stream: INetStream) -> None:
-            await serve_stream(stream, spec, self._violations, self.gate)
+            await serve_stream(stream, spec, self._violations, self.gate, self.shed_stream)
 
         self.libp2p.set_stream_handler(TProtocol(protocol_id), _stream_handler)
 

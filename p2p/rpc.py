@@ -241,18 +241,25 @@ async def _run_handler(spec: HandlerSpec, peer_id: ID, request: bytes, protocol:
 
 
 async def serve_stream(
-    stream: INetStream, spec: HandlerSpec, violations: ViolationLog, gate: Gate | None = None
+    stream: INetStream,
+    spec: HandlerSpec,
+    violations: ViolationLog,
+    gate: Gate | None = None,
+    shed: Callable[[ID, str | None], bool] | None = None,
 ) -> None:
     """Serve one inbound request on ``stream``, then close it. Never raises (except Cancelled).
 
     With ``gate``, the request is charged to the peer's budget for the stream's protocol first:
-    a peer in backoff or over budget has its stream reset before a byte is read.
+    a peer in backoff or over budget has its stream reset before a byte is read. With ``shed``
+    (:mod:`echo.p2p.shedding`), a stream it names is reset unread before that.
     """
     peer_id = stream.muxed_conn.peer_id
     protocol = str(stream.get_protocol())
     peer, address = str(peer_id), remote_ip(stream)
     ok = False
     try:
+        if shed is not None and shed(peer_id, address):
+            return
         admit_body = None
         if gate is not None:
             if gate.in_backoff(peer):

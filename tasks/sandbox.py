@@ -188,8 +188,15 @@ class Sandbox:
 
     def close_if_idle(self, idle_s: float = IDLE_CLOSE_S) -> bool:
         """Stop the zygote if no group was scored for ``idle_s``; whether it was stopped."""
-        with self._lock:
+        # Never waits for the lock: the coordinator calls this on its event loop, and a score
+        # or a zygote start holds the lock for as long as it takes (a start at load 31 froze
+        # the loop for 29 s). A sandbox in use is not idle.
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
             idle = self._zygote is not None and time.monotonic() - self._used > idle_s
+        finally:
+            self._lock.release()
         if idle:
             self.close()
         return idle

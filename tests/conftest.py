@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import trio
 
-from echo.coordinator.config import CoordinatorConfig
 from echo.coordinator.service import Coordinator
 from echo.coordinator.store import Store
 from echo.p2p.host import EchoHost, open_host
@@ -17,6 +16,7 @@ from echo.p2p.identity import Identity
 from echo.protocol import ids, signing
 from echo.protocol import messages as m
 from echo.protocol.jobspec import parse_job
+from echo.tools.peer_kit import lease_request, loopback_config, registration
 
 # The store keeps a group as the submit path encoded it.
 STORED_GROUP = m.encode(
@@ -67,16 +67,7 @@ class Clock:
 
 
 def make_coordinator(tmp: Path, admission: dict | None = None, **verification) -> Coordinator:
-    cfg = CoordinatorConfig(
-        admission=admission or {},
-        data_dir=tmp / "coord",
-        listen=["/ip4/127.0.0.1/tcp/0"],
-        http_port=0,
-        api_token="test-token",
-        learner={"local": False},
-        verification={"lease_quota_ramp": 0, **verification},
-    )
-    cfg.data_dir.mkdir(parents=True, exist_ok=True)
+    cfg = loopback_config(tmp / "coord", admission, **{"lease_quota_ramp": 0, **verification})
     return Coordinator(cfg, Store.open(cfg.data_dir / "db.sqlite"), Identity.generate())
 
 
@@ -95,26 +86,12 @@ class Client:
         return signing.seal_record(self.identity.private_key, record)
 
     async def register(self, upload_bps: float = 0.0) -> m.RegisterReply:
-        reg = m.Register(
-            protocol_version=ids.PROTOCOL_VERSION,
-            software="test",
-            engine="torch",
-            hardware=m.Hardware(cpu_count=2, ram_bytes=1 << 30),
-            tokens_per_s=0.0,
-            upload_bps=upload_bps,
-            download_bps=0.0,
-            timestamp=time.time(),
-            addrs=self.host.listen_multiaddrs,
-        )
-        return m.decode(
-            m.RegisterReply, await self.call(ids.PROTO_REGISTER, self.seal(reg))
-        )
+        reg = registration(self.identity, self.host.listen_multiaddrs, upload_bps=upload_bps)
+        return m.decode(m.RegisterReply, await self.call(ids.PROTO_REGISTER, reg))
 
     async def leases(self, job_id: str, have: int, n: int = 1) -> m.LeaseReply:
-        req = m.LeaseRequest(job_id=job_id, max_leases=n, have_version=have, timestamp=time.time())
-        return m.decode(
-            m.LeaseReply, await self.call(ids.PROTO_LEASE, self.seal(req))
-        )
+        req = lease_request(self.identity, job_id, have, n)
+        return m.decode(m.LeaseReply, await self.call(ids.PROTO_LEASE, req))
 
     async def submit(self, payload: bytes) -> m.SubmitReply:
         return m.decode(m.SubmitReply, await self.call(ids.PROTO_SUBMIT, payload))

@@ -169,6 +169,39 @@ def test_prefix_cap_refuses_the_next_connection_from_a_full_prefix() -> None:
     run(body)
 
 
+def test_each_connections_address_is_looked_up_once_and_forgotten_with_it() -> None:
+    """Admission scans every connection per handshake: the address lookups are kept per
+    connection (not per handshake), and dropped when the connection goes."""
+
+    async def body() -> None:
+        policy = GuardPolicy(loopback_cap=8, handshake_refill_s=None)
+        async with (
+            open_host(Identity.generate(), pubsub=False, guard_policy=policy) as server,
+            open_host(Identity.generate(), pubsub=False) as client,
+        ):
+            await client.connect(server.listen_multiaddrs[0])
+            (conn,) = server.libp2p.get_network().connections[client.peer_id]
+            lookups = 0
+            real = conn.muxed_conn.get_remote_address
+
+            def counted():
+                nonlocal lookups
+                lookups += 1
+                return real()
+
+            conn.muxed_conn.get_remote_address = counted
+            prefix = prefix_of("127.0.0.1")
+            for _ in range(5):
+                assert server.guard.inbound_count(prefix) == 1
+            assert lookups <= 1
+            await client.disconnect(server.peer_id)
+            with trio.fail_after(3):
+                while conn in server.guard._where:
+                    await trio.sleep(0.05)
+
+    run(body)
+
+
 def test_prefix_cap_holds_under_concurrent_handshakes() -> None:
     """Five strangers from one prefix dial at once: exactly the cap (2) get in (a count of
     established connections alone would let all five through their handshakes)."""

@@ -62,6 +62,20 @@ def test_the_sandbox_is_confined_here_and_stops_when_idle() -> None:
 
 
 @pytest.mark.slow  # about 4 minutes on 2 cores: a sandbox started for each of ~100 datasets
+def test_the_idle_check_never_waits_for_a_sandbox_in_use() -> None:
+    """The coordinator's housekeeping asks on its event loop: a score or a zygote start holding
+    the lock (a start under load took 29 s) must not freeze the loop behind it."""
+    sandbox = Sandbox(Recipe("addition", {}))
+    with ThreadPoolExecutor(1) as pool:
+        sandbox._lock.acquire()
+        try:
+            t0 = time.monotonic()
+            idle = pool.submit(sandbox.close_if_idle, 0).result(timeout=5)
+            assert not idle and time.monotonic() - t0 < 1.0
+        finally:
+            sandbox._lock.release()
+
+
 def test_every_gym_dataset_meets_hostile_answers_without_a_trace(trap: Path) -> None:
     names = [n for n in gym_datasets() if n not in NEEDS_CONFIG]
     texts = hostile(trap)

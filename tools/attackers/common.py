@@ -23,6 +23,7 @@ from echo.p2p.rpc import RpcError
 from echo.protocol import ids, signing
 from echo.protocol import messages as m
 from echo.protocol.errors import ProtocolError
+from echo.tools import peer_kit
 
 # A refused connection (the coordinator's handshake rate and connection cap for the attackers'
 # network) is tried again after this long: an attacker does not give up after one refusal.
@@ -129,18 +130,11 @@ def new_source() -> None:
 
 
 def registration(ident: Identity, host: EchoHost, upload_bps: float = 0.0) -> bytes:
-    reg = m.Register(
-        protocol_version=ids.PROTOCOL_VERSION,
-        software="attacker",
-        engine="torch",
-        hardware=m.Hardware(cpu_count=8, ram_bytes=1 << 34),
-        tokens_per_s=0.0,
-        upload_bps=upload_bps,
-        download_bps=0.0,
-        timestamp=time.time(),
-        addrs=host.listen_multiaddrs,
+    big = m.Hardware(cpu_count=8, ram_bytes=1 << 34)
+    addrs = host.listen_multiaddrs
+    return peer_kit.registration(
+        ident, addrs, software="attacker", upload_bps=upload_bps, hardware=big
     )
-    return signing.seal_record(ident.private_key, reg)
 
 
 async def call_rpc(
