@@ -12,17 +12,14 @@ written files before the folder is complete. Only versions whose checkpoint the 
 keeps can be exported (the newest ``checkpoint.KEEP``).
 
 The folder is written under a temporary name next to ``out`` and renamed
-(:func:`staged_folder`, which the adapter and merged exports use too), so a crash never leaves a
+(:func:`echo.learner.staging.staged_folder`, which the adapter and merged exports use too), so a crash never leaves a
 half-written export where a complete one is expected.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from echo.learner import checkpoint
+from echo.learner.staging import staged_folder
 from echo.models.spec import ModelSpec, build_model, load_tokenizer
 from echo.models.weights import DTYPES, state_digest, tensor_digest
 from echo.protocol.jobspec import JobSpec
@@ -155,21 +153,6 @@ def write_model_folder(
     write_weights(state, folder, progress)
     read_back(state, folder)
     write_config_and_tokenizer(spec, model, dtype, folder)
-
-
-@contextmanager
-def staged_folder(out: Path) -> Iterator[Path]:
-    """A new empty folder beside ``out`` to write an export in, renamed to ``out`` when the block
-    completes and removed when it raises: ``out`` holds a complete export or nothing."""
-    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)  # a crashed run's leftover of the same pid
-    tmp.mkdir(parents=True)
-    try:
-        yield tmp
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def export_version(

@@ -24,18 +24,16 @@ from echo.learner.export import (
     ExportError,
     meta_model,
     published_state,
-    staged_folder,
     write_model_folder,
 )
 from echo.learner.lora import BASE_FILE, export_adapter
+from echo.learner.staging import staged_folder
 from echo.models.spec import ModelSpec, build_model
 from echo.models.weights import load_state
 from echo.protocol.jobspec import JobSpec
 
 
-def merged_state(
-    job_dir: Path, spec: JobSpec, adapter_folder: Path
-) -> dict[str, torch.Tensor]:
+def merged_state(job_dir: Path, spec: JobSpec, adapter_folder: Path) -> dict[str, torch.Tensor]:
     """The float32 weights of the job's base with the peft adapter of ``adapter_folder``
     merged in (``PeftModel.merge_and_unload``), under the plain model's names."""
     from peft import PeftModel

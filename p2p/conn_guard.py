@@ -163,11 +163,13 @@ def _remote_endpoint(conn: object) -> Endpoint | None:
     return str(remote[0]), int(remote[1])
 
 
-def _is_inbound(conn: INetConn) -> bool:
+def is_inbound(conn: INetConn) -> bool:
+    """Whether ``conn`` was opened by the remote peer."""
     return getattr(conn, "direction", Direction.UNKNOWN) == Direction.INBOUND
 
 
-async def _close_quietly(conn: Any, timeout: float) -> None:
+async def close_quietly(conn: Any, timeout: float) -> None:
+    """Close ``conn``, giving up after ``timeout`` s; a peer that already left raises nothing."""
     with trio.move_on_after(timeout):
         try:
             await conn.close()
@@ -243,7 +245,7 @@ class ConnectionGuard:
             if endpoint is not None and not self._reserve(endpoint):
                 self.refused += 1
                 with trio.CancelScope(shield=True):
-                    await _close_quietly(raw_conn, REFUSE_CLOSE_TIMEOUT_S)
+                    await close_quietly(raw_conn, REFUSE_CLOSE_TIMEOUT_S)
                 raise SwarmException(f"inbound connection from {endpoint[0]}: prefix at its cap")
             try:
                 return await original(raw_conn, maddr)
@@ -299,14 +301,14 @@ class ConnectionGuard:
     def _vouched(self, network: str) -> bool:
         """Whether a protected peer is connected from the wide ``network`` (wide_rate)."""
         mine = self._protected
-        eps = (self.where(c)[0] for c in self._connections() if c.muxed_conn.peer_id in mine)
+        eps = (self.where(c)[0] for c in self.connections() if c.muxed_conn.peer_id in mine)
         return any(ep is not None and wide_of(ep[0]) == network for ep in eps)
 
     def inbound_count(self, prefix: Prefix) -> int:
         """Open inbound connections plus handshakes under way from ``prefix``."""
         endpoints = {ep for ep, p in self._pending.items() if p == prefix}
-        for conn in self._connections():
-            if _is_inbound(conn):
+        for conn in self.connections():
+            if is_inbound(conn):
                 ep, p = self.where(conn)
                 if ep is not None and p == prefix:
                     endpoints.add(ep)
@@ -322,7 +324,8 @@ class ConnectionGuard:
 
     # -- activity -------------------------------------------------------------------------------
 
-    def _connections(self) -> Iterator[INetConn]:
+    def connections(self) -> Iterator[INetConn]:
+        """Every open connection of the host, inbound and outbound (a snapshot per peer)."""
         conns = getattr(self._network, "connections", None) or {}
         for per_peer in list(conns.values()):
             yield from list(per_peer)
@@ -345,7 +348,7 @@ class ConnectionGuard:
 
     def under_pressure(self) -> bool:
         """Whether the host holds more than ``pressure_fraction`` of its connection cap."""
-        total = sum(1 for _ in self._connections())
+        total = sum(1 for _ in self.connections())
         return total > self.policy.pressure_fraction * self.connection_cap
 
     def _kept(self, inbound: list[INetConn]) -> dict[ID, INetConn]:
@@ -365,7 +368,7 @@ class ConnectionGuard:
         ``protected_idle_timeout_s`` for the one a protection covers (:meth:`_kept`) -- and
         under pressure (the host's, or their prefix's: at its cap). Also drops stamps of
         connections gone."""
-        conns = list(self._connections())
+        conns = list(self.connections())
         live = set(conns)
         for gone in [c for c in self._last_active if c not in live]:
             del self._last_active[gone]
@@ -375,7 +378,7 @@ class ConnectionGuard:
         per_prefix: dict[Prefix, int] = {}
         inbound: list[tuple[INetConn, Prefix | None]] = []
         for conn in conns:
-            if not _is_inbound(conn):
+            if not is_inbound(conn):
                 continue
             prefix = self.where(conn)[1]
             if prefix is not None:
@@ -406,7 +409,7 @@ class ConnectionGuard:
         async with trio.open_nursery() as nursery:
             for conn in victims:
                 self.forget(conn)
-                nursery.start_soon(_close_quietly, conn, REAP_CLOSE_TIMEOUT_S)
+                nursery.start_soon(close_quietly, conn, REAP_CLOSE_TIMEOUT_S)
         self.reaped += len(victims)
         self._forget_addrs({conn.muxed_conn.peer_id for conn in victims})
         return len(victims)
@@ -478,6 +481,8 @@ __all__ = [
     "REAP_INTERVAL_S",
     "ConnectionGuard",
     "GuardPolicy",
+    "close_quietly",
+    "is_inbound",
     "Prefix",
     "prefix_of",
 ]

@@ -44,8 +44,8 @@ from libp2p.peer.id import ID
 from echo.p2p.conn_guard import (
     REAP_CLOSE_TIMEOUT_S,
     ConnectionGuard,
-    _close_quietly,
-    _is_inbound,
+    close_quietly,
+    is_inbound,
 )
 from echo.p2p.host import EchoHost
 from echo.p2p.prefixes import prefix_of
@@ -185,8 +185,8 @@ class Shedder:
         if not self.lag.lagging or not self._capped(address):
             return False
         prefix = prefix_of(address)
-        for conn in self.guard._connections():
-            mine = conn.muxed_conn.peer_id in self.guard._protected
+        for conn in self.guard.connections():
+            mine = self.guard.is_protected(conn.muxed_conn.peer_id)
             if mine and self.guard.where(conn)[1] == prefix:
                 return False
         self.refused += 1
@@ -202,8 +202,8 @@ class Shedder:
     def strangers(self) -> list:
         """Inbound connections of unprotected peers from capped prefixes."""
         out = []
-        for conn in self.guard._connections():
-            if not _is_inbound(conn) or conn.muxed_conn.peer_id in self.guard._protected:
+        for conn in self.guard.connections():
+            if not is_inbound(conn) or self.guard.is_protected(conn.muxed_conn.peer_id):
                 continue
             prefix = self.guard.where(conn)[1]
             if prefix is not None and self.guard.policy.cap_for(prefix) is not None:
@@ -235,7 +235,7 @@ class Shedder:
                     async with trio.open_nursery() as closing:
                         for conn in victims:
                             self.guard.forget(conn)
-                            closing.start_soon(_close_quietly, conn, REAP_CLOSE_TIMEOUT_S)
+                            closing.start_soon(close_quietly, conn, REAP_CLOSE_TIMEOUT_S)
                     self.closed += len(victims)
 
 

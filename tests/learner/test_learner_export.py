@@ -19,10 +19,10 @@ from echo.learner.export import (
     ExportError,
     export_version,
     read_back,
-    staged_folder,
     write_weights,
 )
 from echo.learner.service import Learner
+from echo.learner.staging import staged_folder
 from echo.models.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, byte_tokenizer
 from echo.models.weights import to_bits
 from echo.p2p.identity import Identity
