@@ -26,8 +26,9 @@ proven peers first:
 
 Protected peers (the guard's: the learner, nodes with accepted work) are never shed, and
 neither is anything from an uncapped prefix (loopback unless ``loopback_is_network``: tests and
-local swarms). A volunteer that is new while the loop lags is refused and retries: the node
-re-registers every few seconds, so it joins once the lag is gone. Owns: the lag probe and the
+local swarms) or a private network (the operator's own LAN, as the wide rate exempts it). A
+volunteer that is new while the loop lags is refused and retries: the node re-registers every
+few seconds, so it joins once the lag is gone. Owns: the lag probe and the
 shedding task (run both in the host's nursery via :meth:`Shedder.run`); closes stranger
 connections; raises nothing.
 """
@@ -48,7 +49,7 @@ from echo.p2p.conn_guard import (
     is_inbound,
 )
 from echo.p2p.host import EchoHost
-from echo.p2p.prefixes import prefix_of
+from echo.p2p.prefixes import Prefix, prefix_of
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +178,14 @@ class Shedder:
 
     def _capped(self, address: str | None) -> bool:
         prefix = prefix_of(address) if address else None
-        return prefix is not None and self.guard.policy.cap_for(prefix) is not None
+        return self._sheddable(prefix)
+
+    def _sheddable(self, prefix: Prefix | None) -> bool:
+        # Private networks are the operator's own (a LAN lab, nodes behind the same router as
+        # the coordinator, the NAT emulation's routers): as with the wide rate, never shed.
+        if prefix is None or prefix.kind == "private":
+            return False
+        return self.guard.policy.cap_for(prefix) is not None
 
     def refuses_newcomer(self, address: str) -> bool:
         """Whether a handshake from ``address`` is refused now: the loop lags, its prefix is
@@ -205,8 +213,7 @@ class Shedder:
         for conn in self.guard.connections():
             if not is_inbound(conn) or self.guard.is_protected(conn.muxed_conn.peer_id):
                 continue
-            prefix = self.guard.where(conn)[1]
-            if prefix is not None and self.guard.policy.cap_for(prefix) is not None:
+            if self._sheddable(self.guard.where(conn)[1]):
                 out.append(conn)
         return out
 

@@ -194,3 +194,22 @@ def test_uncapped_prefixes_are_never_shed() -> None:
             assert reply == b"pong" and shedder.streams == 0 and shedder.refused == 0
 
     run(body)
+
+
+def test_private_networks_are_never_shed_public_ones_are() -> None:
+    """A lagging coordinator still takes a newcomer from a private network (the operator's LAN,
+    the NAT emulation's routers) but refuses one from a capped public network."""
+
+    async def body() -> None:
+        async with open_host(Identity.generate(), pubsub=False, guard_policy=POLICY) as server:
+            clock = Clock()
+            shedder = install_shedder(server, HandLag(0.2, 5.0, clock=clock))
+            shedder.lag.observe(1.0)
+            assert shedder.lag.lagging
+            assert not shedder.refuses_newcomer("10.78.0.5")
+            assert not shedder.refuses_newcomer("192.168.1.20")
+            assert not shedder.sheds_stream(Identity.generate().peer_id, "10.78.0.5")
+            assert shedder.refuses_newcomer("1.2.3.4")
+            assert shedder.sheds_stream(Identity.generate().peer_id, "1.2.3.4")
+
+    run(body)
