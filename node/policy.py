@@ -6,12 +6,10 @@ the push relay that gives the node its place in each version's broadcast tree (a
 joins every plan the coordinator announces), the bad-relay reports the relay raises, and the
 status the node reports every few seconds (version held, measured upload rate).
 
-A node learns that a version is out from the coordinator's lease reply, which names the job's
-current version; the worker calls :meth:`PolicyFollower.sync_to` with it. A gossiped plan
-decides how a version's chunks arrive (pushed down its tree): a node that missed it learns of the
-version from its next lease reply and pulls. A version whose push has completed here
-(:meth:`PolicyFollower.newest_arrived`) the worker also loads before it asks for leases, so that
-the sync is not between a lease and its group. A sync first lets the
+A node learns that a version is out one way: the coordinator's lease reply names the job's
+current version, and the worker calls :meth:`PolicyFollower.sync_to` with it. A gossiped plan
+decides only how a version's chunks arrive (pushed down its tree), never whether to sync: a node
+that missed it learns of the version from its next lease reply and pulls. A sync first lets the
 relay bring the version if a plan covers the node, then pulls what is missing, riding out a
 learner restart; the engine loads each new state in a worker thread so the host keeps serving.
 """
@@ -159,12 +157,6 @@ class PolicyFollower:
             return set()
         job_id = self.sync.job.job_id
         return {t.version for t in self.relay.transfers.values() if t.job_id == job_id}
-
-    def newest_arrived(self) -> int:
-        """The newest version of the job whose push completed here (-1: none yet)."""
-        if self.relay is None or self.sync is None:
-            return -1
-        return newest_arrived(self.relay.transfers, self.sync.job.job_id)
 
     def _queue_bad_peer(self, report: b.BadPeerReport) -> None:
         with contextlib.suppress(trio.WouldBlock):
@@ -361,15 +353,6 @@ class PolicyFollower:
         if self.relay is None or self.sync is None:
             return True
         return await self.relay.wait_forwarded(self.sync.job.job_id, version, timeout)
-
-
-def newest_arrived(transfers: Mapping[tuple[str, int], Transfer], job_id: str) -> int:
-    """The newest version of ``job_id`` among ``transfers`` whose chunks are all here (-1:
-    none): a version a sync takes from the store, without waiting or fetching."""
-    return max(
-        (t.version for t in list(transfers.values()) if t.job_id == job_id and t.done.is_set()),
-        default=-1,
-    )
 
 
 async def until_overtaken(

@@ -15,10 +15,9 @@ loops: ask for leases (saying which version it holds; the first reply names the 
 check each lease's coordinator signature, generate the whole group of every lease in one batch in
 a worker thread from the prompt token ids the signed lease carries (a node needs neither the
 dataset nor any task code), sign and submit each group, and show the volunteer what was accepted
-and why anything was rejected. Each lease reply names the job's current version: the node syncs to
-it before generating again (a gossiped plan only brings the version's chunks, see
-:mod:`~echo.node.policy`); a version whose chunks have all arrived it loads before its next lease
-request, so that a grant does not wait for that sync. When the job ends, or a lease reply says the
+and why anything was rejected. Each lease reply names the job's current version, the one way a
+node learns of a new one: it syncs to it before generating again (a gossiped plan only brings
+the version's chunks, see :mod:`~echo.node.policy`). When the job ends, or a lease reply says the
 scheduler moved the node, it passes the version in hand on to its relay children and goes back
 to registration for its next job; its engine slot frees the engine's memory meanwhile (unless the
 next job may share its base) and prunes the chunk stores of jobs it no longer serves to the
@@ -242,11 +241,6 @@ class Node:
                 while not self.cfg.working_now():
                     await trio.sleep(30)
             job, sync, slot = turns.next()
-            if slot is None and self.policy.newest_arrived() > sync.version:
-                # A version pushed here completely is loaded before asking, not after a grant:
-                # leases granted to a node one version behind waited for that sync (0.3-4 s
-                # under load), and a slow node's group went stale (the NAT swarm).
-                await self.policy.sync_to(self.policy.newest_arrived())
             req = m.LeaseRequest(
                 job_id=job.job_id,
                 max_leases=self.cfg.leases_at_once,
@@ -327,7 +321,6 @@ class Node:
         self.stats.tokens += tokens
         self.stats.gen_seconds += gen_s
         await self._throttle(tokens, gen_s)
-        subs = []
         for lease, group in zip(leases, results, strict=True):
             sub = m.Submission(
                 lease_id=lease.lease_id,
@@ -345,12 +338,7 @@ class Node:
                 ],
                 gen_seconds=gen_s / len(leases),
             )
-            subs.append(self.encode_submission(sub))
-        # All at once: one after another, 4 groups took 1-3 s of round trips under load, the
-        # last of them the most likely to arrive after its version went stale.
-        async with trio.open_nursery() as nursery:
-            for payload in subs:
-                nursery.start_soon(self._submit, payload)
+            await self._submit(self.encode_submission(sub))
 
     def encode_submission(self, sub: m.Submission) -> bytes:
         """Sign and compress a submission (token and log-prob arrays compress ~2-4x; the

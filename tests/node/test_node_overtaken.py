@@ -63,20 +63,3 @@ def test_a_push_that_stalls_is_given_up(monkeypatch) -> None:
         assert scope.cancelled_caught
 
     trio.run(body)
-
-
-def test_the_newest_completed_version_of_the_job_is_what_a_node_loads_before_asking() -> None:
-    """A node loads the newest version whose push completed here before its next lease request
-    (node/worker.py): in the NAT swarm under load every grant found the node one version behind,
-    the sync after the grant took 0.3-4 s, and a slow node's group went stale."""
-    from echo.node.policy import newest_arrived
-
-    done, pending, other_job = _transfer("a", 3), _transfer("a", 5), _transfer("b", 9)
-    transfers = {(t.job_id, t.version): t for t in (done, pending, other_job)}
-    assert newest_arrived(transfers, "a") == -1  # nothing complete: nothing to load
-    done.done.set()
-    other_job.done.set()
-    assert newest_arrived(transfers, "a") == 3  # v5 is still on its way; job b is not ours
-    pending.done.set()
-    assert newest_arrived(transfers, "a") == 5
-    assert newest_arrived({}, "a") == -1
