@@ -174,8 +174,12 @@ class Leases:
         room = target - in_flight
         fresh = node.accepted == 0
         if fresh and cfg.lease_quota_ramp:  # ramp 0: the operator trusts identities at once
+            # Their share only, not the window's room: workers fill the window without counting
+            # strangers' leases (below), so a busy job's window is full whenever they have just
+            # asked, and a newcomer measured against it never got a first lease (the NAT swarm:
+            # a node behind NAT current within 1.5 s was told "buffer full" for 25 s).
             allowance = max(1, int(target * cfg.fresh_lease_share))
-            room = min(room, allowance - self.store.open_lease_count_fresh(job_id))
+            room = allowance - self.store.open_lease_count_fresh(job_id)
         elif cfg.lease_quota_ramp:
             # Strangers' share comes on top of the window, not out of a worker's: a churn of
             # identities that let their leases expire held a quarter of it for 30 s at a time
