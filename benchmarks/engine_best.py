@@ -217,7 +217,12 @@ class LlamaRunners:
                 for nb in n_batches:
                     name = f"llama.cpp batched: {n_seq} seqs/context, {t} threads, n_batch {nb}"
                     self.contexts[name] = LlamaBatched(
-                        ll, self.model, n_seq=n_seq, seq_len=seq_len, threads=t, n_batch=nb,
+                        ll,
+                        self.model,
+                        n_seq=n_seq,
+                        seq_len=seq_len,
+                        threads=t,
+                        n_batch=nb,
                         vocab_size=vocab_size,
                     )
         self.runners: dict[str, Runner] = {
@@ -245,8 +250,10 @@ def vllm_runners(llm: Any, prompts: list[list[int]], group: int, max_new: int) -
     def run() -> int:
         outs = llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompts],
-            [SamplingParams(n=group, max_tokens=max_new, temperature=1.0, top_p=1.0, seed=i)
-             for i in range(len(prompts))],
+            [
+                SamplingParams(n=group, max_tokens=max_new, temperature=1.0, top_p=1.0, seed=i)
+                for i in range(len(prompts))
+            ],
             use_tqdm=False,
         )
         return sum(len(c.token_ids) for o in outs for c in o.outputs)
@@ -271,3 +278,46 @@ def best(rates: dict[str, list[float]]) -> tuple[str, float]:
     """The setting with the highest best-round tokens/s, and that rate."""
     name = max(rates, key=lambda k: max(rates[k]))
     return name, max(rates[name])
+
+
+def _at_threads(run: Runner, threads: int) -> Runner:
+    """``run`` with torch's (process-wide) thread count set to ``threads``, then restored."""
+
+    def wrapped() -> int:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return run()
+        finally:
+            torch.set_num_threads(before)
+
+    return wrapped
+
+
+def offline_runners(
+    name: str, engine: Any, prompts: list[list[int]], group: int, max_new: int
+) -> tuple[dict[str, Runner], Callable[[], None]]:
+    """The best-offline settings of node engine ``engine`` (torch, llamacpp or vllm, weights
+    loaded) for these prompts, and what frees them. Thread counts tried: the engine's and 1."""
+    if name == "torch":
+        runners = torch_runners(engine.model, prompts, group, max_new, engine.eos_id, engine.pad_id)
+        threads = torch.get_num_threads()
+        if threads != 1:
+            runners.update({f"{k}, 1 thread": _at_threads(r, 1) for k, r in list(runners.items())})
+        return {
+            f"{k}, {threads} threads" if "thread" not in k else k: r for k, r in runners.items()
+        }, lambda: None
+    if name in ("llamacpp", "llamacpp_live"):
+        lr = LlamaRunners(
+            engine.gguf_path,
+            prompts,
+            group,
+            max_new,
+            engine.eos_id,
+            engine.vocab_size,
+            sorted({1, engine.threads}),
+        )
+        return lr.runners, lr.close
+    if name == "vllm":
+        return vllm_runners(engine._llm, prompts, group, max_new), lambda: None
+    raise ValueError(f"no offline runners for engine {name!r}")
