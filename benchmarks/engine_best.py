@@ -201,6 +201,7 @@ class LlamaRunners:
         vocab_size: int,
         threads: list[int],
         n_batches: tuple[int, ...] = (64, 512),
+        all_groups_only: bool = False,
     ) -> None:
         import llama_cpp as ll
 
@@ -212,7 +213,8 @@ class LlamaRunners:
             raise RuntimeError(f"llama.cpp could not load {gguf}")
         seq_len = -(-(max(len(p) for p in prompts) + max_new) // 256) * 256
         self.contexts: dict[str, LlamaBatched] = {}
-        for n_seq in sorted({group, group * len(prompts)}):
+        seqs = {group * len(prompts)} if all_groups_only else {group, group * len(prompts)}
+        for n_seq in sorted(seqs):
             for t in threads:
                 for nb in n_batches:
                     name = f"llama.cpp batched: {n_seq} seqs/context, {t} threads, n_batch {nb}"
@@ -295,12 +297,15 @@ def _at_threads(run: Runner, threads: int) -> Runner:
 
 
 def offline_runners(
-    name: str, engine: Any, prompts: list[list[int]], group: int, max_new: int
+    name: str, engine: Any, prompts: list[list[int]], group: int, max_new: int, quick: bool
 ) -> tuple[dict[str, Runner], Callable[[], None]]:
     """The best-offline settings of node engine ``engine`` (torch, llamacpp or vllm, weights
-    loaded) for these prompts, and what frees them. Thread counts tried: the engine's and 1."""
+    loaded) for these prompts, and what frees them. Thread counts tried: the engine's and 1;
+    ``quick`` tries only every group in one call (torch) or one context (llama.cpp), n_batch 512."""
     if name == "torch":
         runners = torch_runners(engine.model, prompts, group, max_new, engine.eos_id, engine.pad_id)
+        if quick:
+            runners = dict(list(runners.items())[:1])
         threads = torch.get_num_threads()
         if threads != 1:
             runners.update({f"{k}, 1 thread": _at_threads(r, 1) for k, r in list(runners.items())})
@@ -316,6 +321,8 @@ def offline_runners(
             engine.eos_id,
             engine.vocab_size,
             sorted({1, engine.threads}),
+            n_batches=(512,) if quick else (64, 512),
+            all_groups_only=quick,
         )
         return lr.runners, lr.close
     if name == "vllm":

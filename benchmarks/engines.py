@@ -193,7 +193,7 @@ def bench_node_path(names: list[str], quick: bool, threads: int | None) -> dict[
             engine.load_state(state)
             engine.generate(direct_reqs[:1])  # warm-up
             prompts = [r.prompt_ids for r in direct_reqs]
-            runners, free = offline_runners(name, engine, prompts, group, max_new)
+            runners, free = offline_runners(name, engine, prompts, group, max_new, quick)
             offline: dict[str, list[float]] = {}
             direct_rate, node_rate, engine_rate, lost = [], [], [], []
             for _ in range(rounds):  # interleaved, so drift hits both alike

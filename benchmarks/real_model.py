@@ -233,7 +233,7 @@ def bench_engine(
         path = RealNodePath(spec, prompts, group, max_new)
         direct = path.requests(path.open_leases())
         engine.generate(direct[:1])  # warm-up
-        runners, free = offline_runners(name, engine, prompts, group, max_new)
+        runners, free = offline_runners(name, engine, prompts, group, max_new, quick)
         offline: dict[str, list[float]] = {}
         lost, node_rate, engine_rate, direct_rate = [], [], [], []
         for _ in range(rounds):  # interleaved, so drift on a shared machine hits both alike
@@ -249,6 +249,10 @@ def bench_engine(
             node_rate.append(n / node_s)
             engine_rate.append(n / gen_s)
             time_round(runners, offline)
+            say(  # per round: a shared machine's load shows in how rounds differ
+                f"    round: node path {node_rate[-1]:.1f} tok/s; offline "
+                + "; ".join(f"{v[-1]:.1f} ({k})" for k, v in offline.items())
+            )
         free()
         best_name, best_tps = best(offline)
         applies = [float("nan")] if len(states) < 2 else []
