@@ -276,9 +276,12 @@ def time_round(runners: dict[str, Runner], rates: dict[str, list[float]]) -> Non
         rates.setdefault(name, []).append(n / (time.perf_counter() - t0))
 
 
-def best(rates: dict[str, list[float]]) -> tuple[str, float]:
-    """The setting with the highest best-round tokens/s, and that rate."""
-    name = max(rates, key=lambda k: max(rates[k]))
+def best(rates: dict[str, list[float]], threads: int | None = None) -> tuple[str, float]:
+    """The setting with the highest best-round tokens/s, and that rate; with ``threads``, of
+    the settings on that many threads only (their names say ", N thread(s)"; all settings
+    where none names its threads)."""
+    names = [k for k in rates if threads is None or f", {threads} thread" in k] or list(rates)
+    name = max(names, key=lambda k: max(rates[k]))
     return name, max(rates[name])
 
 

@@ -211,6 +211,7 @@ def bench_node_path(names: list[str], quick: bool, threads: int | None) -> dict[
                 time_round(runners, offline)
             free()
             best_name, best_tps = best(offline)
+            same_tps = best(offline, out_threads(engine))[1]
             # Best rounds for rates (least disturbed by other load on the machine); the overhead
             # is a within-call ratio, so its median is already robust to that.
             overhead = median(lost)
@@ -233,6 +234,7 @@ def bench_node_path(names: list[str], quick: bool, threads: int | None) -> dict[
                 "best_offline_tokens_per_s": best_tps,
                 "best_offline": best_name,
                 "group_vs_engine": node_tps / best_tps,
+                "group_vs_engine_same_threads": node_tps / same_tps,
             }
         finally:
             close(engine)
@@ -359,6 +361,7 @@ def main() -> None:
         result[f"best_offline_tokens_per_s_{n}"] = r["best_offline_tokens_per_s"]
         result[f"best_offline_{n}"] = r["best_offline"]
         result[f"group_vs_engine_{n}"] = r["group_vs_engine"]
+        result[f"group_vs_engine_same_threads_{n}"] = r["group_vs_engine_same_threads"]
     result["apply"] = apply_rows
     result["threads"] = args.threads
     result["quick"] = bool(args.quick)

@@ -255,6 +255,7 @@ def bench_engine(
             )
         free()
         best_name, best_tps = best(offline)
+        same_tps = best(offline, out_threads(engine))[1]
         applies = [float("nan")] if len(states) < 2 else []
         for st in states[1:]:
             t0 = time.perf_counter()
@@ -271,6 +272,9 @@ def bench_engine(
             "best_offline_tokens_per_s": best_tps,
             "best_offline": best_name,
             "group_vs_engine": max(node_rate) / best_tps,
+            # The node's thread count against the engine's best on as many threads: on a loaded
+            # machine thread count alone can move a rate 10x (spinning barriers).
+            "group_vs_engine_same_threads": max(node_rate) / same_tps,
         }
         for k, v in offline.items():
             say(f"    offline {max(v):7.1f} tok/s  {k}")
@@ -360,10 +364,12 @@ def main() -> None:
         if r is not None:
             result.update({f"{k}_{name}_real": v for k, v in r.items()})
             result[f"group_vs_engine_{name}"] = r["group_vs_engine"]
+            result[f"group_vs_engine_same_threads_{name}"] = r["group_vs_engine_same_threads"]
     r = vllm_child(spec, states, prompts, args.quick, args.threads)
     if r:
         result.update({f"{k}_vllm_real": v for k, v in r.items()})
         result["group_vs_engine_vllm"] = r["group_vs_engine"]
+        result["group_vs_engine_same_threads_vllm"] = r["group_vs_engine_same_threads"]
     if learner:
         say(
             f"patch per version {result['patch_bytes_real']:,.0f} B vs full bf16 "
