@@ -98,9 +98,13 @@ class LlamaBatched:
         threads: int,
         n_batch: int,
         vocab_size: int,
+        f32_kv: bool = False,
     ) -> None:
         self.ll, self.n_seq, self.vocab_size = ll, n_seq, vocab_size
         cp = ll.llama_context_default_params()
+        if f32_kv:  # the node engine's KV settings (log-prob parity): F32 cache, no flash attention
+            cp.type_k = cp.type_v = 0
+            cp.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_DISABLED
         cp.n_ctx = seq_len * n_seq
         cp.n_seq_max = n_seq
         cp.n_batch = cp.n_ubatch = max(n_batch, n_seq)
@@ -227,6 +231,22 @@ class LlamaRunners:
                         n_batch=nb,
                         vocab_size=vocab_size,
                     )
+        # The node's own KV settings beside llama.cpp's defaults (F16 cache, flash attention
+        # where llama.cpp picks it): what the parity settings cost, apart from the node's code.
+        n_all, t_node = group * len(prompts), max(threads)
+        name = (
+            f"llama.cpp batched, F32 KV, no flash attention: {n_all} seqs/context, {t_node} threads"
+        )
+        self.contexts[name] = LlamaBatched(
+            ll,
+            self.model,
+            n_seq=n_all,
+            seq_len=seq_len,
+            threads=t_node,
+            n_batch=512,
+            vocab_size=vocab_size,
+            f32_kv=True,
+        )
         self.runners: dict[str, Runner] = {
             name: (lambda c=c: c.run(prompts, group, max_new, eos_id))
             for name, c in self.contexts.items()
