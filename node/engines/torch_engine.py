@@ -3,8 +3,9 @@
 All requests' samples run as one batch: prompts are left-padded so every row's last prompt token
 sits in the same column, an attention mask hides the padding, and explicit position ids make each
 row count positions from its own first real token (so a row's log-probs do not depend on how long
-its neighbours' prompts are). Then one token per step is fed with the cache, until every row has
-stopped at EOS or reached its budget.
+its neighbours' prompts are). Each request's prompt is prefilled once and its KV cache repeated
+for the request's ``n`` samples. Then one token per step is fed with the cache, until every row
+has stopped at EOS or reached its budget.
 
 Log-probs follow ``echo.node.engines.base``: ``log_softmax(logits / temperature)`` of the sampled
 token over the full vocabulary, before top-p truncation, so the learner recomputes them exactly.
