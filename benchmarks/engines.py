@@ -12,6 +12,10 @@
     Direct calls on the same prompts, interleaved with the node-path calls, are reported beside
     it (``direct_tokens_per_s_<engine>``, ``overhead_vs_direct_calls_<engine>``, best rounds) as a
     cross-check. Rates (``tokens_per_s_<engine>``) are the best round's.
+    ``group_vs_engine_<engine>``: node-path tokens/s over the engine's best offline group
+    generation for the same prompts, group size and lengths (``benchmarks/engine_best.py``:
+    transformers ``generate`` with ``num_return_sequences``, llama.cpp's batched decoding with its
+    own sampler, vLLM ``LLM.generate`` with ``n``), timed in the same rounds.
 (b) Time to apply a version vs model size (tiny hidden 64 up to a few tens of MB): one AdamW step
     at an RL-sized learning rate published in bfloat16 (and float32), the lossless patch decoded
     (``apply_patch``), then each engine's ``load_state`` of the new state (llama.cpp: diff +
@@ -32,6 +36,7 @@ from typing import Any
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from engine_best import best, offline_runners, time_round
 
 from echo.models.spec import ModelSpec, build_model, encode_prompt
 from echo.models.weights import export_state, to_bits
@@ -179,6 +184,9 @@ def bench_node_path(names: list[str], quick: bool, threads: int | None) -> dict[
         try:
             engine.load_state(state)
             engine.generate(direct_reqs[:1])  # warm-up
+            prompts = [r.prompt_ids for r in direct_reqs]
+            runners, free = offline_runners(name, engine, prompts, group, max_new, quick)
+            offline: dict[str, list[float]] = {}
             direct_rate, node_rate, engine_rate, lost = [], [], [], []
             for _ in range(rounds):  # interleaved, so drift hits both alike
                 t0 = time.perf_counter()
@@ -192,6 +200,10 @@ def bench_node_path(names: list[str], quick: bool, threads: int | None) -> dict[
                 node_rate.append(n / node_s)
                 engine_rate.append(n / gen_s)
                 lost.append(1.0 - gen_s / node_s)
+                time_round(runners, offline)
+            free()
+            best_name, best_tps = best(offline)
+            same_tps = best(offline, out_threads(engine))[1]
             # Best rounds for rates (least disturbed by other load on the machine); the overhead
             # is a within-call ratio, so its median is already robust to that.
             overhead = median(lost)
@@ -201,6 +213,9 @@ def bench_node_path(names: list[str], quick: bool, threads: int | None) -> dict[
                 f"overhead {overhead:.2%}  direct calls {direct_tps:8,.0f} tok/s  "
                 f"({out_threads(engine)} threads)"
             )
+            for k, v in offline.items():
+                say(f"    offline {max(v):8,.0f} tok/s  {k}")
+            say(f"    group_vs_engine {node_tps / best_tps:.2f} (best offline: {best_name})")
             out[name] = {
                 "engine_tokens_per_s": engine_tps,
                 "node_tokens_per_s": node_tps,
@@ -208,6 +223,10 @@ def bench_node_path(names: list[str], quick: bool, threads: int | None) -> dict[
                 "overhead": overhead,
                 "overhead_vs_direct_calls": 1.0 - node_tps / direct_tps,
                 "threads": out_threads(engine),
+                "best_offline_tokens_per_s": best_tps,
+                "best_offline": best_name,
+                "group_vs_engine": node_tps / best_tps,
+                "group_vs_engine_same_threads": node_tps / same_tps,
             }
         finally:
             close(engine)
@@ -331,6 +350,10 @@ def main() -> None:
         result[f"direct_tokens_per_s_{n}"] = r["direct_tokens_per_s"]
         result[f"overhead_vs_direct_calls_{n}"] = r["overhead_vs_direct_calls"]
         result[f"threads_{n}"] = r["threads"]
+        result[f"best_offline_tokens_per_s_{n}"] = r["best_offline_tokens_per_s"]
+        result[f"best_offline_{n}"] = r["best_offline"]
+        result[f"group_vs_engine_{n}"] = r["group_vs_engine"]
+        result[f"group_vs_engine_same_threads_{n}"] = r["group_vs_engine_same_threads"]
     result["apply"] = apply_rows
     result["threads"] = args.threads
     result["quick"] = bool(args.quick)

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from engine_best import best, offline_runners, time_round
 from engines import NodePath, build_engine, close, out_threads
 from safetensors.torch import load_file, save_file
 
@@ -232,6 +233,8 @@ def bench_engine(
         path = RealNodePath(spec, prompts, group, max_new)
         direct = path.requests(path.open_leases())
         engine.generate(direct[:1])  # warm-up
+        runners, free = offline_runners(name, engine, prompts, group, max_new, quick)
+        offline: dict[str, list[float]] = {}
         lost, node_rate, engine_rate, direct_rate = [], [], [], []
         for _ in range(rounds):  # interleaved, so drift on a shared machine hits both alike
             t0 = time.perf_counter()
@@ -245,7 +248,15 @@ def bench_engine(
             lost.append(1.0 - gen_s / node_s)
             node_rate.append(n / node_s)
             engine_rate.append(n / gen_s)
-        applies = []
+            time_round(runners, offline)
+            say(  # per round: a shared machine's load shows in how rounds differ
+                f"    round: node path {node_rate[-1]:.1f} tok/s; offline "
+                + "; ".join(f"{v[-1]:.1f} ({k})" for k, v in offline.items())
+            )
+        free()
+        best_name, best_tps = best(offline)
+        same_tps = best(offline, out_threads(engine))[1]
+        applies = [float("nan")] if len(states) < 2 else []
         for st in states[1:]:
             t0 = time.perf_counter()
             engine.load_state(st)
@@ -258,12 +269,21 @@ def bench_engine(
             "first_load_s": first,
             "apply_s": median(applies),
             "threads": out_threads(engine),
+            "best_offline_tokens_per_s": best_tps,
+            "best_offline": best_name,
+            "group_vs_engine": max(node_rate) / best_tps,
+            # The node's thread count against the engine's best on as many threads: on a loaded
+            # machine thread count alone can move a rate 10x (spinning barriers).
+            "group_vs_engine_same_threads": max(node_rate) / same_tps,
         }
+        for k, v in offline.items():
+            say(f"    offline {max(v):7.1f} tok/s  {k}")
         say(
             f"  {name:9s} engine {out['engine_tokens_per_s']:6.1f} tok/s, node path "
             f"{out['node_tokens_per_s']:6.1f} tok/s, overhead {out['overhead']:.2%}, direct "
             f"{out['direct_tokens_per_s']:6.1f} tok/s; first load {first:.2f} s, apply a "
-            f"version {out['apply_s']:.2f} s ({out['threads']} threads)"
+            f"version {out['apply_s']:.2f} s ({out['threads']} threads); group_vs_engine "
+            f"{out['group_vs_engine']:.2f} (best offline {best_tps:.1f} tok/s: {best_name})"
         )
         return out
     finally:
@@ -308,6 +328,12 @@ def vllm_child(
 
 def add_args(p) -> None:
     p.add_argument("--threads", type=int, default=2, help="threads for the learner and engines")
+    p.add_argument(
+        "--engines-only",
+        action="store_true",
+        help="skip (a): the engines run on SmolLM2's own weights, published in bf16 (no "
+        "version to apply)",
+    )
     # Internal: (b) for vLLM alone, run by .venv-vllm's interpreter on the states in this folder.
     p.add_argument("--child-vllm", default=None, help=argparse.SUPPRESS)
 
@@ -322,7 +348,14 @@ def main() -> None:
         emit(bench_engine("vllm", spec, states, prompts, args.quick, args.threads) or {})
         return
     spec = real_spec()
-    learner, states = bench_learner(spec, args.quick, args.threads)
+    if args.engines_only:
+        from echo.models.spec import build_model
+        from echo.models.weights import export_state
+
+        torch.set_num_threads(args.threads)
+        learner, states = {}, [export_state(build_model(spec), "bfloat16")]
+    else:
+        learner, states = bench_learner(spec, args.quick, args.threads)
     say("(b) engines: node path vs direct calls, time to apply a version")
     result: dict[str, Any] = dict(learner)
     prompts = engine_prompts(spec, args.quick)
@@ -330,14 +363,19 @@ def main() -> None:
         r = bench_engine(name, spec, states, prompts, args.quick, args.threads)
         if r is not None:
             result.update({f"{k}_{name}_real": v for k, v in r.items()})
+            result[f"group_vs_engine_{name}"] = r["group_vs_engine"]
+            result[f"group_vs_engine_same_threads_{name}"] = r["group_vs_engine_same_threads"]
     r = vllm_child(spec, states, prompts, args.quick, args.threads)
     if r:
         result.update({f"{k}_vllm_real": v for k, v in r.items()})
-    say(
-        f"patch per version {result['patch_bytes_real']:,.0f} B vs full bf16 "
-        f"{result['full_bf16_bytes_real']:,} B: {result['patch_ratio_vs_full_bf16_real']:.1f}x "
-        f"smaller; re-scoring {result['rescore_fraction_real']:.1%} of the step"
-    )
+        result["group_vs_engine_vllm"] = r["group_vs_engine"]
+        result["group_vs_engine_same_threads_vllm"] = r["group_vs_engine_same_threads"]
+    if learner:
+        say(
+            f"patch per version {result['patch_bytes_real']:,.0f} B vs full bf16 "
+            f"{result['full_bf16_bytes_real']:,} B: {result['patch_ratio_vs_full_bf16_real']:.1f}"
+            f"x smaller; re-scoring {result['rescore_fraction_real']:.1%} of the step"
+        )
     result["quick"] = bool(args.quick)
     result["threads"] = args.threads
     emit(result)

@@ -3,8 +3,9 @@
 All requests' samples run as one batch: prompts are left-padded so every row's last prompt token
 sits in the same column, an attention mask hides the padding, and explicit position ids make each
 row count positions from its own first real token (so a row's log-probs do not depend on how long
-its neighbours' prompts are). Then one token per step is fed with the cache, until every row has
-stopped at EOS or reached its budget.
+its neighbours' prompts are). Each request's prompt is prefilled once and its KV cache repeated
+for the request's ``n`` samples. Then one token per step is fed with the cache, until every row
+has stopped at EOS or reached its budget.
 
 Log-probs follow ``echo.node.engines.base``: ``log_softmax(logits / temperature)`` of the sampled
 token over the full vocabulary, before top-p truncation, so the learner recomputes them exactly.
@@ -105,23 +106,27 @@ class TorchEngine(Engine):
                 raise ValueError(f"prompt token id outside [0, {self.vocab_size})")
 
         # One row per sample; rows of a request are contiguous (slices[i]).
-        prompts = [r.prompt_ids for r in requests for _ in range(r.n)]
         slices, at = [], 0
         for r in requests:
             slices.append(slice(at, at + r.n))
             at += r.n
-        rows, width = len(prompts), max(len(p) for p in prompts)
-
-        ids = torch.full((rows, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((rows, width), dtype=torch.long)
+        rows = at
+        counts = torch.tensor([r.n for r in requests])
+        # Each request's prompt is prefilled once (one row per request) and its KV cache, logits,
+        # mask and positions are then repeated for the request's n samples: a group's samples
+        # share their prompt, so prefilling it n times would only repeat the same work.
+        prompts = [r.prompt_ids for r in requests]
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for i, p in enumerate(prompts):
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
         pos = (mask.cumsum(1) - 1).clamp(min=0)
         ids, mask, pos = ids.to(dev), mask.to(dev), pos.to(dev)
+        expand = torch.repeat_interleave(torch.arange(len(prompts)), counts).to(dev)
 
         params = [r.params for r in requests]
-        counts = torch.tensor([r.n for r in requests])
 
         def per_row(values: list[float], dtype: torch.dtype) -> torch.Tensor:
             return torch.repeat_interleave(torch.tensor(values, dtype=dtype), counts).to(dev)
@@ -135,8 +140,9 @@ class TorchEngine(Engine):
         out, cache = forward_with_cache(
             self.model, input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=1
         )
-        logits = out.logits[:, -1, :]
-        next_pos = pos[:, -1] + 1
+        logits = out.logits[:, -1, :].index_select(0, expand)
+        cache = repeat_rows(cache, expand)
+        mask, next_pos = mask.index_select(0, expand), pos[:, -1].index_select(0, expand) + 1
 
         tokens, logps = [], []
         done = torch.zeros(rows, dtype=torch.bool, device=dev)
@@ -225,3 +231,13 @@ class TorchEngine(Engine):
                 # Sampling on the CPU keeps one generator per request on any device.
                 tok[sl] = torch.multinomial(probs[sl].cpu(), 1, generator=g).squeeze(1).to(tok)
         return tok, logp.gather(1, tok.unsqueeze(1)).squeeze(1)
+
+
+def repeat_rows(cache: Any, index: torch.Tensor) -> Any:
+    """``cache`` with its batch rows taken at ``index`` (rows repeated for a group's samples):
+    a transformers ``Cache`` in place (``reorder_cache``, which index-selects every layer's keys
+    and values), or the legacy tuple of per-layer (key, value) tensors anew."""
+    if hasattr(cache, "reorder_cache"):
+        cache.reorder_cache(index)
+        return cache
+    return tuple(tuple(t.index_select(0, index) for t in layer) for layer in cache)

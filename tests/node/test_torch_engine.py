@@ -126,3 +126,24 @@ def test_bad_input() -> None:
     with pytest.raises(ValueError):
         SamplingParams(top_p=0.0)
     assert eng.generate([]) == []
+
+
+def test_each_prompt_is_prefilled_once_for_its_group(engine: TorchEngine) -> None:
+    # The prefill runs one row per request (not per sample); every later step one row per sample.
+    reqs = requests()
+    batch_rows: list[tuple[int, int]] = []
+
+    def record(_module, args, kwargs) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        batch_rows.append(tuple(ids.shape))
+
+    handle = engine.model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        out = engine.generate(reqs)
+    finally:
+        handle.remove()
+    width = max(len(r.prompt_ids) for r in reqs)
+    assert batch_rows[0] == (len(reqs), width)
+    assert batch_rows[1:] and all(shape == (8 * len(reqs), 1) for shape in batch_rows[1:])
+    # The group's samples still differ (their own random draws on the shared prompt cache).
+    assert len({tuple(c.token_ids) for c in out[0]}) > 1
