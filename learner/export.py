@@ -12,8 +12,8 @@ written files before the folder is complete. Only versions whose checkpoint the 
 keeps can be exported (the newest ``checkpoint.KEEP``).
 
 The folder is written under a temporary name next to ``out`` and renamed
-(:func:`echo.learner.staging.staged_folder`, which the adapter and merged exports use too), so a crash never leaves a
-half-written export where a complete one is expected.
+(:func:`echo.learner.staging.staged_folder`, which the adapter and merged exports use too),
+so a crash never leaves a half-written export where a complete one is expected.
 """
 
 from __future__ import annotations
