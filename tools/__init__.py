@@ -2,5 +2,5 @@
 (:mod:`.local_swarm`, ``python -m echo.tools.local_swarm``), emulated networks
 (:mod:`.netem`, :mod:`.netem_nat`, :mod:`.nat_swarm`), the attack benchmark's attackers
 (:mod:`.attackers`), the synchronous GRPO baseline (:mod:`.grpo_local`), and the benchmarks'
-shared harness (:mod:`.bench`, :mod:`.timed_node`, :mod:`.peer_kit`). Tests and benchmarks
-import them from here; nothing in the product imports them."""
+shared harness (:mod:`.bench`, :mod:`.timed_node`, :mod:`.swarm_probe`, :mod:`.peer_kit`).
+Tests and benchmarks import them from here; nothing in the product imports them."""

@@ -27,6 +27,7 @@ from echo.protocol import signing
 from echo.protocol.jobspec import parse_job
 from echo.tasks.registry import make_task
 from echo.tools.attackers import common, content
+from echo.tools.attackers.job import GYM_MAX_NEW_TOKENS, GYM_PARAMS, gym_job
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -123,8 +124,6 @@ def test_a_bomb_group_passes_verification_and_decodes_to_its_text(tmp_path: Path
 
 
 def test_the_gym_job_is_valid_and_leases_room_for_the_bombs() -> None:
-    from benchmarks.attack import GYM_MAX_NEW_TOKENS, GYM_PARAMS, gym_job
-
     for dataset in GYM_PARAMS:
         spec = parse_job(tomllib.loads(gym_job(f"gym:{dataset}")))
         task = make_task(spec.task.name, dict(spec.task.params))

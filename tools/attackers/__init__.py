@@ -36,6 +36,10 @@ answered). Kinds (issues 13 and 26, "Measure it"):
 gives each new identity the next address in it, a network of its own (loopback is a network
 per address when the coordinator runs with ``[admission] loopback_is_network``).
 
+Beside the attackers, for the benchmark that runs them: :mod:`.launch` starts them as processes
+(addresses, cores, scheduling) and reads their counters; :mod:`.job` is the job the swarm trains
+under attack.
+
 Only for loopback benchmarks: nothing here is part of the shipped programs.
 """
 
