@@ -1,13 +1,14 @@
 """One relay host of a broadcast benchmark as its own process, and the orchestrator's handle on it.
 
-The agent (:func:`agent_entry`, started by ``benchmarks/broadcast.py --agent``) runs one real
-EchoHost and one :class:`~echo.p2p.relay.Relay` over a :class:`~echo.p2p.chunkstore.ChunkStore`,
-and obeys JSON-line commands on stdin: ``config`` (restart the relay with a
-:class:`~echo.p2p.relay.RelayConfig`), ``publish`` (the source seals a fresh random version),
-``connect``, ``route`` (start relaying a version along a :class:`~echo.protocol.broadcast.Route`),
-``timeline``, ``verify`` (the payload's sha256) and ``quit``. It answers with event lines that
-start with :data:`EVENT`; anything else on its stdout is library noise. :class:`AgentProc` is
-the other end of that protocol: both sides of it live here so that they change together.
+The agent (:func:`agent_entry`; ``benchmarks/broadcast.py --agent`` or ``python -m
+echo.tools.relay_agent``) runs one real EchoHost and one :class:`~echo.p2p.relay.Relay` over a
+:class:`~echo.p2p.chunkstore.ChunkStore`, and obeys JSON-line commands on stdin: ``config``
+(restart the relay with a :class:`~echo.p2p.relay.RelayConfig`), ``publish`` (the source seals a
+fresh random version), ``connect``, ``route`` (start relaying a version along a
+:class:`~echo.protocol.broadcast.Route`), ``timeline``, ``verify`` (the payload's sha256) and
+``quit``. It answers with event lines that start with :data:`EVENT`; anything else on its stdout
+is library noise. :class:`AgentProc` is the other end of that protocol: both sides of it live
+here so that they change together.
 """
 
 from __future__ import annotations
@@ -240,3 +241,7 @@ class AgentProc:
             with contextlib.suppress(OSError):
                 tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-30:])
         raise RuntimeError(f"agent {self.name} exited while waiting for {event}:\n{tail}")
+
+
+if __name__ == "__main__":
+    agent_entry(sys.argv[1:])
