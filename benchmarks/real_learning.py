@@ -77,7 +77,7 @@ SWARM_ENGINES = "torch,llamacpp"  # three nodes take them in turn: torch, llama.
 
 
 def make_recipe(quick: bool, system: str = "short", ops: list[str] | None = None,
-                **override: Any) -> dict[str, Any]:
+                temperature: float = 1.0, **override: Any) -> dict[str, Any]:
     """The recipe every way runs, as recorded in the run folder's recipe.json: the quick or
     full budget with the keys in ``override`` (those of :data:`FULL`; None: keep) replaced,
     the system prompt ``system`` (a name in :data:`SYSTEM_PROMPTS` or the text) and the word
@@ -93,6 +93,8 @@ def make_recipe(quick: bool, system: str = "short", ops: list[str] | None = None
     if r["group"] < 2:
         raise ValueError("a group needs at least 2 samples (GRPO's advantage is relative)")
     ops = ops or ALL_OPS
+    if not 0 < temperature <= 2:
+        raise ValueError(f"temperature must be in (0, 2], not {temperature}")
     if set(ops) - set(ALL_OPS):
         raise ValueError(f"ops must name some of {ALL_OPS}, not {ops}")
     data: dict[str, Any] = {"rows": word_problems.ROWS, "seed": word_problems.SEED}
@@ -101,7 +103,8 @@ def make_recipe(quick: bool, system: str = "short", ops: list[str] | None = None
     return {**r, "task": TASK, "data": data,
             "task_params": {**TASK_PARAMS, "system_prompt": SYSTEM_PROMPTS.get(system, system),
                             "max_new_tokens": r["max_new"]},
-            "chat": "auto", "publish_dtype": "bfloat16", "temperature": 1.0, "model": "smollm2"}
+            "chat": "auto", "publish_dtype": "bfloat16", "temperature": temperature,
+            "model": "smollm2"}
 
 
 def data_file(recipe: dict[str, Any]) -> Path:
@@ -381,6 +384,8 @@ def main() -> None:
         ap.add_argument("--eval-every", type=int, default=None, help="versions between evals")
         ap.add_argument("--system", default="short",
                         help=f"system prompt: one of {sorted(SYSTEM_PROMPTS)} or the text")
+        ap.add_argument("--temperature", type=float, default=1.0,
+                        help="sampling temperature of the rollouts (the learner's too)")
         ap.add_argument("--ops", default=",".join(ALL_OPS),
                         help="word problems' operations, comma-separated (default: all)")
         ap.add_argument("--threads", type=int, default=2,
@@ -393,6 +398,7 @@ def main() -> None:
 
     args = parse_args(__doc__.splitlines()[0], setup=setup)
     recipe = make_recipe(args.quick, system=args.system, ops=args.ops.split(","),
+                         temperature=args.temperature,
                          steps=args.steps, lr=args.lr, prompts=args.prompts,
                          group=args.group, max_new=args.max_new, eval_prompts=args.eval_prompts,
                          eval_every=args.eval_every)
