@@ -61,6 +61,11 @@ TASK = "dataset"
 DATA_FILE = ROOT / "tests" / "data" / "word_problems.jsonl"
 TASK_PARAMS: dict[str, Any] = {"eval_fraction": 0.2}
 SYSTEM_PROMPT = "Reply with only the final answer, as <answer>N</answer>."
+# --system picks one of these or gives a text (benchmarks/real_learning_probe.py measures them).
+SYSTEM_PROMPTS = {"short": SYSTEM_PROMPT,
+                  "solve": "Solve the problem. End with the final answer as <answer>N</answer>.",
+                  "number": "Answer with just the number."}
+ALL_OPS = list(word_problems.OPS)
 # Per version: prompts x group rollouts of at most max_new tokens.
 FULL = {"steps": 40, "prompts": 4, "group": 8, "max_new": 32, "lr": 1e-5,
         "eval_prompts": 64, "eval_every": 10}
@@ -71,9 +76,12 @@ STALENESS = (1, 2)
 SWARM_ENGINES = "torch,llamacpp"  # three nodes take them in turn: torch, llama.cpp, torch
 
 
-def make_recipe(quick: bool, **override: Any) -> dict[str, Any]:
+def make_recipe(quick: bool, system: str = "short", ops: list[str] | None = None,
+                temperature: float = 1.0, **override: Any) -> dict[str, Any]:
     """The recipe every way runs, as recorded in the run folder's recipe.json: the quick or
-    full budget with the keys in ``override`` (those of :data:`FULL`; None: keep) replaced."""
+    full budget with the keys in ``override`` (those of :data:`FULL`; None: keep) replaced,
+    the system prompt ``system`` (a name in :data:`SYSTEM_PROMPTS` or the text) and the word
+    problems' operations ``ops`` (default all: tests/data/word_problems.jsonl)."""
     r = dict(QUICK if quick else FULL)
     unknown = set(override) - set(r)
     if unknown:
@@ -84,18 +92,41 @@ def make_recipe(quick: bool, **override: Any) -> dict[str, Any]:
                          "held-out prompt")
     if r["group"] < 2:
         raise ValueError("a group needs at least 2 samples (GRPO's advantage is relative)")
-    return {**r, "task": TASK, "data": {"rows": word_problems.ROWS, "seed": word_problems.SEED},
-            "task_params": {**TASK_PARAMS, "system_prompt": SYSTEM_PROMPT,
+    ops = ops or ALL_OPS
+    if not 0 < temperature <= 2:
+        raise ValueError(f"temperature must be in (0, 2], not {temperature}")
+    if set(ops) - set(ALL_OPS):
+        raise ValueError(f"ops must name some of {ALL_OPS}, not {ops}")
+    data: dict[str, Any] = {"rows": word_problems.ROWS, "seed": word_problems.SEED}
+    if ops != ALL_OPS:  # recorded only when not the default, so older run folders still match
+        data["ops"] = ops
+    return {**r, "task": TASK, "data": data,
+            "task_params": {**TASK_PARAMS, "system_prompt": SYSTEM_PROMPTS.get(system, system),
                             "max_new_tokens": r["max_new"]},
-            "chat": "auto", "publish_dtype": "bfloat16", "temperature": 1.0, "model": "smollm2"}
+            "chat": "auto", "publish_dtype": "bfloat16", "temperature": temperature,
+            "model": "smollm2"}
 
 
-def with_data(recipe: dict[str, Any], path: Path = DATA_FILE) -> dict[str, Any]:
-    """The recipe with its task reading the problems at ``path``.
+def data_file(recipe: dict[str, Any]) -> Path:
+    """Where the recipe's problems live: tests/data/word_problems.jsonl for all four
+    operations, else a file beside it that :func:`with_data` writes from the fixed seed (the
+    local swarm's coordinator reads datasets from tests/data)."""
+    ops = recipe["data"].get("ops")
+    return DATA_FILE if ops is None else DATA_FILE.with_name(f"word_problems-{'-'.join(ops)}.jsonl")
 
-    :raises ValueError: the file is not the one the recipe names (its rows and seed).
+
+def with_data(recipe: dict[str, Any], path: Path | None = None) -> dict[str, Any]:
+    """The recipe with its task reading the problems at ``path`` (default
+    :func:`data_file`, written there first when it is a subset's file not yet made).
+
+    :raises ValueError: the file is not the one the recipe names (its rows, seed and ops).
     """
-    want = word_problems.rows(recipe["data"]["rows"], recipe["data"]["seed"])
+    d = recipe["data"]
+    if path is None:
+        path = data_file(recipe)
+        if d.get("ops") is not None and not path.exists():
+            word_problems.write(path, d["rows"], d["seed"], d["ops"])
+    want = word_problems.rows(d["rows"], d["seed"], d.get("ops"))
     have = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if have != want:
         raise ValueError(f"{path} is not the recipe's problems ({recipe['data']}): rewrite it "
@@ -351,6 +382,12 @@ def main() -> None:
         ap.add_argument("--max-new", type=int, default=None, help="tokens per completion")
         ap.add_argument("--eval-prompts", type=int, default=None, help="held-out prompts")
         ap.add_argument("--eval-every", type=int, default=None, help="versions between evals")
+        ap.add_argument("--system", default="short",
+                        help=f"system prompt: one of {sorted(SYSTEM_PROMPTS)} or the text")
+        ap.add_argument("--temperature", type=float, default=1.0,
+                        help="sampling temperature of the rollouts (the learner's too)")
+        ap.add_argument("--ops", default=",".join(ALL_OPS),
+                        help="word problems' operations, comma-separated (default: all)")
         ap.add_argument("--threads", type=int, default=2,
                         help="torch threads of sync and trl (on a machine other work loads, 1 "
                              "is faster than 2: two threads wait on each other)")
@@ -360,7 +397,9 @@ def main() -> None:
                              "(default: runs/real-learning/<date-time>)")
 
     args = parse_args(__doc__.splitlines()[0], setup=setup)
-    recipe = make_recipe(args.quick, steps=args.steps, lr=args.lr, prompts=args.prompts,
+    recipe = make_recipe(args.quick, system=args.system, ops=args.ops.split(","),
+                         temperature=args.temperature,
+                         steps=args.steps, lr=args.lr, prompts=args.prompts,
                          group=args.group, max_new=args.max_new, eval_prompts=args.eval_prompts,
                          eval_every=args.eval_every)
     seeds = 1 if args.quick else args.seeds

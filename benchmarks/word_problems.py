@@ -69,12 +69,19 @@ def _div(rng: random.Random, name: str, item: str) -> tuple[str, int]:
     return q, k
 
 
-def rows(n: int = ROWS, seed: int = SEED) -> list[dict[str, object]]:
-    """``n`` problems, the same on every machine for the same ``seed``."""
+OPS = {"add": _add, "sub": _sub, "mul": _mul, "div": _div}
+
+
+def rows(n: int = ROWS, seed: int = SEED, ops: list[str] | None = None) -> list[dict[str, object]]:
+    """``n`` problems, the same on every machine for the same ``seed`` and ``ops`` (the makers
+    of :data:`OPS` taken in turn; default all four, the file the tests read)."""
     if n < 1:
         raise ValueError(f"need at least one row, not {n}")
+    unknown = set(ops or ()) - set(OPS)
+    if unknown or ops == []:
+        raise ValueError(f"ops must name some of {sorted(OPS)}, not {ops}")
     rng = random.Random(seed)
-    makers = [_add, _sub, _mul, _div]
+    makers = [OPS[o] for o in (ops or OPS)]
     out = []
     for i in range(n):
         q, a = makers[i % len(makers)](rng, rng.choice(NAMES), rng.choice(ITEMS))
@@ -82,11 +89,11 @@ def rows(n: int = ROWS, seed: int = SEED) -> list[dict[str, object]]:
     return out
 
 
-def write(path: Path, n: int = ROWS, seed: int = SEED) -> Path:
+def write(path: Path, n: int = ROWS, seed: int = SEED, ops: list[str] | None = None) -> Path:
     """Write the problems to ``path`` (replaced whole); returns ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows(n, seed)))
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows(n, seed, ops)))
     tmp.replace(path)
     return path
 

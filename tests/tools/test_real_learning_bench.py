@@ -82,6 +82,29 @@ def test_the_task_reads_the_committed_problems_and_refuses_another_file(tmp_path
         word_problems.rows(0)
 
 
+def test_a_subset_of_operations_is_its_own_recipe_and_file(tmp_path: Path) -> None:
+    """--ops add,sub: only sums and differences, the default file untouched, another folder's
+    recipe; the system prompt by name or as text."""
+    assert "ops" not in make_recipe(True)["data"]  # folders made before --ops still match
+    easy = make_recipe(True, ops=["add", "sub"], system="number")
+    assert easy["data"]["ops"] == ["add", "sub"] and easy != make_recipe(True)
+    assert easy["task_params"]["system_prompt"] == "Answer with just the number."
+    assert make_recipe(True, system="Be brief.")["task_params"]["system_prompt"] == "Be brief."
+    rows = word_problems.rows(40, ops=["add", "sub"])
+    assert rows[:2] == word_problems.rows(2, ops=["add", "sub"])  # the same from the seed
+    assert all(("more" in r["question"] or "all" in r["question"] or "find" in r["question"])
+               if i % 2 == 0 else r["answer"] >= 1 for i, r in enumerate(rows))
+    assert rows != word_problems.rows(40)
+    path = word_problems.write(tmp_path / "easy.jsonl", ops=["add", "sub"])
+    assert with_data(easy, path)["task_params"]["path"] == str(path.resolve())
+    with pytest.raises(ValueError, match="not the recipe's problems"):
+        with_data(easy, DATA_FILE)
+    with pytest.raises(ValueError, match="ops must name"):
+        make_recipe(True, ops=["pow"])
+    with pytest.raises(ValueError, match="ops must name"):
+        word_problems.rows(4, ops=[])
+
+
 def test_the_swarm_job_is_the_recipe(tmp_path: Path) -> None:
     recipe = with_data(make_recipe(False))
     job = parse_job(tomllib.loads(job_toml(recipe, str(tmp_path), staleness=2)))
