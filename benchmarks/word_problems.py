@@ -8,6 +8,10 @@ Instruct answers about a third of them right at the start, in a sentence that en
 number, so the task starts well above 0 and well below its ceiling, and a completion fits in
 a few dozen tokens (docs/results/2026-12-06-real-learning.md has the measurements).
 
+``ops`` may instead name bare arithmetic (:data:`BARE`: "What is 5 + 9?"), which SmolLM2 can
+answer within 8 tokens; scored by the last number, single-digit sums are the recipe that learns
+(docs/results/2026-12-07-real-learning.md).
+
     python benchmarks/word_problems.py OUT.jsonl [--rows N]
 """
 
