@@ -77,11 +77,13 @@ SWARM_ENGINES = "torch,llamacpp"  # three nodes take them in turn: torch, llama.
 
 
 def make_recipe(quick: bool, system: str = "short", ops: list[str] | None = None,
-                temperature: float = 1.0, **override: Any) -> dict[str, Any]:
+                temperature: float = 1.0, match: str = "math",
+                **override: Any) -> dict[str, Any]:
     """The recipe every way runs, as recorded in the run folder's recipe.json: the quick or
     full budget with the keys in ``override`` (those of :data:`FULL`; None: keep) replaced,
     the system prompt ``system`` (a name in :data:`SYSTEM_PROMPTS` or the text) and the word
-    problems' operations ``ops`` (default all: tests/data/word_problems.jsonl)."""
+    problems' operations ``ops`` (default all: tests/data/word_problems.jsonl; or
+    :data:`word_problems.BARE`'s bare arithmetic), scored by the dataset task's ``match``."""
     r = dict(QUICK if quick else FULL)
     unknown = set(override) - set(r)
     if unknown:
@@ -95,14 +97,17 @@ def make_recipe(quick: bool, system: str = "short", ops: list[str] | None = None
     ops = ops or ALL_OPS
     if not 0 < temperature <= 2:
         raise ValueError(f"temperature must be in (0, 2], not {temperature}")
-    if set(ops) - set(ALL_OPS):
-        raise ValueError(f"ops must name some of {ALL_OPS}, not {ops}")
+    if set(ops) - set(word_problems.MAKERS):
+        raise ValueError(f"ops must name some of {list(word_problems.MAKERS)}, not {ops}")
+    if match not in ("math", "exact", "number"):
+        raise ValueError(f"match must be math, exact or number, not {match}")
     data: dict[str, Any] = {"rows": word_problems.ROWS, "seed": word_problems.SEED}
     if ops != ALL_OPS:  # recorded only when not the default, so older run folders still match
         data["ops"] = ops
+    scorer = {} if match == "math" else {"match": match}  # as with ops: older folders match
     return {**r, "task": TASK, "data": data,
             "task_params": {**TASK_PARAMS, "system_prompt": SYSTEM_PROMPTS.get(system, system),
-                            "max_new_tokens": r["max_new"]},
+                            "max_new_tokens": r["max_new"], **scorer},
             "chat": "auto", "publish_dtype": "bfloat16", "temperature": temperature,
             "model": "smollm2"}
 
@@ -387,7 +392,11 @@ def main() -> None:
         ap.add_argument("--temperature", type=float, default=1.0,
                         help="sampling temperature of the rollouts (the learner's too)")
         ap.add_argument("--ops", default=",".join(ALL_OPS),
-                        help="word problems' operations, comma-separated (default: all)")
+                        help="word problems' operations, comma-separated (default: all "
+                             "four), or bare arithmetic: add1, add2, mul1")
+        ap.add_argument("--match", default="math", choices=["math", "exact", "number"],
+                        help="the dataset task's scorer: math-verify (which sums an echoed "
+                             "'6 + 8'), the last line, or the last number")
         ap.add_argument("--threads", type=int, default=2,
                         help="torch threads of sync and trl (on a machine other work loads, 1 "
                              "is faster than 2: two threads wait on each other)")
@@ -398,7 +407,7 @@ def main() -> None:
 
     args = parse_args(__doc__.splitlines()[0], setup=setup)
     recipe = make_recipe(args.quick, system=args.system, ops=args.ops.split(","),
-                         temperature=args.temperature,
+                         temperature=args.temperature, match=args.match,
                          steps=args.steps, lr=args.lr, prompts=args.prompts,
                          group=args.group, max_new=args.max_new, eval_prompts=args.eval_prompts,
                          eval_every=args.eval_every)

@@ -47,6 +47,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--match", choices=["math", "exact", "number"], default="math",
+                    help="the dataset task's scorer: math-verify, the last line, the last number")
+    ap.add_argument("--examples", type=int, default=3, help="sample completions to print")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from echo.learner.evaluate import greedy_accuracy
@@ -63,7 +66,8 @@ def main() -> None:
     word_problems.write(path, ops=ops)
     system = SYSTEMS.get(args.system, args.system)
     task = make_task("dataset", {"path": str(path.resolve()), "eval_fraction": 0.2,
-                                 "system_prompt": system, "max_new_tokens": args.max_new})
+                                 "system_prompt": system, "max_new_tokens": args.max_new,
+                                 "match": args.match})
     spec = model_spec("smollm2")
     tok = load_tokenizer(spec)
     render = PromptRenderer(spec, task, tok, use_chat_template(spec, tok, "auto"))
@@ -84,12 +88,14 @@ def main() -> None:
     t1 = time.perf_counter()
     greedy = greedy_accuracy(model, spec, task, args.eval_prompts, tok, "auto")
     print(json.dumps({
-        "system": args.system, "max_new": args.max_new, "ops": ops, "temperature": args.temperature,
+        "system": args.system, "match": args.match, "max_new": args.max_new, "ops": ops,
+        "temperature": args.temperature,
         "sampled": statistics.fmean(flat), "mixed_groups": sum(len(set(g)) > 1 for g in rewards)
         / len(rewards), "greedy": greedy, "len_mean": statistics.fmean(lens),
         "cut_share": sum(n >= args.max_new for n in lens) / len(lens),
         "gen_s": round(gen_s), "eval_s": round(time.perf_counter() - t1),
-        "examples": [[task.answer(i), texts[i][0]] for i in range(min(3, len(texts)))],
+        "examples": [[task.answer(i), t, r] for i in range(len(texts))
+                     for t, r in zip(texts[i], rewards[i], strict=True)][:args.examples],
     }))  # fmt: skip
 
 

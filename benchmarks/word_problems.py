@@ -8,6 +8,10 @@ Instruct answers about a third of them right at the start, in a sentence that en
 number, so the task starts well above 0 and well below its ceiling, and a completion fits in
 a few dozen tokens (docs/results/2026-12-06-real-learning.md has the measurements).
 
+``ops`` may instead name bare arithmetic (:data:`BARE`: "What is 5 + 9?"), which SmolLM2 can
+answer within 8 tokens; scored by the last number, single-digit sums are the recipe that learns
+(docs/results/2026-12-07-real-learning.md).
+
     python benchmarks/word_problems.py OUT.jsonl [--rows N]
 """
 
@@ -72,16 +76,34 @@ def _div(rng: random.Random, name: str, item: str) -> tuple[str, int]:
 OPS = {"add": _add, "sub": _sub, "mul": _mul, "div": _div}
 
 
+def _bare(lo: int, hi: int, sign: str):
+    """A maker of bare sums or products ("What is 7 + 5?", operands lo..hi): no prose to
+    explain, so a 135M model can answer with the number alone in a few tokens (the word
+    problems above sample 0-6% right at temperature 1, docs/results/2026-12-07-real-learning.md)."""
+
+    def make(rng: random.Random, _name: str, _item: str) -> tuple[str, int]:
+        a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+        return f"What is {a} {sign} {b}?", a + b if sign == "+" else a * b
+
+    return make
+
+
+# Not word problems, and not in the default file: named in ``ops`` on their own.
+BARE = {"add1": _bare(1, 9, "+"), "add2": _bare(10, 99, "+"), "mul1": _bare(2, 9, "*")}
+MAKERS = {**OPS, **BARE}
+
+
 def rows(n: int = ROWS, seed: int = SEED, ops: list[str] | None = None) -> list[dict[str, object]]:
     """``n`` problems, the same on every machine for the same ``seed`` and ``ops`` (the makers
-    of :data:`OPS` taken in turn; default all four, the file the tests read)."""
+    of :data:`MAKERS` taken in turn; default the four word problems of :data:`OPS`, the file
+    the tests read; :data:`BARE`'s bare arithmetic only when named)."""
     if n < 1:
         raise ValueError(f"need at least one row, not {n}")
-    unknown = set(ops or ()) - set(OPS)
+    unknown = set(ops or ()) - set(MAKERS)
     if unknown or ops == []:
-        raise ValueError(f"ops must name some of {sorted(OPS)}, not {ops}")
+        raise ValueError(f"ops must name some of {sorted(MAKERS)}, not {ops}")
     rng = random.Random(seed)
-    makers = [OPS[o] for o in (ops or OPS)]
+    makers = [MAKERS[o] for o in (ops or OPS)]
     out = []
     for i in range(n):
         q, a = makers[i % len(makers)](rng, rng.choice(NAMES), rng.choice(ITEMS))

@@ -59,7 +59,7 @@ class DatasetParams(TaskParams):
         min_length=1,
         description="the answer is what follows the last such marker (GSM8K: '####')",
     )
-    match: Literal["math", "exact"] = Field("math", description="the task's own scorer")
+    match: Literal["math", "exact", "number"] = Field("math", description="the task's own scorer")
     shuffle: bool = True
     seed: int = Field(0, ge=0, le=2**63 - 1)
     max_rows: int = Field(100_000, ge=1, le=10_000_000)
@@ -102,7 +102,8 @@ def _held_out(key: str, fraction: float) -> bool:
 
 class DatasetTask(Task):
     """Prompts and reference answers from a local file; the task's own reward is math-verify
-    (``match = "math"``) or the exact final answer (``match = "exact"``), see
+    (``match = "math"``), the exact final answer (``match = "exact"``) or the last number
+    (``match = "number"``), see
     :mod:`echo.tasks.rewards` for how the answer is taken from the completion."""
 
     name = "dataset"
@@ -252,6 +253,8 @@ class DatasetTask(Task):
         answer = self.answer(prompt_id)
         if self.params.match == "exact":
             return rw.exact_score(completion, answer)
+        if self.params.match == "number":
+            return rw.last_number_score(completion, answer)
         return rw.math_score(completion, answer)
 
     def format_example(self, rng: random.Random) -> tuple[str, str]:

@@ -56,6 +56,26 @@ def final_answer(completion: str, tag: str = "answer") -> str:
     return next((line for line in reversed(lines) if line), "")
 
 
+# A plain decimal number, not glued to a word or another number's digits ("x2" and "1.2.3" hold
+# no number here): what a short answer ends on.
+_NUMBER = re.compile(r"(?<![\w.])-?\d+(?:\.\d+)?(?![\w.]\d)")
+
+
+def last_number_score(completion: str, answer: str, tag: str = "answer") -> float:
+    """1.0 iff the last number in the ``<tag>`` content (else the whole completion) equals the
+    numeric reference answer. Unlike math-verify, which evaluates the last expression (a
+    completion cut at "To find 6 + 8," scores right for 14), an operand echoed from the
+    question is only itself; 0.0 for a reference that is not a number."""
+    try:
+        want = float(answer.strip())
+    except ValueError:
+        return 0.0
+    inside = tagged(completion, tag)
+    text = inside if inside is not None else completion[:MAX_SCORED_CHARS]
+    found = _NUMBER.findall(text)
+    return 1.0 if found and float(found[-1]) == want else 0.0
+
+
 def exact_score(completion: str, answer: str, tag: str = "answer") -> float:
     """1.0 iff :func:`final_answer` equals the stripped reference answer."""
     return 1.0 if final_answer(completion, tag) == answer.strip() else 0.0

@@ -52,6 +52,31 @@ def test_math_verify_off_the_main_thread_runs_in_a_bounded_process() -> None:
     assert got == [1.0, 0.0, 1.0]
 
 
+@pytest.mark.parametrize(
+    ("completion", "answer", "score"),
+    [
+        ("The answer is 12, since 8 + 4 = 12.", "12", 1.0),
+        ("12", "12", 1.0),
+        ("<answer>-3.5</answer> then 7", "-3.5", 1.0),  # the tag wins
+        ("To find 8 + 4,", "12", 0.0),  # math-verify scores this 1.0: it sums the echo
+        ("The answer is 112", "12", 0.0),
+        ("x12 and 1.2.3", "12", 0.0),  # glued to a word or a dotted run: not a number
+        ("5-3", "3", 1.0),
+        ("no number here", "12", 0.0),
+        ("12", "twelve", 0.0),  # a reference that is not a number matches nothing
+    ],
+)
+def test_last_number(completion: str, answer: str, score: float) -> None:
+    assert rw.last_number_score(completion, answer) == score
+
+
+def test_the_dataset_task_scores_by_the_last_number_when_asked() -> None:
+    task = make_task("dataset", {"path": DATA, "match": "number", "max_new_tokens": 4})
+    answer = task.answer(0)
+    assert task.reward(0, f"So it is {answer}.") == 1.0
+    assert task.reward(0, f"So it is {answer}, not {int(float(answer)) + 1}") == 0.0
+
+
 def test_exact_regex_and_format() -> None:
     assert rw.exact_score("work\n<answer> 12 </answer>", "12") == 1.0
     assert rw.exact_score("12.0", "12") == 0.0

@@ -105,6 +105,26 @@ def test_a_subset_of_operations_is_its_own_recipe_and_file(tmp_path: Path) -> No
         word_problems.rows(4, ops=[])
 
 
+def test_bare_arithmetic_is_named_on_its_own_and_scored_by_the_recipes_match() -> None:
+    """--ops add1: "What is a + b?" with single digits, from the same seed every time, never in
+    the default file; --match number is recorded, math (the default) is not."""
+    rows = word_problems.rows(200, ops=["add1", "mul1"])
+    assert rows == word_problems.rows(200, ops=["add1", "mul1"])
+    assert rows[0] == {"id": "w0000", "question": "What is 5 + 4?", "answer": 9}
+    for r in rows:
+        a, sign, b = r["question"].removeprefix("What is ").removesuffix("?").split()
+        assert 1 <= int(a) <= 9 and 1 <= int(b) <= 9
+        assert r["answer"] == (int(a) + int(b) if sign == "+" else int(a) * int(b))
+    two = word_problems.rows(50, ops=["add2"])
+    assert all(r["answer"] >= 20 for r in two) and len({r["question"] for r in two}) > 45
+    assert not any("What is" in r["question"] for r in word_problems.rows())
+    bare = make_recipe(True, ops=["add1"], match="number")
+    assert bare["data"]["ops"] == ["add1"] and bare["task_params"]["match"] == "number"
+    assert "match" not in make_recipe(True)["task_params"]  # older folders still match
+    with pytest.raises(ValueError, match="match must be"):
+        make_recipe(True, match="fuzzy")
+
+
 def test_the_swarm_job_is_the_recipe(tmp_path: Path) -> None:
     recipe = with_data(make_recipe(False))
     job = parse_job(tomllib.loads(job_toml(recipe, str(tmp_path), staleness=2)))
