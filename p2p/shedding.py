@@ -228,11 +228,12 @@ class Shedder:
                 now = self.lag.lagging
                 if now != was:
                     logger.info(
-                        "loop %s (worst turn %.2f s late, busiest %.0f%%): %s strangers",
+                        "loop %s (worst turn %.2f s late, busiest %.0f%%): %s strangers "
+                        "from capped public networks",
                         "saturated" if now else "back to normal",
                         self.lag.worst_s,
                         100 * self.lag.busiest,
-                        "shedding" if now else "serving",
+                        "shedding" if now else "serving again",
                     )
                     was = now
                 if not now:
