@@ -79,17 +79,7 @@ def agent(listen: str) -> None:
         async with open_host(Identity.generate(), [listen], pubsub=False) as h:
             dcutr.serve_dcutr(h)
             say({"peer": str(h.peer_id), "addr": h.listen_multiaddrs[0]})
-            stdin = trio.lowlevel.FdStream(os.dup(0))
-            buf = b""
-            while True:
-                while b"\n" not in buf:
-                    with trio.move_on_after(3600):
-                        chunk = await stdin.receive_some(65536)
-                    if not chunk:
-                        return
-                    buf += chunk
-                line, buf = buf.split(b"\n", 1)
-                cmd = json.loads(line)
+            async for cmd in dcutr_netns.json_lines(trio.lowlevel.FdStream(os.dup(0))):
                 if cmd["op"] == "quit":
                     return
                 try:

@@ -26,7 +26,9 @@ import json
 import statistics
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import echo.tools.netem_nat as netem_nat
 
@@ -56,7 +58,6 @@ def agent(listen: str) -> None:
             dcutr.serve_dcutr(h)
             say({"peer": str(h.peer_id), "addr": h.listen_multiaddrs[0]})
             stdin = trio.lowlevel.FdStream(os.dup(0))
-            buf = b""
 
             async def relay(task_status) -> None:  # type: ignore[no-untyped-def]
                 async with offer_relay(h, CONTROL_RELAY_LIMITS):
@@ -69,15 +70,7 @@ def agent(listen: str) -> None:
                     await trio.sleep_forever()
 
             async with trio.open_nursery() as n:
-                while True:
-                    while b"\n" not in buf:
-                        chunk = await stdin.receive_some(65536)
-                        if not chunk:
-                            n.cancel_scope.cancel()
-                            return
-                        buf += chunk
-                    line, buf = buf.split(b"\n", 1)
-                    cmd = json.loads(line)
+                async for cmd in json_lines(stdin):
                     try:
                         if cmd["op"] == "quit":
                             n.cancel_scope.cancel()
@@ -98,8 +91,23 @@ def agent(listen: str) -> None:
                             say({"ok": ok and direct, "s": round(dt, 2)})
                     except Exception as exc:  # noqa: BLE001 (reported to the driver)
                         say({"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]})
+                n.cancel_scope.cancel()  # the driver closed our stdin
 
     trio.run(main)
+
+
+async def json_lines(stream: Any) -> AsyncIterator[dict]:
+    """An agent's commands: one JSON object per line of ``stream`` (a trio receive stream),
+    until it closes."""
+    buf = b""
+    while True:
+        while b"\n" not in buf:
+            chunk = await stream.receive_some(65536)
+            if not chunk:
+                return
+            buf += chunk
+        line, buf = buf.split(b"\n", 1)
+        yield json.loads(line)
 
 
 class Agent:
