@@ -7,9 +7,10 @@ size, one optimizer step per batch of ``prompts x group`` completions (one gener
 one iteration: on-policy), the token-mean loss over the batch (``loss_type = "dapo"``, the
 learner's), group-normalised advantages, clip 0.2, no KL term, AdamW at the recipe's lr with
 the job's betas (0.9, 0.99), no weight decay, gradient norm clipped at 1, a constant learning
-rate, sampling at temperature 1 with neither top-k nor top-p. Rewards are the task's own scorer
-on the decoded completion. Held-out accuracy is :func:`echo.learner.evaluate.greedy_accuracy`
-on the trainer's model, the function the other two ways use.
+rate, sampling at the recipe's temperature with neither top-k nor top-p. Rewards are the task's
+own scorer on the decoded completion. Held-out accuracy is
+:func:`echo.learner.evaluate.greedy_accuracy` on the trainer's model, the function the other two
+ways use.
 
 What differs, and stays different: TRL samples from its float32 weights (the swarm's nodes and
 the sync baseline sample from the bf16 weights a real job publishes), with ``transformers``'
@@ -92,7 +93,7 @@ def run_trl(recipe: dict[str, Any], seed: int, spec: Any, task: Any) -> dict[str
             steps_per_generation=1,  # one generation per optimizer step (it sets the batch)
             num_iterations=1,
             max_completion_length=recipe["max_new"],
-            temperature=1.0,
+            temperature=recipe["temperature"],
             top_p=1.0,
             top_k=0,
             learning_rate=recipe["lr"],
