@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 
 from echo.p2p.lifecycle import run_until_signalled
+from echo.p2p.log_noise import quiet_libp2p
 from echo.protocol.jobspec import SpecError
 
 app = typer.Typer(
@@ -75,8 +76,8 @@ def serve(
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    for noisy in ("libp2p", "multiaddr", "hypercorn", "async_service"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    quiet_libp2p(logging.WARNING, verbose=verbose)
+    logging.getLogger("hypercorn").setLevel(logging.WARNING)
     try:
         cfg = load_config(config)
     except SpecError as exc:

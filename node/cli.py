@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 
 from echo.p2p.lifecycle import run_until_signalled
+from echo.p2p.log_noise import quiet_libp2p
 from echo.protocol.jobspec import SpecError
 
 app = typer.Typer(
@@ -165,8 +166,7 @@ def join(
         level=logging.DEBUG if verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    for noisy in ("libp2p", "multiaddr", "async_service"):
-        logging.getLogger(noisy).setLevel(logging.ERROR if not verbose else logging.INFO)
+    quiet_libp2p(logging.INFO if verbose else logging.ERROR, verbose=verbose)
     try:
         node = Node(cfg, console, max_groups=max_groups)
         if run_until_signalled(node.run):
