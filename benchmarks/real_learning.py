@@ -344,8 +344,9 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def plot(results: dict[str, dict[str, Any]], path: Path) -> Path | None:
-    """Held-out accuracy against versions, every run of every way; None without matplotlib."""
+def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> Path | None:
+    """Held-out accuracy against versions: each run thin, each way's mean over its runs bold
+    (where the runs were evaluated at the same versions); None without matplotlib."""
     try:
         import matplotlib
 
@@ -353,19 +354,40 @@ def plot(results: dict[str, dict[str, Any]], path: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(6.4, 4))
     for i, (name, r) in enumerate(results.items()):
-        for j, curve in enumerate(r["curves"]):
+        for curve in r["curves"]:
             xs, ys = zip(*curve, strict=True)
-            ax.plot(xs, ys, color=f"C{i}", alpha=0.8, marker="o", label=name if j == 0 else None)
+            ax.plot(xs, ys, color=f"C{i}", alpha=0.3, linewidth=1)
+        if len({tuple(x for x, _ in c) for c in r["curves"]}) == 1:
+            xs = [x for x, _ in r["curves"][0]]
+            ys = [statistics.fmean(c[k][1] for c in r["curves"]) for k in range(len(xs))]
+            label = f"{name} (mean of {len(r['curves'])})"
+        else:  # runs evaluated at different versions: no mean, the first run labelled
+            xs, ys = zip(*r["curves"][0], strict=True)
+            label = name
+        ax.plot(xs, ys, color=f"C{i}", marker="o", linewidth=2, label=label)
     ax.set_xlabel("version (optimizer steps)")
     ax.set_ylabel("held-out greedy accuracy")
-    ax.set_title("SmolLM2-135M-Instruct on one-step word problems")
+    ax.set_title(title, fontsize=10)
+    ax.set_ylim(0, 1)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def plot_title(recipe: dict[str, Any]) -> str:
+    """What the curves are of, from the recipe: model, task and rollouts per version."""
+    ops = recipe.get("data", {}).get("ops") or []
+    names = {"add1": "one-digit sums", "add2": "two-digit sums", "mul1": "one-digit products"}
+    bare = [names[o] for o in ops if o in names]
+    words = [o for o in ops if o not in names]
+    task = ", ".join(bare + ([f"word problems ({', '.join(words)})"] if words else []))
+    task = task or "one-step word problems"
+    return (f"SmolLM2-135M-Instruct, {task}: {recipe['prompts']} x {recipe['group']} "
+            f"rollouts a version")
 
 
 def ratio(results: dict[str, dict[str, Any]], num: str, den: str) -> dict[str, Any] | None:
@@ -463,7 +485,7 @@ def main() -> None:
             if v is not None:
                 say(f"{k} over {base}: {v['ratio']:.2f} ({pct} interval "
                     f"{v['interval'][0]:.2f}-{v['interval'][1]:.2f})")
-    png = plot(results, out / "curves.png") if results else None
+    png = plot(results, out / "curves.png", plot_title(recipe)) if results else None
 
     def worst(d: dict[str, Any]) -> dict[str, Any] | None:
         vals = [v for v in d.values() if v is not None]
