@@ -20,6 +20,8 @@ from benchmarks.real_learning import (
     kept,
     make_recipe,
     mean_interval,
+    plot,
+    plot_title,
     run_sync,
     run_trl,
     summarize,
@@ -175,3 +177,16 @@ def test_the_gain_interval_straddles_zero_when_runs_disagree() -> None:
     lo, hi = mean_interval([-0.1, 0.1, -0.05, 0.08])
     assert lo < 0 < hi
     assert mean_interval([0.1, 0.1, 0.1]) == pytest.approx((0.1, 0.1))
+
+
+def test_the_curves_name_the_task_and_plot_every_way(tmp_path: Path) -> None:
+    sums = make_recipe(False, ops=["add1"], match="number")
+    assert plot_title(sums).startswith("SmolLM2-135M-Instruct, one-digit sums: 4 x 8")
+    assert "word problems (add, sub" in plot_title(make_recipe(False, ops=["add", "sub"]))
+    run = {"eval_first": 0.1, "eval_last": 0.8, "wall_s": 1.0,
+           "eval_curve": [[0, 0.1], [6, 0.5], [12, 0.8]]}
+    late = {**run, "eval_curve": [[0, 0.1], [7, 0.6], [12, 0.8]]}  # no common versions: no mean
+    png = plot({"sync": summarize([run, run]), "swarm/S1": summarize([run, late])},
+               tmp_path / "curves.png", plot_title(sums))
+    pytest.importorskip("matplotlib")
+    assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
