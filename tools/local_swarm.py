@@ -412,7 +412,12 @@ def main() -> int:
         late = LateBuild.watch(Path(sys.prefix)) if args.engines == "mixed" else None
         with Live(console=console, refresh_per_second=2, transient=args.quiet) as live:
             while time.time() - t0 < args.timeout:
-                st, nodes = swarm.status(job_id)
+                try:
+                    st, nodes = swarm.status(job_id)
+                except httpx.TransportError:  # the run's own timeout bounds a silent coordinator
+                    console.print("[yellow]the coordinator did not answer its status for a "
+                                  "minute (a starved machine?): polling again[/yellow]")
+                    continue
                 if first_version_s is None and st["current_version"] >= 1:
                     first_version_s = time.time() - t0
                     console.print(f"first trained version after {first_version_s:.0f} s")
