@@ -109,6 +109,7 @@ def run_trl(recipe: dict[str, Any], seed: int, spec: Any, task: Any) -> dict[str
             scale_rewards="group",
             shuffle_dataset=False,
             use_cpu=True,
+            gradient_checkpointing=False,  # TRL's default is on; the other ways keep activations
             bf16=False,
             seed=seed,
             logging_steps=1,
