@@ -399,8 +399,9 @@ def main() -> int:
             window_held(out / "coordinator" / "coordinator.sqlite", honest_ids, res["window"])
         )
         say(
-            f"{name}: leases held on average, honest {res['leases_held_honest']:.2f}, "
-            f"others {res['leases_held_others']:.2f}"
+            f"{name}: leases held on average, honest {res['leases_held_honest']:.2f}, other "
+            f"nodes with accepted groups {res['leases_held_others']:.2f}, strangers "
+            f"{res['leases_held_strangers']:.2f}"
         )
     for kind, st in stats.items():
         say(f"  {kind}: {json.dumps(st)}")
