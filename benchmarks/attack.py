@@ -83,6 +83,7 @@ from echo.p2p.identity import Identity
 from echo.tools import swarm_probe
 from echo.tools.attackers.job import attack_job, keep_warmup, restore_warmup
 from echo.tools.attackers.launch import ATTACKER_IP, ATTACKER_SCHED, Fleet
+from echo.tools.attackers.window import window_held
 from echo.tools.bench import emit, parse_args, say
 from echo.tools.local_swarm import Swarm
 from echo.tools.processes import exit_on_sigterm, new_run_dir
@@ -391,6 +392,17 @@ def main() -> int:
         after = bench.phase("unattacked again", phase_s)
     finally:
         bench.stop()
+    honest_ids = {addr.rsplit("/p2p/", 1)[1] for addr in bench.node_addrs}
+    for name, res in (("unattacked", calm), ("under attack", hit), ("unattacked again", after)):
+        # Who held the job's lease window (stale hoarders, hoarders, churned identities).
+        res.update(
+            window_held(out / "coordinator" / "coordinator.sqlite", honest_ids, res["window"])
+        )
+        say(
+            f"{name}: leases held on average, honest {res['leases_held_honest']:.2f}, other "
+            f"nodes with accepted groups {res['leases_held_others']:.2f}, strangers "
+            f"{res['leases_held_strangers']:.2f}"
+        )
     for kind, st in stats.items():
         say(f"  {kind}: {json.dumps(st)}")
     if dead:

@@ -22,7 +22,9 @@ proven peers first:
 * streams of peers that are not protected, from capped prefixes, are reset unread
   (:meth:`Shedder.sheds_stream`, :func:`echo.p2p.rpc.serve_stream`);
 * their inbound connections are closed (:meth:`Shedder.run`), so that each one's next try is
-  a refused handshake, the cheapest thing a host can do with it.
+  a refused handshake, the cheapest thing a host can do with it;
+* when the hold ends, their handshakes are admitted at :data:`READMIT_PER_S` for as long as a
+  relapse would count, not all at once.
 
 Protected peers (the guard's: the learner, nodes with accepted work) are never shed, and
 neither is anything from an uncapped prefix (loopback unless ``loopback_is_network``: tests and
@@ -76,6 +78,13 @@ RELAPSE_S = 10.0
 MAX_HOLD_FACTOR = 8
 # How often, while shedding, strangers' connections are looked for and closed.
 SHED_SWEEP_S = 0.5
+# After a hold, strangers' handshakes come back at this rate (burst READMIT_BURST) for as long
+# as a relapse would count (RELAPSE_S times the hold's multiple): every stranger shut out during
+# the hold retried at once when it ended, the loop saturated within 2 s, and the honest calls of
+# those 2 s were the attack phase's slowest (lease 0.4-1.1 s, submit 1.3-1.4 s in two runs of
+# benchmarks/attack.py, each just after "back to normal").
+READMIT_PER_S = 1.0
+READMIT_BURST = 2
 
 
 class _IdleClock(trio.abc.Instrument):
@@ -149,6 +158,16 @@ class LoopLag:
     def lagging(self) -> bool:
         return self._clock() < self._until
 
+    def now(self) -> float:
+        """The clock's time (monotonic seconds)."""
+        return self._clock()
+
+    @property
+    def readmitting(self) -> bool:
+        """Whether a hold ended so recently that strangers come back at a bounded rate."""
+        since = self._clock() - self._until
+        return 0 <= since < RELAPSE_S * self._factor
+
     async def run(self, probe_s: float = PROBE_S) -> None:
         """Measure until cancelled."""
         idle = _IdleClock()
@@ -175,6 +194,8 @@ class Shedder:
         self.refused = 0  # handshakes refused while shedding, ever
         self.streams = 0  # streams reset unread while shedding, ever
         self.closed = 0  # stranger connections closed while shedding, ever
+        self.paced = 0  # handshakes refused for the readmission's rate, ever
+        self._tokens, self._refilled_at = float(READMIT_BURST), float("-inf")
 
     def _capped(self, address: str | None) -> bool:
         prefix = prefix_of(address) if address else None
@@ -188,16 +209,31 @@ class Shedder:
         return self.guard.policy.cap_for(prefix) is not None
 
     def refuses_newcomer(self, address: str) -> bool:
-        """Whether a handshake from ``address`` is refused now: the loop lags, its prefix is
-        capped and holds no protected peer's connection."""
-        if not self.lag.lagging or not self._capped(address):
+        """Whether a handshake from ``address`` is refused now: its prefix is capped and holds
+        no protected peer's connection, and the loop lags, or a hold just ended and the
+        readmission's rate is spent."""
+        lagging = self.lag.lagging
+        if not (lagging or self.lag.readmitting) or not self._capped(address):
             return False
         prefix = prefix_of(address)
         for conn in self.guard.connections():
             mine = self.guard.is_protected(conn.muxed_conn.peer_id)
             if mine and self.guard.where(conn)[1] == prefix:
                 return False
-        self.refused += 1
+        if lagging:
+            self.refused += 1
+            return True
+        now = self.lag.now()
+        if self._refilled_at == float("-inf"):
+            self._refilled_at = now
+        self._tokens = min(
+            float(READMIT_BURST), self._tokens + (now - self._refilled_at) * READMIT_PER_S
+        )
+        self._refilled_at = now
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return False
+        self.paced += 1
         return True
 
     def sheds_stream(self, peer_id: ID, address: str | None) -> bool:
@@ -261,6 +297,8 @@ __all__ = [
     "BUSY_WINDOW_S",
     "LAG_SHED_S",
     "PROBE_S",
+    "READMIT_BURST",
+    "READMIT_PER_S",
     "RELAPSE_S",
     "SHED_HOLD_S",
     "LoopLag",

@@ -1,6 +1,6 @@
-"""Lease terms by record: how long a node has for its leases, and what unproven nodes may hold.
+"""Lease terms by record: how long a node has for its leases, and how much of a window it may hold.
 
-:class:`LeaseTerms` owns two answers that depend on what a node has delivered before, both
+:class:`LeaseTerms` owns three answers that depend on what a node has delivered before, both
 against hoarding by identities with a thin record (issue 26, finding 2 and "Done means"):
 
 - **The term.** A lease's deadline is sized to its node's own measured delivery time (issue to
@@ -15,12 +15,22 @@ against hoarding by identities with a thin record (issue 26, finding 2 and "Done
   node with a record ("buffer full" for the node doing the work). With no proven node active
   (a swarm just started) there is nobody to protect, and the unproven share the window.
 
-Both read the store through indexed queries only (a node's newest rollouts; the open leases of
+- **The share of the delivered.** A node holds at most its share of the job's window in
+  proportion to its share of the job's :data:`SHARE_SAMPLE_WINDOWS` windows' worth of newest
+  accepted groups, rounded up and at least one. A node that takes leases and returns stale groups
+  or nothing delivers none of the recent groups, so its window shrinks to one lease within a few
+  windows of work, whatever record it bought before; honest nodes' shares add up to the whole
+  window; a newcomer (or a node back from a slow patch) keeps one lease and grows with what it
+  delivers. Unlike the unproven share it needs no proven node: in a quick swarm nobody had
+  ``proven_groups`` yet, and three hoarders with 3 groups each held 5 of the window of 8.
+
+All three read the store through indexed queries only (a node's newest rollouts; the open leases of
 one job; active nodes' index range, stopped at the first proven one).
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 from echo.coordinator.config import VerificationSection
@@ -32,6 +42,10 @@ DELIVERIES_SAMPLED = 8
 # A node heard from within this long counts as active (as in
 # echo.coordinator.rpc.common.NODE_ACTIVE_S).
 ACTIVE_S = 60.0
+# A node's share of the window is measured over the job's newest accepted groups, this many
+# windows' worth: a few versions of work, so that a node which stopped delivering loses its share
+# within seconds to a minute, and one lucky grant does not make a share.
+SHARE_SAMPLE_WINDOWS = 4
 
 
 class LeaseTerms:
@@ -60,3 +74,14 @@ class LeaseTerms:
             return None
         allowance = max(1, int(window * cfg.fresh_lease_share))
         return allowance - self.store.open_lease_count_unproven(job_id, cfg.proven_groups)
+
+    def share_cap(self, job_id: str, node_id: str, window: int) -> int | None:
+        """The most open leases of the job's ``window`` the node may hold by its share of the
+        job's recent deliveries (None: too few yet to judge anyone, or no ramp configured)."""
+        if not self.verification.lease_quota_ramp:
+            return None  # a ramp of 0: the operator trusts identities at once
+        recent = self.store.recent_deliveries(job_id, SHARE_SAMPLE_WINDOWS * window)
+        total = sum(recent.values())
+        if total < window:  # a job just started: nothing to compare with
+            return None
+        return max(1, math.ceil(window * recent.get(node_id, 0) / total))

@@ -147,10 +147,13 @@ class Leases:
         A node's quota grows with its run of valid results (one more open lease per
         ``lease_quota_ramp`` valid groups): identities are free, so a fresh one, honest or not,
         cannot tie up more than one lease of the buffer before it has proven itself. Each lease
-        the node took and did not deliver within ``expired_lease_window_s`` (let expire, or had
-        its submission rejected, a stale version's included) takes one off its quota (then it
+        the node let expire within ``expired_lease_window_s`` takes one off its quota (then it
         gets none until they age out; only a group accepted after them forgives them, see
-        :meth:`~echo.coordinator.store.leases.LeaseTables.undelivered_lease_count`), and nodes
+        :meth:`~echo.coordinator.store.leases.LeaseTables.undelivered_lease_count`); one it
+        returned with a rejected group (a stale version's included) for ``lease_term_factor``
+        times as long as it held it, at least ``min_lease_s``: a newcomer behind NAT whose first
+        group came back stale lost its only lease for 120 s. The quota is also bounded by the
+        node's share of the job's recent deliveries (:meth:`LeaseTerms.share_cap`), and nodes
         without an accepted group (``fresh``) share ``fresh_lease_share`` of the window (unless
         ``lease_quota_ramp`` is 0): however many identities hoard, the rest of the window stays
         with nodes that have delivered. Nodes short of ``proven_groups`` share the same part of
@@ -167,8 +170,18 @@ class Leases:
         quota = cfg.max_open_leases_per_node
         if cfg.lease_quota_ramp:
             quota = min(quota, 1 + node.streak // cfg.lease_quota_ramp)
+            # A record bought with a few groups is no claim on the window: what the node
+            # delivered lately is (stale hoarders with quotas of 2 held 5 of 8, issue 26).
+            share = self.terms.share_cap(job_id, node.node_id, target)
+            if share is not None:
+                quota = min(quota, share)
+        now = time.time()
         quota -= self.store.undelivered_lease_count(
-            node.node_id, time.time() - cfg.expired_lease_window_s
+            node.node_id,
+            now - cfg.expired_lease_window_s,
+            now=now,
+            returned_min_s=cfg.min_lease_s,
+            returned_factor=cfg.lease_term_factor,
         )
         per_node = quota - self.store.open_lease_count(job_id, node.node_id)
         room = target - in_flight

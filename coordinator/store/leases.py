@@ -9,7 +9,8 @@ A lease is *delivered* only when a group of it was accepted (its rollout row exi
 stored under its lease's id). Every other lease that stopped being owed -- expired, or closed by
 a rejected submission, a stale version's included -- counts against its node's quota
 (:meth:`LeaseTables.undelivered_lease_count`) until the penalty window passes or the node has a
-group accepted after it. Nothing but an accepted group forgives: a stale-version submission,
+group accepted after it (a lease returned with a rejected group, for a time that grows with how
+long the node held it). Nothing but an accepted group forgives: a stale-version submission,
 which costs the node nothing to make, used to close its lease as "submitted" and so forgive every
 lease of its grant (they share a deadline); hoarders kept a job's whole lease window that way.
 """
@@ -91,12 +92,26 @@ class LeaseTables(Database):
         ).fetchall()
         return [max(0.0, float(r[0])) for r in rows]
 
-    def undelivered_lease_count(self, node_id: str, since: float) -> int:
+    def undelivered_lease_count(
+        self,
+        node_id: str,
+        since: float,
+        *,
+        now: float | None = None,
+        returned_min_s: float = 0.0,
+        returned_factor: float = 0.0,
+    ) -> int:
         """Leases the node took and did not deliver (let expire, or had a submission of them
         rejected) that stopped being owed at or after ``since`` and after the node's last group
         accepted by the coordinator (a later accepted group forgives what came before; one of the
         same grant does not, its siblings stop being owed after it). Indexed reads only
-        (``leases_node``, ``rollouts_node``, the rollouts' key)."""
+        (``leases_node``, ``rollouts_node``, the rollouts' key).
+
+        With ``now``, a lease *returned* with a rejected submission counts only until
+        ``returned_factor`` times as long as the node held it, at least ``returned_min_s``, after
+        it was returned (never past ``since``'s window): a slow newcomer's first group that came
+        back stale in 5 s costs it a short while, a hoarder that held its lease for 22 s and then
+        sent a stale group a long one. A lease let expire counts for the whole window."""
         last = self._db.execute(
             # Walks the node's rollouts newest first: a rollout the learner's re-scoring rejected
             # was not valid work and forgives nothing.
@@ -104,14 +119,36 @@ class LeaseTables(Database):
             " ORDER BY created_at DESC LIMIT 1",
             (node_id,),
         ).fetchone()
+        after = last[0] if last is not None else float("-inf")
+        returned = ""
+        args: tuple = (node_id, since, after)
+        if now is not None:
+            # A returned lease's deadline is when it was returned (close_lease), so deadline -
+            # issued_at is how long the node held it.
+            returned = (
+                " AND (status='expired' OR deadline + MAX(?, ? * (deadline - issued_at)) >= ?)"
+            )
+            args += (returned_min_s, returned_factor, now)
         return int(
             self._db.execute(
                 "SELECT COUNT(*) FROM leases WHERE node_id=? AND status IN ('expired','submitted')"
-                " AND deadline>=? AND deadline>? AND NOT EXISTS"
+                " AND deadline>=? AND deadline>?" + returned + " AND NOT EXISTS"
                 " (SELECT 1 FROM rollouts WHERE rollouts.rollout_id=leases.lease_id)",
-                (node_id, since, last[0] if last is not None else float("-inf")),
+                args,
             ).fetchone()[0]
         )
+
+    def recent_deliveries(self, job_id: str, n: int) -> dict[str, int]:
+        """Of the job's ``n`` newest groups accepted by the coordinator (those the learner's
+        re-scoring rejected left out), how many each node delivered (``rollouts_job_time``)."""
+        counts: dict[str, int] = {}
+        for (node_id,) in self._db.execute(
+            "SELECT node_id FROM rollouts WHERE job_id=? AND status!='rejected'"
+            " ORDER BY created_at DESC LIMIT ?",
+            (job_id, n),
+        ):
+            counts[node_id] = counts.get(node_id, 0) + 1
+        return counts
 
     def has_open_lease(self, node_id: str) -> bool:
         """Whether the node holds any open lease (one indexed read: the submit path's gate)."""

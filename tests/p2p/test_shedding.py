@@ -19,7 +19,7 @@ from echo.p2p.conn_guard import GuardPolicy
 from echo.p2p.host import open_host
 from echo.p2p.identity import Identity
 from echo.p2p.rpc import RpcConnectionError, RpcTimeout
-from echo.p2p.shedding import RELAPSE_S, LoopLag, install_shedder
+from echo.p2p.shedding import READMIT_BURST, READMIT_PER_S, RELAPSE_S, LoopLag, install_shedder
 from tests.conftest import Clock
 from tests.p2p.test_conn_guard import dial_from
 
@@ -211,5 +211,38 @@ def test_private_networks_are_never_shed_public_ones_are() -> None:
             assert not shedder.sheds_stream(Identity.generate().peer_id, "10.78.0.5")
             assert shedder.refuses_newcomer("1.2.3.4")
             assert shedder.sheds_stream(Identity.generate().peer_id, "1.2.3.4")
+
+    run(body)
+
+
+def test_strangers_come_back_at_a_bounded_rate_after_a_hold() -> None:
+    """Every stranger shut out during a hold retried when it ended: the loop saturated again
+    within 2 s and honest calls of those seconds were the attack phase's slowest. After a hold
+    their handshakes are admitted at READMIT_PER_S until a relapse would no longer count; a
+    prefix with a protected peer's connection is never paced."""
+
+    async def body() -> None:
+        async with (
+            open_host(Identity.generate(), pubsub=False, guard_policy=POLICY) as server,
+            open_host(Identity.generate(), pubsub=False) as proven,
+        ):
+            clock = Clock()
+            shedder = install_shedder(server, HandLag(0.2, 5.0, clock=clock))
+            await proven.connect(server.listen_multiaddrs[0])  # from 127.0.0.1
+            server.guard.protect(proven.peer_id)
+            shedder.lag.observe(1.0)
+            assert shedder.refuses_newcomer("1.2.3.4")
+            clock.t += 5.1  # the hold is over: a burst, then one a second
+            assert not shedder.lag.lagging and shedder.lag.readmitting
+            admitted = [not shedder.refuses_newcomer(f"1.2.3.{i}") for i in range(10)]
+            assert admitted == [True] * READMIT_BURST + [False] * (10 - READMIT_BURST)
+            assert shedder.paced == 10 - READMIT_BURST
+            assert not shedder.refuses_newcomer("127.0.0.1")  # the protected peer's prefix
+            clock.t += 1.0 / READMIT_PER_S
+            assert not shedder.refuses_newcomer("5.6.7.8")
+            assert shedder.refuses_newcomer("5.6.7.9")
+            clock.t += RELAPSE_S  # a relapse would no longer count: everybody at once again
+            assert not shedder.lag.readmitting
+            assert not any(shedder.refuses_newcomer(f"9.9.9.{i}") for i in range(10))
 
     run(body)
