@@ -79,7 +79,8 @@ def reference_runs(root: Path, job: JobSpec, build: Callable[[Path], Any], sampl
     trainer.remember(1, s1)
     b = sample(trainer, s0, 0, range(10, 13), 11) + sample(trainer, s1, 1, range(20, 22), -1)
     rb = trainer.train(b)
-    trainer.remember(2, trainer.published_state())
+    s2 = trainer.published_state()
+    trainer.remember(2, s2)
     c = sample(trainer, s1, 1, range(30, 31), -1)
     rc = trainer.train(c)
     again = build(job_dir(root, "single-again", job))
@@ -101,6 +102,7 @@ def reference_runs(root: Path, job: JobSpec, build: Callable[[Path], Any], sampl
         "trainer": trainer,
         "start": s0,
         "state": trainer.published_state(),
+        "states": [s1, s2, trainer.published_state()],  # after A, B and C
         "results": [ra, rb, rc],
         "restart_state": again.published_state(),
         "restart_results": [rd, rc2],

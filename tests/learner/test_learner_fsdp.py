@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from echo.learner.trainer import Trainer
+from echo.learner.trainer import StepResult, Trainer
 from echo.models.spec import ModelSpec, encode_prompt
 from echo.node.engines.base import GenRequest, SamplingParams
 from echo.node.engines.torch_engine import TorchEngine
@@ -35,6 +35,7 @@ from tests.learner.fsdp_runs import torchrun, verdicts
 LR = 3e-3
 BULK_TOL = 1e-7
 STEP_TOL = 1e-3
+EXACT_TOL = 1e-6  # the issue's bar for one step in float32
 JOB = JobSpec.model_validate(
     {
         "name": "fsdp",
@@ -92,24 +93,18 @@ def groups(
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The single learner's runs (see :func:`tests.learner.fsdp_runs.reference_runs`), and the
-    rounding floor: the same learner given each batch's groups in reverse order."""
-    ref = runs.reference_runs(
+    """The single learner's runs (see :func:`tests.learner.fsdp_runs.reference_runs`)."""
+    return runs.reference_runs(
         tmp_path_factory.mktemp("fsdp"),
         JOB,
         lambda job: Trainer.build(JOB, SPEC, job, "cpu")[0],
         groups,
     )
-    reordered, _ = Trainer.build(JOB, SPEC, job_dir(ref["root"], "reversed"), "cpu")
-    for batch in (ref["groups"][k] for k in "abc"):
-        reordered.train(batch[::-1])
-        reordered.remember(reordered.version, reordered.published_state())
-    diff = torch.cat([(reordered.published_state()[k] - t).abs().flatten()
-                      for k, t in ref["state"].items()])  # fmt: skip
-    ref["floor"] = float(diff.max())
-    print(f"single learner, groups reversed: max {ref['floor']:.3g}, "
-          f"{int((diff > 1e-6).sum())} of {diff.numel()} above 1e-6")  # fmt: skip
-    return ref
+
+
+def max_diff(state: dict, want: dict) -> float:
+    assert state.keys() == want.keys()
+    return max(float((state[k] - want[k]).abs().max()) for k in want)
 
 
 def assert_close(state: dict, want: dict, steps: int = 3) -> tuple[float, float]:
@@ -124,23 +119,51 @@ def assert_close(state: dict, want: dict, steps: int = 3) -> tuple[float, float]
     return worst, bulk
 
 
+def single_in_two_parts(reference: dict) -> tuple[list[StepResult], list[dict]]:
+    """The single learner through A, B and C with ``parts = 2``: each step's groups in the
+    two ranks' shares; its results and the state published after each step."""
+    trainer, _ = Trainer.build(JOB, SPEC, job_dir(reference["root"], "single-2-parts"), "cpu")
+    trainer.learner.parts = 2
+    results, states = [], []
+    for batch in (reference["groups"][k] for k in "abc"):
+        results.append(trainer.train(batch))
+        states.append(trainer.published_state())
+        trainer.remember(trainer.version, states[-1])
+    return results, states
+
+
 def test_two_ranks_step_like_the_single_learner(reference: dict) -> None:
     root, out = reference["root"], reference["root"] / "out-2"
-    torchrun(2, job_dir(root, "two"), reference["batches"] / "abc", out)
+    torchrun(2, job_dir(root, "two"), reference["batches"] / "abc", out, "--every-state")
     got = json.loads((out / "results.json").read_text())
     assert got["version"] == 3
-    for step, want in zip(got["steps"], reference["results"], strict=True):
-        assert step["verdicts"] == verdicts(want)
-        assert step["trained"] == want.trained
+    results, states = single_in_two_parts(reference)
+    whole_states = reference["states"]
+    for v, step, want, whole in zip(
+        (1, 2, 3), got["steps"], results, reference["results"], strict=True
+    ):
+        assert step["verdicts"] == verdicts(want) == verdicts(whole)
+        for figures, expected in zip(step["verdict_stats"], want.verdicts, strict=True):
+            assert figures.keys() == expected.stats.keys()
+            for k, x in figures.items():
+                assert abs(x - expected.stats[k]) <= EXACT_TOL, (v, k, x, expected.stats[k])
+        assert step["trained"] == want.trained == whole.trained
         for k in ("reward", "tokens", "signal_groups", "staleness_max", "rejected"):
-            assert step["metrics"][k] == want.metrics[k], k
-        assert np.isclose(step["metrics"]["loss"], want.metrics["loss"], atol=1e-6)
-        assert np.isclose(step["metrics"]["mismatch"], want.metrics["mismatch"], atol=1e-6)
+            assert step["metrics"][k] == want.metrics[k] == whole.metrics[k], k
+        for k in ("loss", "mismatch"):
+            assert np.isclose(step["metrics"][k], want.metrics[k], rtol=0, atol=EXACT_TOL), k
+        # The norm the gradients are clipped by: the ranks sum their shards' squares, so it
+        # may differ in its last bit (a relative 1.2e-7).
+        assert np.isclose(step["metrics"]["grad_norm"], want.metrics["grad_norm"], rtol=3e-7)
+        state = load_file(str(out / f"state-v{v}.safetensors"))
+        worst, whole_worst = max_diff(state, states[v - 1]), max_diff(state, whole_states[v - 1])
+        print(f"v{v}: |fsdp2 - single in two parts| max {worst:.3g}, "
+              f"|fsdp2 - single whole| max {whole_worst:.3g}")  # fmt: skip
+        assert worst <= EXACT_TOL, f"v{v}: the weights differ by {worst:.3g}"
     # The made-up group is rejected, on whichever rank scored it.
     assert [v[1] for v in got["steps"][1]["verdicts"]].count(False) == 1
-    worst, bulk = assert_close(load_file(str(out / "state.safetensors")), reference["state"])
-    print(f"|fsdp2 - single| after 3 steps: max {worst:.3g}, 99.9th percentile {bulk:.3g}")
-    assert worst <= reference["floor"], f"{worst:.3g}: farther than the floor {reference['floor']}"
+    # The whole batch in one forward rounds otherwise (see the module docstring); still close.
+    assert_close(load_file(str(out / "state.safetensors")), reference["state"])
 
 
 @pytest.mark.parametrize(("first", "then"), [(2, 1), (1, 2)])
