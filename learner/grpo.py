@@ -36,11 +36,12 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from echo.learner.clip import clip_gradients
 from echo.protocol.jobspec import GRPOParams
 
 GRPOConfig = GRPOParams  # the learner's name for the job's [job.grpo] table
@@ -132,39 +133,6 @@ def shares(n: int, parts: int) -> list[range]:
     base, extra = divmod(n, parts)
     starts = [k * base + min(k, extra) for k in range(parts + 1)]
     return [range(starts[k], starts[k + 1]) for k in range(parts)]
-
-
-def clip_gradients(params: Iterable[torch.nn.Parameter], max_norm: float, across: Across) -> float:
-    """Scale the gradients of ``params`` so that their global L2 norm is at most ``max_norm``
-    (as ``torch.nn.utils.clip_grad_norm_``); returns the norm they had.
-
-    The squares are summed in float64: each tensor's (a sharded one's over this process's
-    shard, then ``across`` the processes), then the tensors'. A float32 norm depends on how its
-    sum is split, and a scale a bit off in its last place moves every weight whose gradient is
-    near AdamW's eps; the float64 one rounds to the same float32 scale however the tensors are
-    sharded.
-    """
-    sharded, whole = [], []
-    for p in params:
-        g = p.grad
-        if g is None:
-            continue
-        if hasattr(g, "to_local") and all(pl.is_shard() for pl in g.placements):
-            sharded.append(g)
-        else:
-            whole.append(g)
-    zero = torch.zeros((), dtype=torch.float64)
-    local = sum((torch.linalg.vector_norm(g.to_local(), dtype=torch.float64).cpu() ** 2
-                 for g in sharded), zero)  # fmt: skip
-    squares = float(across.sum(local.reshape(1))[0]) if sharded else 0.0
-    for g in whole:
-        squares += float(torch.linalg.vector_norm(g, dtype=torch.float64)) ** 2
-    norm = math.sqrt(squares)
-    scale = max_norm / (norm + 1e-6)
-    if scale < 1.0:
-        for g in sharded + whole:
-            g.mul_(scale)
-    return norm
 
 
 def pad_id_of(model: torch.nn.Module) -> int:
@@ -484,7 +452,7 @@ class GRPOLearner:
                     )
                     active |= adv == 0
                     stopped += float((~active)[keep > 0].sum())
-            grad_norm = clip_gradients(self.model.parameters(), cfg.max_grad_norm, across)
+            grad_norm = clip_gradients(self.model.parameters(), cfg.max_grad_norm, across.sum)
             self.opt.step()
             if epoch == 0:
                 if kls:
