@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from echo.learner.clip import clip_gradients
 from echo.protocol.jobspec import GRPOParams
 
 GRPOConfig = GRPOParams  # the learner's name for the job's [job.grpo] table
@@ -125,6 +126,15 @@ class PaddedBatch:
     lengths: list[int]  # completion length of each row
 
 
+def shares(n: int, parts: int) -> list[range]:
+    """The indices of ``n`` items (groups) in ``parts`` contiguous runs, sizes differing by at
+    most one, the larger runs first: how an FSDP2 learner's ranks split a batch, and how a
+    step splits into :attr:`GRPOLearner.parts`."""
+    base, extra = divmod(n, parts)
+    starts = [k * base + min(k, extra) for k in range(parts + 1)]
+    return [range(starts[k], starts[k + 1]) for k in range(parts)]
+
+
 def pad_id_of(model: torch.nn.Module) -> int:
     """The id to pad a batch with: any valid one does (padding is masked out), so the config's
     pad id when it is one, else 0."""
@@ -167,14 +177,25 @@ class GRPOLearner:
         temperature: float = 1.0,
         reference: torch.nn.Module | None = None,
         across: Across | None = None,
+        parts: int = 1,
     ) -> None:
         """``reference``: the policy the KL term (``kl_coef``) holds the model near; a frozen
         copy of ``model`` as given when None (a learner restored from a checkpoint passes the
         policy it started from instead). ``across``: the reductions over the processes that
-        share each batch (see :class:`Across`). :raises ValueError: if ``temperature`` is not
-        positive (greedy samples carry no policy gradient)."""
+        share each batch (see :class:`Across`). ``parts``: see :attr:`parts`.
+
+        :raises ValueError: if ``temperature`` is not positive (greedy samples carry no policy
+            gradient) or ``parts`` is below 1.
+        """
         if not temperature > 0:
             raise ValueError("temperature must be > 0 (greedy samples carry no policy gradient)")
+        if parts < 1:
+            raise ValueError(f"a step splits into at least 1 part, not {parts}")
+        # How many contiguous parts a step computes its groups in (:func:`shares`), each padded,
+        # forwarded and back-propagated on its own: the arithmetic of that many FSDP2 ranks
+        # (each a part, their gradients summed), where one part (the whole batch in one
+        # forward) rounds differently. The same update in exact arithmetic either way.
+        self.parts = parts
         # Eval mode throughout (gradients still flow): dropout would make our log-probs a
         # different function from the one engines sample with and the coordinator re-scores.
         self.model = model.eval()
@@ -296,10 +317,16 @@ class GRPOLearner:
         per-token ``gate_stats`` of the distribution, both from this step's own first forward,
         and returns which groups may be trained on; the others get zero weight. Re-scoring
         groups sampled from the current weights thus costs no extra forward pass.
+
+        The groups are computed in :attr:`parts` contiguous parts (:func:`shares`; one unless
+        set), each padded, forwarded and back-propagated on its own, their gradients added in
+        order.
         """
         cfg = self.cfg
         start = time.perf_counter()
-        batch = self._batch(groups)
+        split = [[groups[i] for i in r] for r in shares(len(groups), self.parts)]
+        parts = [p for p in split if p] or [groups]
+        batches = [self._batch(p) for p in parts]
         dev = self.device
         across = self.across
 
@@ -308,15 +335,22 @@ class GRPOLearner:
             t = torch.tensor([float(v) for v in values], dtype=torch.float64)
             return across.sum(t).tolist()
 
-        # Per-token advantage and behaviour log-prob, in the same flat order as _logprobs.
+        # Per part, each token's advantage and behaviour log-prob, in _logprobs's flat order.
         adv_groups = [group_advantages(g.rewards, cfg.adv_eps) for g in groups]
-        adv_rows = torch.cat(adv_groups) if adv_groups else torch.zeros(0)
-        adv = torch.repeat_interleave(adv_rows, torch.tensor(batch.lengths, dtype=torch.long)).to(
-            dev
-        )
-        behaviour = torch.tensor(
-            [x for g in groups for lp in g.behaviour_logprobs for x in lp], dtype=torch.float32
-        ).to(dev)
+        advs, behaviours, at = [], [], 0
+        for part, batch in zip(parts, batches, strict=True):
+            rows = adv_groups[at : at + len(part)]
+            at += len(part)
+            adv_rows = torch.cat(rows) if rows else torch.zeros(0)
+            lengths = torch.tensor(batch.lengths, dtype=torch.long)
+            advs.append(torch.repeat_interleave(adv_rows, lengths).to(dev))
+            behaviours.append(
+                torch.tensor(
+                    [x for g in part for lp in g.behaviour_logprobs for x in lp],
+                    dtype=torch.float32,
+                ).to(dev)
+            )
+        behaviour = torch.cat(behaviours)
         rewards = [r for g in groups for r in g.rewards]
         staleness = [self.version - g.version for g in groups]
         signal, n_tokens, reward_sum, n_rewards, stale_sum, n_groups = total(
@@ -341,38 +375,44 @@ class GRPOLearner:
             metrics["step_s"] = time.perf_counter() - start
             return metrics
 
-        keep = torch.ones(behaviour.numel(), device=dev)  # tokens the gate lets through
-        reference = self._reference_logp(batch)
+        keeps = [torch.ones(b.numel(), device=dev) for b in behaviours]  # tokens the gate passes
+        references = [self._reference_logp(b) for b in batches]
         for epoch in range(cfg.ppo_epochs):
             gated = epoch == 0 and gate is not None
-            token_kl = None
-            if gated or reference is not None:
-                stats = (gate_stats or (lambda lp: ())) if gated else None
-                logp, extra = self._logprobs(batch, stats, reference)
-                if reference is not None:
-                    *extra, token_kl = extra
-            else:
-                logp = self._logprobs(batch)
+            stats = (gate_stats or (lambda lp: ())) if gated else None
+            logps, kls, extras = [], [], []
+            for batch, reference in zip(batches, references, strict=True):
+                if stats is not None or reference is not None:
+                    logp, extra = self._logprobs(batch, stats, reference)
+                    if reference is not None:
+                        *extra, token_kl = extra
+                        kls.append(token_kl)
+                    extras.append(extra)
+                else:
+                    logp = self._logprobs(batch)
+                logps.append(logp)
             if epoch == 0:
-                first = logp.detach()
+                first = torch.cat([lp.detach() for lp in logps])
                 (abs_diff,) = total((first - behaviour).abs().sum())
                 metrics["mismatch"] = abs_diff / n_tokens
                 if gate is not None:
                     sizes = [sum(len(c) for c in g.completions) for g in groups]
+                    figures = [torch.cat(f) for f in zip(*extras, strict=True)]
                     # The gate judges on the CPU (a few numbers at a time): one copy each.
-                    parts = [first.cpu().split(sizes), *(t.cpu().split(sizes) for t in extra)]
-                    verdicts = gate(list(zip(*parts, strict=True)))
+                    cut = [first.cpu().split(sizes), *(t.cpu().split(sizes) for t in figures)]
+                    verdicts = gate(list(zip(*cut, strict=True)))
                     keep = torch.repeat_interleave(
                         torch.tensor(verdicts, dtype=torch.float32),
                         torch.tensor(sizes, dtype=torch.long),
                     ).to(dev)
+                    keeps = list(keep.split([b.numel() for b in behaviours]))
                     (metrics["gated_groups"],) = total(len(verdicts) - sum(verdicts))
                     if total(keep.sum())[0] == 0:  # every group failed re-scoring: no update
                         metrics.update(loss=0.0, is_w=0.0, clip_frac=0.0, grad_norm=0.0)
                         self.version += 1
                         metrics["step_s"] = time.perf_counter() - start
                         return metrics
-                kept = keep > 0
+                kept = torch.cat(keeps) > 0
                 # pi_theta / mu at the start of the step: how far the policy has moved since
                 # the node sampled (staleness) or how far its engine is from ours.
                 w = torch.exp(first - behaviour)[kept]
@@ -383,38 +423,44 @@ class GRPOLearner:
                 metrics["is_w_outside"] = w_outside / n_kept
                 # The loss is a token-mean over the whole batch's trained tokens, whichever
                 # process holds them: each divides its own sum by the batch's count.
-                kept_total = torch.tensor(n_kept, dtype=keep.dtype, device=dev)
-            ratio = torch.exp(logp - behaviour)
-            clipped = ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps)
-            surrogate = torch.minimum(ratio * adv, clipped * adv)
-            surrogate = torch.where(
-                adv < 0, torch.maximum(surrogate, cfg.dual_clip * adv), surrogate
-            )
-            loss = -(keep * surrogate).sum() / kept_total  # token-mean over the trained tokens
-            if token_kl is not None:
-                mean_kl = (keep * token_kl).sum() / kept_total
-                loss = loss + cfg.kl_coef * mean_kl
+                kept_total = torch.tensor(n_kept, dtype=torch.float32, device=dev)
             self.opt.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-            if hasattr(grad_norm, "full_tensor"):  # sharded parameters: a DTensor norm
-                grad_norm = grad_norm.full_tensor()
+            losses, mean_kls, stopped = [], [], 0.0
+            for i, logp in enumerate(logps):
+                adv, keep = advs[i], keeps[i]
+                ratio = torch.exp(logp - behaviours[i])
+                clipped = ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps)
+                surrogate = torch.minimum(ratio * adv, clipped * adv)
+                surrogate = torch.where(
+                    adv < 0, torch.maximum(surrogate, cfg.dual_clip * adv), surrogate
+                )
+                loss = -(keep * surrogate).sum() / kept_total  # token-mean over trained tokens
+                if kls:
+                    mean_kl = (keep * kls[i]).sum() / kept_total
+                    loss = loss + cfg.kl_coef * mean_kl
+                    mean_kls.append(float(mean_kl.detach()))
+                # Each part back-propagates on its own, as a rank would: its whole gradient is
+                # then added to the parts' before it.
+                loss.backward()
+                losses.append(float(loss.detach()))
+                # Tokens whose gradient the trust region (or the dual clip) stopped.
+                with torch.no_grad():
+                    active = torch.where(
+                        adv >= 0,
+                        ratio * adv <= clipped * adv,
+                        (ratio * adv >= clipped * adv) & (ratio <= cfg.dual_clip),
+                    )
+                    active |= adv == 0
+                    stopped += float((~active)[keep > 0].sum())
+            grad_norm = clip_gradients(self.model.parameters(), cfg.max_grad_norm, across.sum)
             self.opt.step()
             if epoch == 0:
-                if token_kl is not None:
-                    (metrics["kl"],) = total(mean_kl.detach())
-                (metrics["loss"],) = total(loss.detach())
+                if kls:
+                    (metrics["kl"],) = total(sum(mean_kls))
+                (metrics["loss"],) = total(sum(losses))
                 metrics["grad_norm"] = float(grad_norm)
-            # Tokens whose gradient the trust region (or the dual clip) stopped.
-            with torch.no_grad():
-                active = torch.where(
-                    adv >= 0,
-                    ratio * adv <= clipped * adv,
-                    (ratio * adv >= clipped * adv) & (ratio <= cfg.dual_clip),
-                )
-                active |= adv == 0
-                (stopped,) = total((~active)[keep > 0].sum())
-                metrics["clip_frac"] = stopped / n_kept
+            (stopped,) = total(stopped)
+            metrics["clip_frac"] = stopped / n_kept
 
         self.version += 1
         metrics["step_s"] = time.perf_counter() - start

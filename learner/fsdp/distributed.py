@@ -24,6 +24,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
+from echo.learner.grpo import shares
+
 # Followers wait on the command group while rank 0 waits for rollouts, which may take long on
 # a quiet swarm; a rank that dies is noticed by torchrun (it ends the others), not by this.
 COMMAND_TIMEOUT = timedelta(days=7)
@@ -204,7 +206,6 @@ def all_sum(d: Dist, values: torch.Tensor) -> torch.Tensor:
 
 def share(n: int, rank: int, world: int) -> range:
     """The indices of ``n`` items (groups) that ``rank`` of ``world`` takes: contiguous, sizes
-    differing by at most one, the larger shares first."""
-    base, extra = divmod(n, world)
-    start = rank * base + min(rank, extra)
-    return range(start, start + base + (1 if rank < extra else 0))
+    differing by at most one, the larger shares first (:func:`~echo.learner.grpo.shares`, the
+    split a single learner's step with ``parts = world`` computes in)."""
+    return shares(n, world)[rank]

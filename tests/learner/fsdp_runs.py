@@ -15,10 +15,11 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors.torch import load_file
 
 from echo.protocol import codec
@@ -79,7 +80,8 @@ def reference_runs(root: Path, job: JobSpec, build: Callable[[Path], Any], sampl
     trainer.remember(1, s1)
     b = sample(trainer, s0, 0, range(10, 13), 11) + sample(trainer, s1, 1, range(20, 22), -1)
     rb = trainer.train(b)
-    trainer.remember(2, trainer.published_state())
+    s2 = trainer.published_state()
+    trainer.remember(2, s2)
     c = sample(trainer, s1, 1, range(30, 31), -1)
     rc = trainer.train(c)
     again = build(job_dir(root, "single-again", job))
@@ -101,10 +103,43 @@ def reference_runs(root: Path, job: JobSpec, build: Callable[[Path], Any], sampl
         "trainer": trainer,
         "start": s0,
         "state": trainer.published_state(),
+        "states": [s1, s2, trainer.published_state()],  # after A, B and C
         "results": [ra, rb, rc],
         "restart_state": again.published_state(),
         "restart_results": [rd, rc2],
     }
+
+
+def one_thread() -> Iterator[None]:
+    """Compute on one thread while the generator is suspended (a module's autouse fixture):
+    the single learner the ranks are held to must sum as each rank does, and the worker runs
+    on one thread (``torch.set_num_threads(1)``); a matrix product split over threads may sum
+    in another order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def single_in_parts(
+    trainer: Any, steps: list[tuple[list[m.TrainingGroup], int]]
+) -> tuple[list[Any], list[dict]]:
+    """``trainer`` (a single learner's) trained on each batch of ``steps`` in its number of
+    parts (``GRPOLearner.parts``: the arithmetic of that many ranks), each version remembered
+    as the learner does; the step results and the state published after each step."""
+    results, states = [], []
+    for batch, parts in steps:
+        trainer.learner.parts = parts
+        results.append(trainer.train(batch))
+        states.append(trainer.published_state())
+        trainer.remember(trainer.version, states[-1])
+    return results, states
+
+
+def max_diff(state: dict, want: dict) -> float:
+    """max |state - want| over every element of the same tensors."""
+    assert state.keys() == want.keys()
+    return max(float((state[k] - want[k]).abs().max()) for k in want)
 
 
 def resumed_run(ref: dict, out: Path, trained: bool = True) -> dict:

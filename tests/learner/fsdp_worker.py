@@ -1,14 +1,15 @@
 """One rank of an FSDP2 learner's trainer, for tests and benchmarks (run under torchrun).
 
-``fsdp_worker.py JOB_DIR BATCHES OUT [--save-at V] [--activation-checkpointing]``: every rank
-builds the job's sharded trainer (restoring the newest checkpoint under JOB_DIR if there is one);
-rank 0 drives it through :class:`echo.learner.fsdp.ranks.Leader` exactly as the learner process
-does, the others follow. Each batch of BATCHES (msgpack: a list of batches, each a list of
-encoded TrainingGroups) is trained on and published as the learner does; after version V a
-checkpoint is made. Rank 0 writes
-``OUT/state.safetensors`` (the last published state) and ``OUT/results.json`` (per step: the
-trained ids, verdicts and metrics; rank 0's peak memory and how many times its policy's first
-decoder layer's MLP started a forward: twice per forward with grad when layers recompute).
+``fsdp_worker.py JOB_DIR BATCHES OUT [--save-at V] [--activation-checkpointing]
+[--every-state]``: every rank builds the job's sharded trainer (restoring the newest checkpoint
+under JOB_DIR if there is one); rank 0 drives it through :class:`echo.learner.fsdp.ranks.Leader`
+exactly as the learner process does, the others follow. Each batch of BATCHES (msgpack: a list
+of batches, each a list of encoded TrainingGroups) is trained on and published as the learner
+does; after version V a checkpoint is made. Rank 0 writes ``OUT/state.safetensors`` (the last
+published state; with ``--every-state`` each version's too, as ``OUT/state-vN.safetensors``) and
+``OUT/results.json`` (per step: the trained ids, the verdicts and their re-scoring figures, the
+metrics; rank 0's peak memory and how many times its policy's first decoder layer's MLP started
+a forward: twice per forward with grad when layers recompute).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--save-at", type=int, default=-1)
     ap.add_argument("--activation-checkpointing", action="store_true")
+    ap.add_argument("--every-state", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
     d = distributed.init(torch.device("cpu"), args.activation_checkpointing)
@@ -61,10 +63,14 @@ def main() -> None:
         if lead.version == args.save_at:
             lead.save_checkpoint(args.job_dir / "checkpoints", 0, f"v{lead.version}".encode())
         lead.remember(lead.version, state)
+        if args.every_state:
+            args.out.mkdir(parents=True, exist_ok=True)
+            save_file(state, str(args.out / f"state-v{lead.version}.safetensors"))
         steps.append(
             {
                 "trained": result.trained,
                 "verdicts": [[v.rollout_id, v.ok, v.reason] for v in result.verdicts],
+                "verdict_stats": [v.stats for v in result.verdicts],
                 "metrics": result.metrics,
                 "wall_s": step_s,
             }
