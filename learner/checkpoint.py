@@ -18,8 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from echo.learner import dcp_checkpoint
-from echo.learner.checkpoint_files import KEEP, Checkpoint, fsync, keep_newest, version_dir
+from echo.learner.checkpoint_files import KEEP, Checkpoint, fsync, is_dcp, keep_newest, version_dir
 
 
 def save(root: Path, ckpt: Checkpoint) -> None:
@@ -71,7 +70,9 @@ def load_model_state(root: Path, version: int) -> dict[str, torch.Tensor]:
     :raises FileNotFoundError: no checkpoint of ``version`` is kept under ``root``.
     """
     path = version_dir(root, version) / "model.safetensors"
-    if dcp_checkpoint.is_dcp(path.parent):  # written by the FSDP2 learner
+    if is_dcp(path.parent):  # written by the FSDP2 learner
+        from echo.learner import dcp_checkpoint  # torch.distributed: only when needed
+
         return dcp_checkpoint.load_full(path.parent)["model"]
     if not path.exists():
         raise FileNotFoundError(f"no checkpoint of version {version} under {root}")
@@ -83,7 +84,9 @@ def latest(root: Path) -> Checkpoint | None:
         return None
     for d in sorted((p for p in root.iterdir() if p.name.startswith("v")), reverse=True):
         try:
-            if dcp_checkpoint.is_dcp(d):  # written by the FSDP2 learner: read with no ranks
+            if is_dcp(d):  # written by the FSDP2 learner: read with no ranks
+                from echo.learner import dcp_checkpoint  # torch.distributed: only when needed
+
                 return dcp_checkpoint.load_for_single(d)
             meta = json.loads((d / "meta.json").read_text())
             return Checkpoint(

@@ -35,9 +35,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+from echo.learner.checkpoint_files import DCP_FORMAT as FORMAT
 from echo.learner.checkpoint_files import Checkpoint, fsync, keep_newest, version_dir
+from echo.learner.checkpoint_files import is_dcp as is_dcp  # this module's readers call it here
 
-FORMAT = "dcp"
 DCP_DIR = "dcp"
 # A LoRA job's checkpoint holds the adapter and its optimizer state only (the base is fixed in
 # lora_base.safetensors), its tensors under peft's saved names (the live names without the
@@ -104,14 +105,6 @@ def save(
     os.replace(tmp, final)
     fsync(root)
     keep_newest(root)
-
-
-def is_dcp(version_dir: Path) -> bool:
-    """Whether the checkpoint folder ``version_dir`` holds a DCP checkpoint."""
-    try:
-        return json.loads((version_dir / "meta.json").read_text()).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 def load_sharded(

@@ -27,12 +27,12 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import trio
 
 from echo.learner import fence
-from echo.learner.fsdp.distributed import Dist
 from echo.learner.link import CoordinatorLink
 from echo.learner.lora import build_lora
 from echo.learner.publish import Publisher
@@ -46,6 +46,9 @@ from echo.p2p.identity import Identity
 from echo.protocol import messages as m
 from echo.protocol import signing
 from echo.protocol.jobspec import JobSpec
+
+if TYPE_CHECKING:  # FSDP2 (torch.distributed) took a fifth of a single learner's start-up imports
+    from echo.learner.fsdp.distributed import Dist
 
 log = logging.getLogger("echo.learner")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ from echo.protocol import messages as m
 from echo.protocol import signing
 from echo.protocol.jobspec import JobSpec
 from echo.tools.local_swarm import node_engines
-from tests.e2e.swarm_tool import run_swarm_tool
+from tests.e2e.swarm_tool import SwarmTool, run_swarm_tool
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -33,6 +34,41 @@ def swarm_run(tmp_path_factory) -> Path:
         what="local swarm",
     )  # fmt: skip
     return out
+
+
+# The short runs: 12 versions of 4 groups on 2 torch nodes, one per mode below.
+SHORT = ["--quiet", "--nodes", "2", "--engines", "torch", "--steps", "12", "--timeout", "150"]
+SHORT_BATCH = 4
+SHORT_MODES = {
+    "sync": ["--staleness", "0"],
+    "ds": ["--skip-uniform"],
+    "noplan": ["--no-broadcast"],
+}
+
+
+@pytest.fixture(scope="module")
+def short_runs(tmp_path_factory) -> Iterator[dict[str, SwarmTool]]:
+    """The three short swarms, started at once; each test waits for its own. Each is its own
+    swarm (coordinator, learner, nodes) in its own folder, as when run one after the other: a
+    short run's wall time is mostly waits (processes starting, the nodes' idle poll, the final
+    sync, the stop), about 35 CPU seconds of 110 wall on a loaded 2-core machine, so three at
+    once end much sooner than three in a row."""
+    base = tmp_path_factory.mktemp("short")
+    runs = {
+        mode: SwarmTool(
+            "echo.tools.local_swarm",
+            base / mode,
+            [*SHORT, "--batch-groups", str(SHORT_BATCH), *extra],
+            timeout=240,
+            what=f"local swarm ({mode})",
+        )
+        for mode, extra in SHORT_MODES.items()
+    }
+    try:
+        yield runs
+    finally:
+        for run in runs.values():
+            run.stop()
 
 
 def _job_dir(out: Path) -> Path:
@@ -127,18 +163,13 @@ def test_node_weights_are_bit_identical_to_the_learner(swarm_run: Path) -> None:
             assert np.array_equal(learner_bits[k], node_bits[k]), k
 
 
-def test_synchronous_mode_trains_only_on_the_current_version(tmp_path: Path) -> None:
+def test_synchronous_mode_trains_only_on_the_current_version(
+    short_runs: dict[str, SwarmTool],
+) -> None:
     """S = 0: leases are for the newest version only and every batch comes from the weights the
     learner holds (staleness 0 in every version's metrics), so the run is on-policy."""
-    out = tmp_path / "sync"
-    run_swarm_tool(
-        "echo.tools.local_swarm",
-        out,
-        ["--quiet", "--nodes", "2", "--engines", "torch", "--steps", "12", "--staleness", "0",
-         "--batch-groups", "4", "--timeout", "150"],
-        timeout=240,
-        what="local swarm",
-    )  # fmt: skip
+    out = short_runs["sync"].out
+    short_runs["sync"].wait()
     s = json.loads((out / "summary.json").read_text())
     assert s["status"] == "done" and s["versions"] == 12
     trained = [v for v in s["learner_by_version"] if v["version"] > 0]
@@ -147,22 +178,17 @@ def test_synchronous_mode_trains_only_on_the_current_version(tmp_path: Path) -> 
     assert s["eval_first"] is not None and s["eval_last"] is not None
 
 
-def test_skip_uniform_groups_trains_only_on_groups_with_an_advantage(tmp_path: Path) -> None:
+def test_skip_uniform_groups_trains_only_on_groups_with_an_advantage(
+    short_runs: dict[str, SwarmTool],
+) -> None:
     """Dynamic sampling through the real programs: groups whose samples all scored the same
     are accepted and credited but set aside, the lease budget replaces them, and every trained
     group has an advantage (unless its version set aside its cap of them)."""
     from echo.coordinator.submissions.submit import UNIFORM_BATCHES
 
-    out = tmp_path / "ds"
-    batch = 4
-    run_swarm_tool(
-        "echo.tools.local_swarm",
-        out,
-        ["--quiet", "--nodes", "2", "--engines", "torch", "--steps", "12", "--skip-uniform",
-         "--batch-groups", str(batch), "--timeout", "150"],
-        timeout=240,
-        what="local swarm",
-    )  # fmt: skip
+    out = short_runs["ds"].out
+    batch = SHORT_BATCH
+    short_runs["ds"].wait()
     s = json.loads((out / "summary.json").read_text())
     assert s["status"] == "done" and s["versions"] == 12
     assert s["rollouts_uniform"] > 0  # the untrained tiny model fails whole groups often
@@ -182,20 +208,13 @@ def test_skip_uniform_groups_trains_only_on_groups_with_an_advantage(tmp_path: P
 
 
 def test_nodes_that_hear_no_plan_follow_every_version_through_their_lease_replies(
-    tmp_path: Path,
+    short_runs: dict[str, SwarmTool],
 ) -> None:
     """A node learns of a version one way, its lease reply (issue 29). With no plan ever
     gossiped (broadcast off: as if every announcement were lost), nodes still follow the job
     version by version and end on the final version's exact weights, pulled."""
-    out = tmp_path / "noplan"
-    run_swarm_tool(
-        "echo.tools.local_swarm",
-        out,
-        ["--quiet", "--nodes", "2", "--engines", "torch", "--steps", "12", "--batch-groups", "4",
-         "--no-broadcast", "--timeout", "150"],
-        timeout=240,
-        what="local swarm",
-    )  # fmt: skip
+    out = short_runs["noplan"].out
+    short_runs["noplan"].wait()
     s = json.loads((out / "summary.json").read_text())
     assert s["status"] == "done" and s["versions"] == 12
     db = sqlite3.connect(out / "coordinator" / "coordinator.sqlite")

@@ -61,7 +61,6 @@ def test_the_sandbox_is_confined_here_and_stops_when_idle() -> None:
         assert sandbox.score(3, [task.answer(3)])[0].value == 1.0  # a new zygote
 
 
-@pytest.mark.slow  # about 4 minutes on 2 cores: a sandbox started for each of ~100 datasets
 def test_the_idle_check_never_waits_for_a_sandbox_in_use() -> None:
     """The coordinator's housekeeping asks on its event loop: a score or a zygote start holding
     the lock (a start under load took 29 s) must not freeze the loop behind it."""
@@ -76,6 +75,7 @@ def test_the_idle_check_never_waits_for_a_sandbox_in_use() -> None:
             sandbox._lock.release()
 
 
+@pytest.mark.slow  # about 2 minutes on 2 cores: a sandbox started for each of ~100 datasets
 def test_every_gym_dataset_meets_hostile_answers_without_a_trace(trap: Path) -> None:
     names = [n for n in gym_datasets() if n not in NEEDS_CONFIG]
     texts = hostile(trap)
