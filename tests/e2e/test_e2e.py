@@ -46,13 +46,23 @@ SHORT_MODES = {
 }
 
 
+# The tests that read a short run, and which run each reads.
+SHORT_TESTS = {
+    "test_synchronous_mode_trains_only_on_the_current_version": "sync",
+    "test_skip_uniform_groups_trains_only_on_groups_with_an_advantage": "ds",
+    "test_nodes_that_hear_no_plan_follow_every_version_through_their_lease_replies": "noplan",
+}
+
+
 @pytest.fixture(scope="module")
-def short_runs(tmp_path_factory) -> Iterator[dict[str, SwarmTool]]:
+def short_runs(request, tmp_path_factory) -> Iterator[dict[str, SwarmTool]]:
     """The three short swarms, started at once; each test waits for its own. Each is its own
     swarm (coordinator, learner, nodes) in its own folder, as when run one after the other: a
     short run's wall time is mostly waits (processes starting, the nodes' idle poll, the final
     sync, the stop), about 35 CPU seconds of 110 wall on a loaded 2-core machine, so three at
     once end much sooner than three in a row."""
+    # Only the runs this session's selected tests read (`-k` one of them starts one swarm).
+    selected = {SHORT_TESTS[i.name] for i in request.session.items if i.name in SHORT_TESTS}
     base = tmp_path_factory.mktemp("short")
     runs = {
         mode: SwarmTool(
@@ -63,6 +73,7 @@ def short_runs(tmp_path_factory) -> Iterator[dict[str, SwarmTool]]:
             what=f"local swarm ({mode})",
         )
         for mode, extra in SHORT_MODES.items()
+        if mode in selected
     }
     try:
         yield runs
