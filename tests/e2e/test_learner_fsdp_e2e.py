@@ -26,6 +26,7 @@ from echo.learner import checkpoint
 from echo.models.spec import ModelSpec, build_model
 from echo.models.weights import export_state, state_digest, state_from_bytes, to_bits
 from echo.protocol.jobspec import JobSpec
+from tests.e2e.swarm_tool import SwarmTool
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
@@ -51,27 +52,34 @@ def nodes_on_final(out: Path, nodes: int, steps: int) -> str:
     return published[steps]
 
 
-def recipe(out: Path, backend: str) -> dict:
-    """The tiny recipe's summary, run with ``backend``'s learner and 2 torch nodes."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "echo.tools.local_swarm", "--out", str(out), "--quiet",
-         "--nodes", "2", "--engines", "torch", "--steps", str(RECIPE_STEPS),
+def start_recipe(out: Path, backend: str) -> SwarmTool:
+    """The tiny recipe with ``backend``'s learner and 2 torch nodes, started in the background."""
+    return SwarmTool(
+        "echo.tools.local_swarm", out,
+        ["--quiet", "--nodes", "2", "--engines", "torch", "--steps", str(RECIPE_STEPS),
          "--learner-backend", backend, "--nproc-per-node", "2", "--timeout", "900"],
-        cwd=ROOT, capture_output=True, text=True, timeout=1000,
+        timeout=1000, what=f"the tiny recipe on a {backend} learner", logs="**/*.log",
     )  # fmt: skip
-    (job_dir,) = (out / "coordinator" / "jobs").iterdir()
-    log = (job_dir / "learner.log").read_text(errors="replace")
-    assert proc.returncode == 0, proc.stdout[-3000:] + log[-6000:]
-    s = json.loads((out / "summary.json").read_text())
+
+
+def recipe_summary(run: SwarmTool) -> dict:
+    """A finished recipe run's summary, its every node on the final version."""
+    run.wait()
+    s = json.loads((run.out / "summary.json").read_text())
     assert s["status"] == "done" and s["versions"] == RECIPE_STEPS
-    nodes_on_final(out, 2, RECIPE_STEPS)
+    nodes_on_final(run.out, 2, RECIPE_STEPS)
     return s
 
 
-@pytest.mark.soak  # two 150-version swarms: minutes each on 2 cores
 def test_fsdp2_learns_the_tiny_recipe_like_the_single_learner(tmp_path: Path) -> None:
-    single = recipe(tmp_path / "single", "single")
-    sharded = recipe(tmp_path / "fsdp2", "fsdp2")
+    # Both swarms at once: each run is mostly waits on 2 cores, so together they end in about
+    # 1.5 runs' time rather than two.
+    runs = {b: start_recipe(tmp_path / b, b) for b in ("single", "fsdp2")}
+    try:
+        single, sharded = (recipe_summary(runs[b]) for b in ("single", "fsdp2"))
+    finally:
+        for run in runs.values():
+            run.stop()
     print(f"held-out accuracy v0 -> v{RECIPE_STEPS}: single {single['eval_first']:.3f} -> "
           f"{single['eval_last']:.3f} ({single['wall_s']:.0f} s), fsdp2 "
           f"{sharded['eval_first']:.3f} -> {sharded['eval_last']:.3f} "
