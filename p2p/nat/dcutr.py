@@ -32,6 +32,7 @@ connections, :data:`PEER_EXCHANGES` per peer per :data:`PEER_WINDOW_S`, at most
 
 from __future__ import annotations
 
+import errno
 import logging
 import weakref
 from contextlib import suppress
@@ -40,6 +41,7 @@ import trio
 from libp2p.abc import IHost
 from libp2p.peer.id import ID
 from libp2p.relay.circuit_v2.dcutr import PROTOCOL_ID, DCUtRProtocol
+from multiaddr import Multiaddr
 
 from echo.p2p.budget import LruMap
 from echo.p2p.host import EchoHost, as_peer_id
@@ -61,6 +63,24 @@ PEER_EXCHANGES = 3
 PEER_WINDOW_S = 60.0
 MAX_DIAL_ADDRS = 4
 _MAX_PEERS_REMEMBERED = 4096
+# What connect() says when the address pair a dial from our listen port needs is still held by
+# a socket of ours: the previous connection with the same peer, in TIME_WAIT when we closed it
+# first (60 s; only loopback may reuse one sooner, tcp_tw_reuse=2) or in FIN_WAIT while the
+# peer has not closed its end.
+_PAIR_TAKEN = frozenset({errno.EADDRNOTAVAIL, errno.EADDRINUSE})
+
+
+def pair_taken(exc: BaseException) -> bool:
+    """Whether ``exc`` (py-libp2p wraps the OSError two or three times) says that the source
+    address and port are already connected to that destination."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and cur.errno in _PAIR_TAKEN:
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 class _DCUtR(DCUtRProtocol):
@@ -75,9 +95,73 @@ class _DCUtR(DCUtRProtocol):
         )
         self.echo_host = host
         self.upgrades = 0  # exchanges that ended with a direct connection (either role)
+        self.pair_fallbacks = 0  # dials re-made from an ephemeral port (see _dial_peer)
 
     async def _verify_direct_connection(self, peer_id: ID) -> bool:
         return has_direct_connection(self.echo_host, peer_id)
+
+    async def _have_direct_connection(self, peer_id: ID) -> bool:
+        # The library trusts a cache of peers it once punched, emptied only by a host that
+        # knows the service (``_dcutr_protocol``, which ours is not): after that connection
+        # closed, the peer's next CONNECT would be answered "already direct" and never dialled.
+        return has_direct_connection(self.echo_host, peer_id)
+
+    async def _dial_peer(
+        self,
+        peer_id: ID,
+        addr: Multiaddr,
+        source: tuple[str, int] | None = None,
+        as_responder: bool = False,
+    ) -> None:
+        """The library's dial from our listen port (``source``), and, when the kernel refuses
+        that address pair because our previous connection with the peer still holds it, the
+        same dial from an ephemeral port.
+
+        Whoever closes a TCP connection first keeps its socket in TIME_WAIT, and a dial from
+        the listen port to the same peer address is then the identical 4-tuple: connect()
+        fails with EADDRNOTAVAIL for up to 60 s, so a peer whose direct connection we dropped
+        could not be reached directly again for a minute (measured: every dial of a DCUtR
+        exchange refused, tests/nat/test_nat_redial.py). An ephemeral port cannot punch
+        through the peer's router, but neither can the refused pair; it does reach a peer
+        that can be dialled (the connection reversal), and then as a plain outbound dial:
+        the peer's listener takes it as inbound, so the Noise roles agree whatever
+        ``as_responder`` says. Never raises: the exchange judges by the connections.
+        """
+        network = self.host.get_network()
+        try:
+            with trio.fail_after(self.dial_timeout):
+                if as_responder:
+                    await network.dial_addr_as_responder(addr, peer_id, source)
+                else:
+                    await network.dial_addr(addr, peer_id, source)
+            return
+        except trio.TooSlowError:
+            log.debug("DCUtR dial to %s at %s timed out", peer_id, addr)
+            return
+        except Exception as exc:  # noqa: BLE001 (the library's dial raises many kinds)
+            if source is None or not pair_taken(exc):
+                log.debug("DCUtR dial to %s at %s failed: %s", peer_id, addr, exc)
+                return
+        if has_direct_connection(self.echo_host, peer_id):
+            # The pair was taken by the peer's own dial, which reached our listener first.
+            return
+        log.info(
+            "DCUtR dial to %s at %s from our listen port %s:%d refused: our previous "
+            "connection still holds that address pair; dialling from an ephemeral port",
+            peer_id,
+            addr,
+            *source,
+        )
+        self.pair_fallbacks += 1
+        try:
+            with trio.fail_after(self.dial_timeout):
+                await network.dial_addr(addr, peer_id)
+        except trio.TooSlowError:
+            log.debug("DCUtR dial to %s at %s from an ephemeral port timed out", peer_id, addr)
+        except Exception as exc:  # noqa: BLE001
+            log.debug(
+                "DCUtR dial to %s at %s from an ephemeral port failed: %s", peer_id, addr, exc
+            )
 
     def _decode_observed_addrs(self, addr_bytes: list[bytes]) -> list:  # type: ignore[override]
         return super()._decode_observed_addrs(addr_bytes)[:MAX_DIAL_ADDRS]
@@ -146,4 +230,11 @@ def upgrades(host: EchoHost) -> int:
     return proto.upgrades if proto is not None else 0
 
 
-__all__ = ["PROTOCOL_ID", "serve_dcutr", "upgrade", "upgrades"]
+def pair_fallbacks(host: EchoHost) -> int:
+    """DCUtR dials on ``host`` re-made from an ephemeral port because the listen port's address
+    pair to that peer was held (:meth:`_DCUtR._dial_peer`)."""
+    proto = _protocols.get(host.libp2p)
+    return proto.pair_fallbacks if proto is not None else 0
+
+
+__all__ = ["PROTOCOL_ID", "pair_fallbacks", "pair_taken", "serve_dcutr", "upgrade", "upgrades"]
