@@ -63,10 +63,8 @@ PEER_EXCHANGES = 3
 PEER_WINDOW_S = 60.0
 MAX_DIAL_ADDRS = 4
 _MAX_PEERS_REMEMBERED = 4096
-# What connect() says when the address pair a dial from our listen port needs is still held by
-# a socket of ours: the previous connection with the same peer, in TIME_WAIT when we closed it
-# first (60 s; only loopback may reuse one sooner, tcp_tw_reuse=2) or in FIN_WAIT while the
-# peer has not closed its end.
+# What connect() says when the address pair a dial from our listen port needs is already held
+# by a socket of ours (a connection on that pair that our listener accepted: _DCUtR._dial_peer).
 _PAIR_TAKEN = frozenset({errno.EADDRNOTAVAIL, errno.EADDRINUSE})
 
 
@@ -113,19 +111,25 @@ class _DCUtR(DCUtRProtocol):
         source: tuple[str, int] | None = None,
         as_responder: bool = False,
     ) -> None:
-        """The library's dial from our listen port (``source``), and, when the kernel refuses
-        that address pair because our previous connection with the peer still holds it, the
-        same dial from an ephemeral port.
+        """The library's dial from our listen port (``source``); on the side that dials
+        back (the exchange's responder, ``as_responder`` False), when the kernel refuses that
+        address pair because a socket of ours already holds it, the same dial again from an
+        ephemeral port.
 
-        Whoever closes a TCP connection first keeps its socket in TIME_WAIT, and a dial from
-        the listen port to the same peer address is then the identical 4-tuple: connect()
-        fails with EADDRNOTAVAIL for up to 60 s, so a peer whose direct connection we dropped
-        could not be reached directly again for a minute (measured: every dial of a DCUtR
-        exchange refused, tests/nat/test_nat_redial.py). An ephemeral port cannot punch
-        through the peer's router, but neither can the refused pair; it does reach a peer
-        that can be dialled (the connection reversal), and then as a plain outbound dial:
-        the peer's listener takes it as inbound, so the Noise roles agree whatever
-        ``as_responder`` says. Never raises: the exchange judges by the connections.
+        What holds the pair (measured, docs/results/2026-12-07-nat-redial.md): the initiator
+        dials too (the punch's other half), upgrading as Noise *responder*; where nothing
+        drops its SYN (loopback, a peer that can be dialled, a router whose conntrack still
+        knows the pair) and it arrives before our own dial, our listener accepts it as
+        inbound, both sides wait as responders until the 10 s inbound upgrade timeout, and
+        every dial of ours from the listen port to the initiator fails with EADDRNOTAVAIL
+        meanwhile (13 of them in the CI failure of tests/nat/test_nat_circuits.py). Our own
+        TIME_WAIT is not the cause: Linux lets a socket bound to a shared port reuse its
+        TIME_WAIT pair at once. An ephemeral port cannot punch through the initiator's
+        router, but neither can the held pair; it does reach an initiator that can be
+        dialled (the connection reversal, the case circuits use DCUtR for), as a plain
+        outbound dial that its listener takes as inbound, so the Noise roles agree. The
+        initiator does not fall back: the peer it reaches by a circuit is one that could not
+        be dialled. Never raises: the exchange judges by the connections.
         """
         network = self.host.get_network()
         try:
@@ -139,11 +143,11 @@ class _DCUtR(DCUtRProtocol):
             log.debug("DCUtR dial to %s at %s timed out", peer_id, addr)
             return
         except Exception as exc:  # noqa: BLE001 (the library's dial raises many kinds)
-            if source is None or not pair_taken(exc):
+            if source is None or as_responder or not pair_taken(exc):
                 log.debug("DCUtR dial to %s at %s failed: %s", peer_id, addr, exc)
                 return
         if has_direct_connection(self.echo_host, peer_id):
-            # The pair was taken by the peer's own dial, which reached our listener first.
+            # The pair was taken by the peer's punch dial, merged or upgraded by now.
             return
         log.info(
             "DCUtR dial to %s at %s from our listen port %s:%d refused: our previous "

@@ -23,7 +23,7 @@ from multiaddr import Multiaddr
 from echo.p2p.host import EchoHost, open_host
 from echo.p2p.identity import Identity
 from echo.p2p.nat import dcutr
-from echo.p2p.nat.circuit import has_direct_connection, keep_reservation
+from echo.p2p.nat.circuit import has_direct_connection, is_relayed, keep_reservation
 from echo.p2p.nat.circuit_relay import CONTROL_RELAY_LIMITS, offer_relay
 from echo.p2p.relay.peers import Peers
 
@@ -121,10 +121,14 @@ def test_a_dial_back_whose_address_pair_is_held_comes_from_another_port() -> Non
                     assert await dcutr.upgrade(a, b.peer_id, timeout=5.0)
                     assert time.monotonic() - held_at < 9.0
                     assert _held(b_port, a_port) == "ESTABLISHED"  # still the stalled one
-                    # Both listen ports' pairs are held (A's stalled dial socket, B's accepted
-                    # one): whichever side's ephemeral dial came first made the connection.
-                    assert dcutr.pair_fallbacks(a) + dcutr.pair_fallbacks(b) >= 1
-                    assert has_direct_connection(b, a.peer_id)
+                    # B dialled back from an ephemeral port; A (the initiator) does not fall back.
+                    assert dcutr.pair_fallbacks(b) >= 1 and dcutr.pair_fallbacks(a) == 0
+                    direct = [
+                        c
+                        for c in b.libp2p.get_network().connections[a.peer_id]
+                        if not is_relayed(c) and c.direction.name == "OUTBOUND"
+                    ]
+                    assert direct, b.libp2p.get_network().connections[a.peer_id]
                     nursery.cancel_scope.cancel()
 
     trio.run(body)
