@@ -40,7 +40,7 @@ from contextlib import suppress
 import trio
 from libp2p.abc import IHost
 from libp2p.peer.id import ID
-from libp2p.relay.circuit_v2.dcutr import PROTOCOL_ID, DCUtRProtocol
+from libp2p.relay.circuit_v2.dcutr import PROTOCOL_ID, DCUtRProtocol, _tcp_ip_port
 from multiaddr import Multiaddr
 
 from echo.p2p.budget import LruMap
@@ -94,6 +94,7 @@ class _DCUtR(DCUtRProtocol):
         self.echo_host = host
         self.upgrades = 0  # exchanges that ended with a direct connection (either role)
         self.pair_fallbacks = 0  # dials re-made from an ephemeral port (see _dial_peer)
+        self._dialling: set[tuple[ID, str, int]] = set()  # (peer, ip, port) dials in flight
 
     async def _verify_direct_connection(self, peer_id: ID) -> bool:
         return has_direct_connection(self.echo_host, peer_id)
@@ -131,6 +132,24 @@ class _DCUtR(DCUtRProtocol):
         initiator does not fall back: the peer it reaches by a circuit is one that could not
         be dialled. Never raises: the exchange judges by the connections.
         """
+        # The peer's CONNECT often names one endpoint twice (with and without /p2p/<id>): a
+        # second dial from the listen port would only collide with the first (EADDRNOTAVAIL)
+        # and, taken for a held pair, add an ephemeral-port connection beside it.
+        tcp = _tcp_ip_port(addr)
+        key = (peer_id, tcp[1], tcp[2]) if tcp is not None else None
+        if key is not None:
+            if key in self._dialling:
+                return
+            self._dialling.add(key)
+        try:
+            await self._dial_or_fall_back(peer_id, addr, source, as_responder)
+        finally:
+            if key is not None:
+                self._dialling.discard(key)
+
+    async def _dial_or_fall_back(
+        self, peer_id: ID, addr: Multiaddr, source: tuple[str, int] | None, as_responder: bool
+    ) -> None:
         network = self.host.get_network()
         try:
             with trio.fail_after(self.dial_timeout):
@@ -150,8 +169,8 @@ class _DCUtR(DCUtRProtocol):
             # The pair was taken by the peer's punch dial, merged or upgraded by now.
             return
         log.info(
-            "DCUtR dial to %s at %s from our listen port %s:%d refused: our previous "
-            "connection still holds that address pair; dialling from an ephemeral port",
+            "DCUtR dial to %s at %s from our listen port %s:%d refused: a connection of ours "
+            "already holds that address pair; dialling from an ephemeral port",
             peer_id,
             addr,
             *source,
