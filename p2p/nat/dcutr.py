@@ -32,6 +32,7 @@ connections, :data:`PEER_EXCHANGES` per peer per :data:`PEER_WINDOW_S`, at most
 
 from __future__ import annotations
 
+import errno
 import logging
 import weakref
 from contextlib import suppress
@@ -39,7 +40,8 @@ from contextlib import suppress
 import trio
 from libp2p.abc import IHost
 from libp2p.peer.id import ID
-from libp2p.relay.circuit_v2.dcutr import PROTOCOL_ID, DCUtRProtocol
+from libp2p.relay.circuit_v2.dcutr import PROTOCOL_ID, DCUtRProtocol, _tcp_ip_port
+from multiaddr import Multiaddr
 
 from echo.p2p.budget import LruMap
 from echo.p2p.host import EchoHost, as_peer_id
@@ -61,6 +63,22 @@ PEER_EXCHANGES = 3
 PEER_WINDOW_S = 60.0
 MAX_DIAL_ADDRS = 4
 _MAX_PEERS_REMEMBERED = 4096
+# What connect() says when the address pair a dial from our listen port needs is already held
+# by a socket of ours (a connection on that pair that our listener accepted: _DCUtR._dial_peer).
+_PAIR_TAKEN = frozenset({errno.EADDRNOTAVAIL, errno.EADDRINUSE})
+
+
+def pair_taken(exc: BaseException) -> bool:
+    """Whether ``exc`` (py-libp2p wraps the OSError two or three times) says that the source
+    address and port are already connected to that destination."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and cur.errno in _PAIR_TAKEN:
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 class _DCUtR(DCUtRProtocol):
@@ -75,9 +93,98 @@ class _DCUtR(DCUtRProtocol):
         )
         self.echo_host = host
         self.upgrades = 0  # exchanges that ended with a direct connection (either role)
+        self.pair_fallbacks = 0  # dials re-made from an ephemeral port (see _dial_peer)
+        self._dialling: set[tuple[ID, str, int]] = set()  # (peer, ip, port) dials in flight
 
     async def _verify_direct_connection(self, peer_id: ID) -> bool:
         return has_direct_connection(self.echo_host, peer_id)
+
+    async def _have_direct_connection(self, peer_id: ID) -> bool:
+        # The library trusts a cache of peers it once punched, emptied only by a host that
+        # knows the service (``_dcutr_protocol``, which ours is not): after that connection
+        # closed, the peer's next CONNECT would be answered "already direct" and never dialled.
+        return has_direct_connection(self.echo_host, peer_id)
+
+    async def _dial_peer(
+        self,
+        peer_id: ID,
+        addr: Multiaddr,
+        source: tuple[str, int] | None = None,
+        as_responder: bool = False,
+    ) -> None:
+        """The library's dial from our listen port (``source``); on the side that dials
+        back (the exchange's responder, ``as_responder`` False), when the kernel refuses that
+        address pair because a socket of ours already holds it, the same dial again from an
+        ephemeral port.
+
+        What holds the pair (measured, docs/results/2026-12-07-nat-redial.md): the initiator
+        dials too (the punch's other half), upgrading as Noise *responder*; where nothing
+        drops its SYN (loopback, a peer that can be dialled, a router whose conntrack still
+        knows the pair) and it arrives before our own dial, our listener accepts it as
+        inbound, both sides wait as responders until the 10 s inbound upgrade timeout, and
+        every dial of ours from the listen port to the initiator fails with EADDRNOTAVAIL
+        meanwhile (13 of them in the CI failure of tests/nat/test_nat_circuits.py). Our own
+        TIME_WAIT is not the cause: Linux lets a socket bound to a shared port reuse its
+        TIME_WAIT pair at once. An ephemeral port cannot punch through the initiator's
+        router, but neither can the held pair; it does reach an initiator that can be
+        dialled (the connection reversal, the case circuits use DCUtR for), as a plain
+        outbound dial that its listener takes as inbound, so the Noise roles agree. The
+        initiator does not fall back: the peer it reaches by a circuit is one that could not
+        be dialled. Never raises: the exchange judges by the connections.
+        """
+        # The peer's CONNECT often names one endpoint twice (with and without /p2p/<id>): a
+        # second dial from the listen port would only collide with the first (EADDRNOTAVAIL)
+        # and, taken for a held pair, add an ephemeral-port connection beside it.
+        tcp = _tcp_ip_port(addr)
+        key = (peer_id, tcp[1], tcp[2]) if tcp is not None else None
+        if key is not None:
+            if key in self._dialling:
+                return
+            self._dialling.add(key)
+        try:
+            await self._dial_or_fall_back(peer_id, addr, source, as_responder)
+        finally:
+            if key is not None:
+                self._dialling.discard(key)
+
+    async def _dial_or_fall_back(
+        self, peer_id: ID, addr: Multiaddr, source: tuple[str, int] | None, as_responder: bool
+    ) -> None:
+        network = self.host.get_network()
+        try:
+            with trio.fail_after(self.dial_timeout):
+                if as_responder:
+                    await network.dial_addr_as_responder(addr, peer_id, source)
+                else:
+                    await network.dial_addr(addr, peer_id, source)
+            return
+        except trio.TooSlowError:
+            log.debug("DCUtR dial to %s at %s timed out", peer_id, addr)
+            return
+        except Exception as exc:  # noqa: BLE001 (the library's dial raises many kinds)
+            if source is None or as_responder or not pair_taken(exc):
+                log.debug("DCUtR dial to %s at %s failed: %s", peer_id, addr, exc)
+                return
+        if has_direct_connection(self.echo_host, peer_id):
+            # The pair was taken by the peer's punch dial, merged or upgraded by now.
+            return
+        log.info(
+            "DCUtR dial to %s at %s from our listen port %s:%d refused: a connection of ours "
+            "already holds that address pair; dialling from an ephemeral port",
+            peer_id,
+            addr,
+            *source,
+        )
+        self.pair_fallbacks += 1
+        try:
+            with trio.fail_after(self.dial_timeout):
+                await network.dial_addr(addr, peer_id)
+        except trio.TooSlowError:
+            log.debug("DCUtR dial to %s at %s from an ephemeral port timed out", peer_id, addr)
+        except Exception as exc:  # noqa: BLE001
+            log.debug(
+                "DCUtR dial to %s at %s from an ephemeral port failed: %s", peer_id, addr, exc
+            )
 
     def _decode_observed_addrs(self, addr_bytes: list[bytes]) -> list:  # type: ignore[override]
         return super()._decode_observed_addrs(addr_bytes)[:MAX_DIAL_ADDRS]
@@ -146,4 +253,11 @@ def upgrades(host: EchoHost) -> int:
     return proto.upgrades if proto is not None else 0
 
 
-__all__ = ["PROTOCOL_ID", "serve_dcutr", "upgrade", "upgrades"]
+def pair_fallbacks(host: EchoHost) -> int:
+    """DCUtR dials on ``host`` re-made from an ephemeral port because the listen port's address
+    pair to that peer was held (:meth:`_DCUtR._dial_peer`)."""
+    proto = _protocols.get(host.libp2p)
+    return proto.pair_fallbacks if proto is not None else 0
+
+
+__all__ = ["PROTOCOL_ID", "pair_fallbacks", "pair_taken", "serve_dcutr", "upgrade", "upgrades"]

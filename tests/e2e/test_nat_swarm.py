@@ -174,6 +174,28 @@ def test_nodes_behind_nat_held_a_reservation_on_the_coordinators_relay(run: Path
     assert s["relay"]["max_reservations"] == nat, s["relay"]
 
 
+def test_nodes_behind_nat_are_reached_for_control_through_a_volunteers_relay_alone(
+    run: Path,
+) -> None:
+    """Issue 32's ``relayed_control_share``, on every run, busy machine or idle: every public
+    node offers a relay, every node behind NAT reserves on one of them besides the coordinator,
+    and a stranger opens a circuit to each of those nodes through that volunteer alone (the
+    coordinator's relay is on no such path) and gets an identify reply. Unlike the swarm's own
+    circuit dials (the xfail below), this does not wait for a parent to need the fallback."""
+    s = _summary(run)
+    public = {n for n, h in s["hosts"].items() if h["nat"] == "public"}
+    assert set(s["volunteer_relays"]) == public, s["volunteer_relays"]
+    for name, h in s["hosts"].items():
+        got = s["volunteer_reservations"][name]
+        if h["nat"] == "public":
+            assert got is None, (name, s["volunteer_reservations"])
+        else:
+            assert got in public, (name, s["volunteer_reservations"])
+    behind = {n for n, h in s["hosts"].items() if h["nat"] != "public"}
+    assert set(s["volunteer_circuits"]) == behind, s["volunteer_circuits"]
+    assert s["relayed_control_share"] == 1.0, s["volunteer_circuits"]
+
+
 @pytest.mark.xfail(
     reason="the slow-first-dial drill does not force circuits on a quiet machine: 0 circuits in a "
     "run at load ~1 on 2026-12-07 (13-20 only at load 8-18); why the drill is not enough is not "
