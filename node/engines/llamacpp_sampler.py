@@ -47,7 +47,7 @@ def sample(
     lps: list[float] = []
     for row, p, rng in zip(logits, params, rngs, strict=True):
         z = row.astype(np.float64)
-        if p.temperature != 0:
+        if p.temperature not in (0, 1):
             z /= p.temperature
         z -= z.max()
         probs = np.exp(z)
