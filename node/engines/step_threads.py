@@ -9,8 +9,10 @@ than 1, for the node's engines and for each engine's own offline generation alik
 faster changes with the load of the moment, so :class:`StepThreads` measures it instead of
 guessing: it times the steps run at the current count, now and then times one step at the other
 candidate (1 thread, or the configured maximum), and switches when the other is faster. A probe
-that confirms the current count doubles the wait before the next one (up to ``max_interval``
-steps), so a probe at a badly slow setting costs a small share of the steps.
+that confirms the current count doubles the wait before the next one, and waits longer still
+when the probe was costly, so that probes cost at most ~2% of the time (up to ``max_interval``
+steps): on the tiny model at load 20, 2 threads stepped ~100x slower than 1, and a fixed backoff
+to 256 steps had the probes cost as much again as the steps.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from __future__ import annotations
 EMA = 0.3
 # A probed count must beat the current one by this factor to be switched to (noise margin).
 MARGIN = 0.9
+# Share of the time that probes of a slower count may cost: a probe that took k steps' time
+# waits at least (k - 1) / PROBE_SHARE steps for the next one.
+PROBE_SHARE = 0.02
 
 
 class StepThreads:
@@ -35,7 +40,7 @@ class StepThreads:
         *,
         adapt: bool = True,
         min_interval: int = 8,
-        max_interval: int = 256,
+        max_interval: int = 8192,
     ) -> None:
         if max_threads < 1:
             raise ValueError(f"max_threads must be >= 1, not {max_threads}")
@@ -87,4 +92,5 @@ class StepThreads:
             self.interval = self.min_interval
             self.switches += 1
         else:
-            self.interval = min(2 * self.interval, self.max_interval)
+            cost = (seconds / self.estimate[self.current] - 1) / PROBE_SHARE
+            self.interval = min(max(2 * self.interval, int(cost)), self.max_interval)

@@ -33,12 +33,23 @@ def run(st: StepThreads, seconds: dict[int, float], steps: int) -> list[int]:
 
 
 def test_settles_on_one_thread_when_two_are_slower_and_probes_rarely() -> None:
-    st = StepThreads(2, min_interval=8, max_interval=256)
+    st = StepThreads(2, min_interval=8)
     used = run(st, {1: 0.01, 2: 0.08}, 2000)  # a loaded machine: 2 threads 8x slower
     assert st.current == 1 and st.switches == 1
-    # After the switch, probes of 2 threads back off to one per 256 steps.
+    # After the switch, probes of 2 threads back off: each costs 7 steps' time, so the next
+    # waits 350 steps (2% of the time).
     assert used[:8] == [2] * 8 and used[8] == 1
-    assert used[-1000:].count(2) <= 1000 // 256 + 1
+    assert used[-1000:].count(2) <= 1000 // 350 + 1
+
+
+@pytest.mark.parametrize("slowdown", [2.0, 10.0, 100.0])
+def test_probes_of_a_slow_count_cost_a_small_share_of_the_time(slowdown: float) -> None:
+    st = StepThreads(2)
+    seconds = {1: 0.01, 2: 0.01 * slowdown}
+    used = run(st, seconds, 20_000)
+    assert st.current == 1
+    spent = sum(seconds[n] for n in used[1000:])
+    assert spent <= 1.03 * 0.01 * len(used[1000:])
 
 
 def test_stays_on_the_maximum_when_it_is_faster() -> None:
