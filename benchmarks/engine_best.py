@@ -24,11 +24,15 @@ caller times it, so rounds of the node path and of each setting can be interleav
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from echo.tools.bench import say
 
 Runner = Callable[[], int]
 
@@ -193,7 +197,13 @@ class LlamaBatched:
 
 class LlamaRunners:
     """llama.cpp's model mapped from ``gguf`` (llama.cpp's default model parameters) and one
-    :class:`LlamaBatched` context per setting; ``close`` frees them all."""
+    :class:`LlamaBatched` context per setting; ``close`` frees them all.
+
+    Settings: sequences per context (every group at once; also one group unless
+    ``all_groups_only``) x ``threads`` x ``n_batches``, on llama.cpp's default KV settings, and
+    one more with the node's own KV settings (F32 cache, no flash attention) on every group at
+    once, the most threads and n_batch 512: what the parity settings cost, apart from the node's
+    code."""
 
     def __init__(
         self,
@@ -209,44 +219,39 @@ class LlamaRunners:
     ) -> None:
         import llama_cpp as ll
 
+        from echo.node.engines.llamacpp_context import pad_cells
+
         self.ll = ll
         self.model = ll.llama_model_load_from_file(
             str(gguf).encode(), ll.llama_model_default_params()
         )
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {gguf}")
-        seq_len = -(-(max(len(p) for p in prompts) + max_new) // 256) * 256
+        seq_len = pad_cells(max(len(p) for p in prompts) + max_new)
+        n_all = group * len(prompts)
+        seqs = {n_all} if all_groups_only else {group, n_all}
+        settings = [
+            (f"{n_seq} seqs/context, {t} threads, n_batch {nb}", n_seq, t, nb, False)
+            for n_seq in sorted(seqs)
+            for t in threads
+            for nb in n_batches
+        ]
+        settings.append(
+            (f"F32 KV, no flash attention: {n_all} seqs/context, {max(threads)} threads", n_all,
+             max(threads), 512, True)
+        )
         self.contexts: dict[str, LlamaBatched] = {}
-        seqs = {group * len(prompts)} if all_groups_only else {group, group * len(prompts)}
-        for n_seq in sorted(seqs):
-            for t in threads:
-                for nb in n_batches:
-                    name = f"llama.cpp batched: {n_seq} seqs/context, {t} threads, n_batch {nb}"
-                    self.contexts[name] = LlamaBatched(
-                        ll,
-                        self.model,
-                        n_seq=n_seq,
-                        seq_len=seq_len,
-                        threads=t,
-                        n_batch=nb,
-                        vocab_size=vocab_size,
-                    )
-        # The node's own KV settings beside llama.cpp's defaults (F16 cache, flash attention
-        # where llama.cpp picks it): what the parity settings cost, apart from the node's code.
-        n_all, t_node = group * len(prompts), max(threads)
-        name = (
-            f"llama.cpp batched, F32 KV, no flash attention: {n_all} seqs/context, {t_node} threads"
-        )
-        self.contexts[name] = LlamaBatched(
-            ll,
-            self.model,
-            n_seq=n_all,
-            seq_len=seq_len,
-            threads=t_node,
-            n_batch=512,
-            vocab_size=vocab_size,
-            f32_kv=True,
-        )
+        for label, n_seq, t, nb, f32_kv in settings:
+            self.contexts[f"llama.cpp batched, {label}"] = LlamaBatched(
+                ll,
+                self.model,
+                n_seq=n_seq,
+                seq_len=seq_len,
+                threads=t,
+                n_batch=nb,
+                vocab_size=vocab_size,
+                f32_kv=f32_kv,
+            )
         self.runners: dict[str, Runner] = {
             name: (lambda c=c: c.run(prompts, group, max_new, eos_id))
             for name, c in self.contexts.items()
@@ -286,14 +291,19 @@ def vllm_runners(llm: Any, prompts: list[list[int]], group: int, max_new: int) -
 # ----------------------------------------------------------------------------------------- timing
 
 
-def time_round(runners: dict[str, Runner], rates: dict[str, list[float]]) -> None:
-    """Run every runner once, appending its tokens/s to ``rates[name]``."""
-    import time
-
+def time_round(
+    runners: dict[str, Runner],
+    rates: dict[str, list[float]],
+    cpu_rates: dict[str, list[float]] | None = None,
+) -> None:
+    """Run every runner once, appending its tokens/s to ``rates[name]`` and its tokens per
+    second of this process's CPU time to ``cpu_rates[name]``."""
     for name, run in runners.items():
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         n = run()
         rates.setdefault(name, []).append(n / (time.perf_counter() - t0))
+        if cpu_rates is not None:
+            cpu_rates.setdefault(name, []).append(n / max(time.process_time() - c0, 1e-9))
 
 
 def best(rates: dict[str, list[float]], threads: int | None = None) -> tuple[str, float]:
@@ -351,3 +361,121 @@ def offline_runners(
     if name == "vllm":
         return vllm_runners(engine._llm, prompts, group, max_new), lambda: None
     raise ValueError(f"no offline runners for engine {name!r}")
+
+
+# ------------------------------------------------------------------------ node path vs offline
+
+
+def out_threads(engine: Any) -> int:
+    """Threads the engine may compute with: llama.cpp's own count, else torch's (process-wide)."""
+    return getattr(engine, "threads", None) or torch.get_num_threads()
+
+
+def node_vs_offline(
+    name: str,
+    engine: Any,
+    path: Any,
+    prompts: list[list[int]],
+    group: int,
+    max_new: int,
+    quick: bool,
+    rounds: int,
+) -> dict[str, Any]:
+    """Rounds of: ``engine.generate`` called directly on ``path``'s requests, the node path
+    (``path.run(engine)`` -> tokens, seconds inside generate, submissions), and every offline
+    setting of :func:`offline_runners`, interleaved so that drift on a shared machine hits all
+    alike. Rates are best rounds; ``group_vs_engine_rounds`` is each round's node-path rate
+    over that round's best offline rate (its median is the figure least moved by load that
+    comes and goes between rounds). ``group_vs_engine_cpu`` compares tokens per second of this
+    process's CPU time instead (best rounds): on one thread that is the rate the work would have
+    on an idle core, so it tells the node's cost from the engine's where the machine's load moves
+    wall-clock rates several-fold between runs; on more threads it also counts time spent
+    spinning at barriers."""
+    direct = path.requests(path.open_leases())
+    engine.generate(direct[:1])  # warm-up
+    runners, free = offline_runners(name, engine, prompts, group, max_new, quick)
+    offline: dict[str, list[float]] = {}
+    offline_cpu: dict[str, list[float]] = {}
+    lost, node_rate, engine_rate, direct_rate, ratios, node_cpu = [], [], [], [], [], []
+    try:
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            res = engine.generate(direct)
+            direct_s = time.perf_counter() - t0
+            direct_rate.append(sum(len(c.token_ids) for g in res for c in g) / direct_s)
+            t0, c0 = time.perf_counter(), time.process_time()
+            n, gen_s, _ = path.run(engine)
+            node_s = time.perf_counter() - t0
+            node_cpu.append(n / max(time.process_time() - c0, 1e-9))
+            node_rate.append(n / node_s)
+            engine_rate.append(n / gen_s)
+            lost.append(1.0 - gen_s / node_s)
+            time_round(runners, offline, offline_cpu)
+            ratios.append(node_rate[-1] / max(v[-1] for v in offline.values()))
+            say(  # per round: a shared machine's load shows in how rounds differ
+                f"    round: node path {node_rate[-1]:.1f} tok/s; offline "
+                + "; ".join(f"{v[-1]:.1f} ({k})" for k, v in offline.items())
+                + f"; ratio {ratios[-1]:.2f}"
+            )
+    finally:
+        free()
+    best_name, best_tps = best(offline)
+    same_tps = best(offline, out_threads(engine))[1]
+    node_tps, direct_tps = max(node_rate), max(direct_rate)
+    st = getattr(engine, "step_threads", None)
+    return {
+        # Within-call ratio: its median is robust to load between calls.
+        "overhead": statistics.median(lost),
+        "node_tokens_per_s": node_tps,
+        "engine_tokens_per_s": max(engine_rate),
+        "direct_tokens_per_s": direct_tps,
+        "overhead_vs_direct_calls": 1.0 - node_tps / direct_tps,
+        "threads": out_threads(engine),
+        # What the engine's step timing settled on (1 or ``threads``), and its step times.
+        "threads_chosen": st.chosen if st is not None else out_threads(engine),
+        "step_seconds": dict(st.estimate) if st is not None else {},
+        "best_offline_tokens_per_s": best_tps,
+        "best_offline": best_name,
+        "group_vs_engine": node_tps / best_tps,
+        # The node's thread count against the engine's best on as many threads: on a loaded
+        # machine thread count alone can move a rate 10x (spinning barriers).
+        "group_vs_engine_same_threads": node_tps / same_tps,
+        "group_vs_engine_rounds": ratios,
+        "group_vs_engine_median": statistics.median(ratios),
+        "offline": {k: max(v) for k, v in offline.items()},
+        "node_tokens_per_cpu_s": max(node_cpu),
+        "best_offline_tokens_per_cpu_s": max(max(v) for v in offline_cpu.values()),
+        "group_vs_engine_cpu": max(node_cpu) / max(max(v) for v in offline_cpu.values()),
+        "offline_cpu": {k: max(v) for k, v in offline_cpu.items()},
+    }
+
+
+def report(name: str, out: dict[str, Any]) -> None:
+    """Print one engine's figures from :func:`node_vs_offline`."""
+    for k, v in out["offline"].items():
+        say(f"    offline {v:8.1f} tok/s  {out['offline_cpu'][k]:8.1f} tok/cpu-s  {k}")
+    say(
+        f"  {name:9s} node path {out['node_tokens_per_s']:8.1f} tok/s (engine "
+        f"{out['engine_tokens_per_s']:.1f}, direct calls {out['direct_tokens_per_s']:.1f}), "
+        f"overhead {out['overhead']:.2%}, threads {out['threads']} (steps on "
+        f"{out['threads_chosen']}); group_vs_engine {out['group_vs_engine']:.2f} "
+        f"(median of rounds {out['group_vs_engine_median']:.2f}, same threads "
+        f"{out['group_vs_engine_same_threads']:.2f}; best offline "
+        f"{out['best_offline_tokens_per_s']:.1f} tok/s: {out['best_offline']}); per CPU second "
+        f"{out['node_tokens_per_cpu_s']:.1f} against {out['best_offline_tokens_per_cpu_s']:.1f}: "
+        f"group_vs_engine_cpu {out['group_vs_engine_cpu']:.2f}"
+    )
+
+
+def flat_result(name: str, out: dict[str, Any], suffix: str = "") -> dict[str, Any]:
+    """The JSON keys of one engine: ``group_vs_engine*_<engine>`` and the figures behind them."""
+    keys = (
+        "best_offline_tokens_per_s",
+        "best_offline",
+        "threads_chosen",
+        "group_vs_engine",
+        "group_vs_engine_same_threads",
+        "group_vs_engine_median",
+        "group_vs_engine_cpu",
+    )
+    return {f"{k}_{name}{suffix}": out[k] for k in keys}

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from engine_best import best, offline_runners, time_round
+from engine_best import flat_result, node_vs_offline, report
 
 from echo.models.spec import ModelSpec, build_model, encode_prompt
 from echo.models.weights import export_state, to_bits
@@ -47,7 +47,7 @@ from echo.protocol import codec, signing
 from echo.protocol import messages as m
 from echo.protocol.patch import apply_patch, encode_patch
 from echo.tasks.registry import make_task
-from echo.tools.bench import emit, median, parse_args, say
+from echo.tools.bench import emit, parse_args, say
 
 # The first AdamW step moves every weight by about lr; 1e-6 is an RL-sized learning rate.
 LR = 1e-6
@@ -75,11 +75,6 @@ def build_engine(name: str, spec: ModelSpec, threads: int | None) -> Engine | No
     except (ValueError, RuntimeError, ImportError) as exc:  # e.g. vllm not wired in this build
         say(f"  {name}: not available ({exc})")
         return None
-
-
-def out_threads(engine: Engine) -> int:
-    """Threads the engine computes with: llama.cpp's own count, else torch's (process-wide)."""
-    return getattr(engine, "threads", None) or torch.get_num_threads()
 
 
 def close(engine: Engine) -> None:
@@ -183,51 +178,10 @@ def bench_node_path(names: list[str], quick: bool, threads: int | None) -> dict[
             continue
         try:
             engine.load_state(state)
-            engine.generate(direct_reqs[:1])  # warm-up
             prompts = [r.prompt_ids for r in direct_reqs]
-            runners, free = offline_runners(name, engine, prompts, group, max_new, quick)
-            offline: dict[str, list[float]] = {}
-            direct_rate, node_rate, engine_rate, lost = [], [], [], []
-            for _ in range(rounds):  # interleaved, so drift hits both alike
-                t0 = time.perf_counter()
-                res = engine.generate(direct_reqs)
-                direct_s = time.perf_counter() - t0
-                direct_rate.append(sum(len(c.token_ids) for g in res for c in g) / direct_s)
-                t0 = time.perf_counter()
-                n, gen_s, subs = path.run(engine)
-                node_s = time.perf_counter() - t0
-                assert len(subs) == n_leases
-                node_rate.append(n / node_s)
-                engine_rate.append(n / gen_s)
-                lost.append(1.0 - gen_s / node_s)
-                time_round(runners, offline)
-            free()
-            best_name, best_tps = best(offline)
-            same_tps = best(offline, out_threads(engine))[1]
-            # Best rounds for rates (least disturbed by other load on the machine); the overhead
-            # is a within-call ratio, so its median is already robust to that.
-            overhead = median(lost)
-            engine_tps, node_tps, direct_tps = max(engine_rate), max(node_rate), max(direct_rate)
-            say(
-                f"  {name:9s} engine {engine_tps:8,.0f} tok/s  node path {node_tps:8,.0f} tok/s  "
-                f"overhead {overhead:.2%}  direct calls {direct_tps:8,.0f} tok/s  "
-                f"({out_threads(engine)} threads)"
-            )
-            for k, v in offline.items():
-                say(f"    offline {max(v):8,.0f} tok/s  {k}")
-            say(f"    group_vs_engine {node_tps / best_tps:.2f} (best offline: {best_name})")
-            out[name] = {
-                "engine_tokens_per_s": engine_tps,
-                "node_tokens_per_s": node_tps,
-                "direct_tokens_per_s": direct_tps,
-                "overhead": overhead,
-                "overhead_vs_direct_calls": 1.0 - node_tps / direct_tps,
-                "threads": out_threads(engine),
-                "best_offline_tokens_per_s": best_tps,
-                "best_offline": best_name,
-                "group_vs_engine": node_tps / best_tps,
-                "group_vs_engine_same_threads": node_tps / same_tps,
-            }
+            r = node_vs_offline(name, engine, path, prompts, group, max_new, quick, rounds)
+            report(name, r)
+            out[name] = r
         finally:
             close(engine)
     return out
@@ -350,10 +304,7 @@ def main() -> None:
         result[f"direct_tokens_per_s_{n}"] = r["direct_tokens_per_s"]
         result[f"overhead_vs_direct_calls_{n}"] = r["overhead_vs_direct_calls"]
         result[f"threads_{n}"] = r["threads"]
-        result[f"best_offline_tokens_per_s_{n}"] = r["best_offline_tokens_per_s"]
-        result[f"best_offline_{n}"] = r["best_offline"]
-        result[f"group_vs_engine_{n}"] = r["group_vs_engine"]
-        result[f"group_vs_engine_same_threads_{n}"] = r["group_vs_engine_same_threads"]
+        result.update(flat_result(n, r))
     result["apply"] = apply_rows
     result["threads"] = args.threads
     result["quick"] = bool(args.quick)

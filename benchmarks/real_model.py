@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from engine_best import best, offline_runners, time_round
-from engines import NodePath, build_engine, close, out_threads
+from engine_best import flat_result, node_vs_offline, report
+from engines import NodePath, build_engine, close
 from safetensors.torch import load_file, save_file
 
 from echo.models.prompts import PromptRenderer
@@ -222,7 +222,7 @@ def bench_engine(
     name: str, spec: ModelSpec, states: list, prompts: list[list[int]], quick: bool, threads: int
 ) -> dict[str, Any] | None:
     """Node path vs direct calls, and time to apply the next version, for engine ``name``."""
-    group, max_new, rounds = (4, 24, 2) if quick else (8, 48, 4)
+    group, max_new, rounds = (4, 24, 3) if quick else (8, 48, 4)
     engine: Engine | None = build_engine(name, spec, threads)
     if engine is None:
         return None
@@ -231,60 +231,15 @@ def bench_engine(
         engine.load_state(states[0])
         first = time.perf_counter() - t0
         path = RealNodePath(spec, prompts, group, max_new)
-        direct = path.requests(path.open_leases())
-        engine.generate(direct[:1])  # warm-up
-        runners, free = offline_runners(name, engine, prompts, group, max_new, quick)
-        offline: dict[str, list[float]] = {}
-        lost, node_rate, engine_rate, direct_rate = [], [], [], []
-        for _ in range(rounds):  # interleaved, so drift on a shared machine hits both alike
-            t0 = time.perf_counter()
-            res = engine.generate(direct)
-            direct_rate.append(
-                sum(len(c.token_ids) for g in res for c in g) / (time.perf_counter() - t0)
-            )
-            t0 = time.perf_counter()
-            n, gen_s, _ = path.run(engine)
-            node_s = time.perf_counter() - t0
-            lost.append(1.0 - gen_s / node_s)
-            node_rate.append(n / node_s)
-            engine_rate.append(n / gen_s)
-            time_round(runners, offline)
-            say(  # per round: a shared machine's load shows in how rounds differ
-                f"    round: node path {node_rate[-1]:.1f} tok/s; offline "
-                + "; ".join(f"{v[-1]:.1f} ({k})" for k, v in offline.items())
-            )
-        free()
-        best_name, best_tps = best(offline)
-        same_tps = best(offline, out_threads(engine))[1]
+        out = node_vs_offline(name, engine, path, prompts, group, max_new, quick, rounds)
         applies = [float("nan")] if len(states) < 2 else []
         for st in states[1:]:
             t0 = time.perf_counter()
             engine.load_state(st)
             applies.append(time.perf_counter() - t0)
-        out = {
-            "overhead": median(lost),
-            "node_tokens_per_s": max(node_rate),
-            "engine_tokens_per_s": max(engine_rate),
-            "direct_tokens_per_s": max(direct_rate),
-            "first_load_s": first,
-            "apply_s": median(applies),
-            "threads": out_threads(engine),
-            "best_offline_tokens_per_s": best_tps,
-            "best_offline": best_name,
-            "group_vs_engine": max(node_rate) / best_tps,
-            # The node's thread count against the engine's best on as many threads: on a loaded
-            # machine thread count alone can move a rate 10x (spinning barriers).
-            "group_vs_engine_same_threads": max(node_rate) / same_tps,
-        }
-        for k, v in offline.items():
-            say(f"    offline {max(v):7.1f} tok/s  {k}")
-        say(
-            f"  {name:9s} engine {out['engine_tokens_per_s']:6.1f} tok/s, node path "
-            f"{out['node_tokens_per_s']:6.1f} tok/s, overhead {out['overhead']:.2%}, direct "
-            f"{out['direct_tokens_per_s']:6.1f} tok/s; first load {first:.2f} s, apply a "
-            f"version {out['apply_s']:.2f} s ({out['threads']} threads); group_vs_engine "
-            f"{out['group_vs_engine']:.2f} (best offline {best_tps:.1f} tok/s: {best_name})"
-        )
+        out.update(first_load_s=first, apply_s=median(applies))
+        report(name, out)
+        say(f"    first load {first:.2f} s, apply a version {out['apply_s']:.2f} s")
         return out
     finally:
         close(engine)
@@ -334,6 +289,11 @@ def add_args(p) -> None:
         help="skip (a): the engines run on SmolLM2's own weights, published in bf16 (no "
         "version to apply)",
     )
+    p.add_argument(
+        "--engines",
+        default="torch,llamacpp,vllm",
+        help="comma-separated engines for (b) (default: torch,llamacpp,vllm)",
+    )
     # Internal: (b) for vLLM alone, run by .venv-vllm's interpreter on the states in this folder.
     p.add_argument("--child-vllm", default=None, help=argparse.SUPPRESS)
 
@@ -359,17 +319,16 @@ def main() -> None:
     say("(b) engines: node path vs direct calls, time to apply a version")
     result: dict[str, Any] = dict(learner)
     prompts = engine_prompts(spec, args.quick)
-    for name in ("torch", "llamacpp"):
+    wanted = args.engines.split(",")
+    for name in [n for n in ("torch", "llamacpp") if n in wanted]:
         r = bench_engine(name, spec, states, prompts, args.quick, args.threads)
         if r is not None:
             result.update({f"{k}_{name}_real": v for k, v in r.items()})
-            result[f"group_vs_engine_{name}"] = r["group_vs_engine"]
-            result[f"group_vs_engine_same_threads_{name}"] = r["group_vs_engine_same_threads"]
-    r = vllm_child(spec, states, prompts, args.quick, args.threads)
+            result.update(flat_result(name, r))
+    r = vllm_child(spec, states, prompts, args.quick, args.threads) if "vllm" in wanted else None
     if r:
         result.update({f"{k}_vllm_real": v for k, v in r.items()})
-        result["group_vs_engine_vllm"] = r["group_vs_engine"]
-        result["group_vs_engine_same_threads_vllm"] = r["group_vs_engine_same_threads"]
+        result.update(flat_result("vllm", r))
     if learner:
         say(
             f"patch per version {result['patch_bytes_real']:,.0f} B vs full bf16 "

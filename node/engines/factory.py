@@ -30,7 +30,9 @@ def make_engine(
     if name == "torch":
         from echo.node.engines.torch_engine import TorchEngine
 
-        return TorchEngine(spec, device=device, threads=threads, dtype=dtype)
+        # Steps on 1 thread or ``threads``, whichever is faster on the machine's load of the
+        # moment (see TorchEngine: results then reproduce up to float rounding).
+        return TorchEngine(spec, device=device, threads=threads, dtype=dtype, adapt_threads=True)
     if name == "llamacpp":
         from echo.node.engines.llamacpp_engine import LlamaCppEngine
 

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 # ggml_type ids for the KV cache.
 KV_TYPES = {"float32": 0, "float16": 1}
@@ -102,6 +101,7 @@ class LlamaContext:
         self.ctx: Any = None
         self._batch: Any = None
         self._batch_size = 0
+        self.threads_now = threads
         # The LoRA adapter set on the context (llama.cpp frees it with the model), kept across
         # a context that is made anew.
         self.adapter: Any = None
@@ -163,6 +163,7 @@ class LlamaContext:
         self.ctx = ctx
         if self.adapter is not None:
             self._apply_adapter(self.adapter)
+        self.threads_now = self.threads
         self._batch_size = int(cparams.n_batch)
         self._batch = ll.llama_batch_init(self._batch_size, 0, 1)
 
@@ -220,20 +221,31 @@ class LlamaContext:
             ll.llama_model_free(self.model)
             self.model = None
 
-    def decode(self, items: list[tuple[int, int, int, bool]]) -> torch.Tensor:
+    def set_threads(self, threads: int) -> None:
+        """Compute the next decodes on ``threads`` threads (llama.cpp takes the count per
+        decode, so this costs nothing)."""
+        if threads != self.threads_now:
+            self._ll.llama_set_n_threads(self.ctx, threads, threads)
+            self.threads_now = threads
+
+    def decode(self, items: list[tuple[int, int, int, bool]]) -> np.ndarray:
         """Decode ``(seq, token, pos, wants_logits)`` items in batches of at most ``n_batch``;
         return the logits of the items that asked for them, in order, as float32 (k, vocab).
+        When one batch holds every item that asked (every decode step does), the array is a
+        view of llama.cpp's logits buffer, valid until the next call: a step's logits are read
+        once, so copying 49k floats per sample per step would only cost time.
         RuntimeError when llama.cpp fails to decode."""
         ll = self._ll
         b = self._batch
         out: list[np.ndarray] = []
-        for lo in range(0, len(items), self._batch_size):
+        tok = np.ctypeslib.as_array(b.token, shape=(self._batch_size,))
+        pos = np.ctypeslib.as_array(b.pos, shape=(self._batch_size,))
+        nseq = np.ctypeslib.as_array(b.n_seq_id, shape=(self._batch_size,))
+        want = np.ctypeslib.as_array(b.logits, shape=(self._batch_size,))
+        parts = range(0, len(items), self._batch_size)
+        for lo in parts:
             part = items[lo : lo + self._batch_size]
             n = len(part)
-            tok = np.ctypeslib.as_array(b.token, shape=(self._batch_size,))
-            pos = np.ctypeslib.as_array(b.pos, shape=(self._batch_size,))
-            nseq = np.ctypeslib.as_array(b.n_seq_id, shape=(self._batch_size,))
-            want = np.ctypeslib.as_array(b.logits, shape=(self._batch_size,))
             seq, toks, poss, wants = zip(*part, strict=True)
             tok[:n] = toks
             pos[:n] = poss
@@ -251,7 +263,8 @@ class LlamaContext:
                 arr = np.ctypeslib.as_array(
                     ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(k, self.vocab_size)
                 )
-                out.append(arr.copy())
+                # A later part's decode overwrites the buffer: keep a copy unless this is the last.
+                out.append(arr if lo == parts[-1] else arr.copy())
         if not out:
-            return torch.empty((0, self.vocab_size))
-        return torch.from_numpy(np.concatenate(out))
+            return np.empty((0, self.vocab_size), dtype=np.float32)
+        return out[0] if len(out) == 1 else np.concatenate(out)

@@ -6,22 +6,25 @@ C API directly through a :class:`~echo.node.engines.llamacpp_context.LlamaContex
 cut into chunks of at most ``max_seqs``; in each, every request's prompt is prefilled once and
 its KV cells copied to the other samples of its group (``llama_memory_seq_cp``), then every step
 decodes one token for every unfinished sample in a single batch, and a finished sample's cells
-are freed. Logits of each step come back to Python (only the rows asked for, so ``logits_all`` is
-not needed) and are sampled by :mod:`echo.node.engines.llamacpp_sampler`. A sample ends on the
-model's EOS id (kept in its tokens) or at ``max_new_tokens``.
+are freed. Each step runs on the thread count that
+:class:`~echo.node.engines.step_threads.StepThreads` finds fastest at the moment (1 or the engine's
+``threads``). Logits of each step come back to Python (only the rows asked for, so
+``logits_all`` is not needed) and are sampled by :mod:`echo.node.engines.llamacpp_sampler` in
+NumPy. A sample ends on the model's EOS id (kept in its tokens) or at ``max_new_tokens``.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from echo.node.engines.base import Completion, GenRequest
 from echo.node.engines.llamacpp_context import LlamaContext
 from echo.node.engines.llamacpp_sampler import sample, sample_rng
+from echo.node.engines.step_threads import StepThreads
 
 
 @dataclass
@@ -38,18 +41,24 @@ class _Row:
 
 
 def decode_groups(
-    ll: Any, llama: LlamaContext, requests: list[GenRequest], max_seqs: int, eos_id: int
+    ll: Any,
+    llama: LlamaContext,
+    requests: list[GenRequest],
+    max_seqs: int,
+    eos_id: int,
+    threads: StepThreads,
 ) -> list[list[Completion]]:
     """Every request's ``n`` completions, decoded on ``llama``'s context (``ll``: the
     ``llama_cpp`` module), whose cells per sequence must hold each prompt and its
-    ``max_new_tokens``. :raises RuntimeError: llama.cpp fails to decode."""
+    ``max_new_tokens``; ``threads`` picks each step's thread count from the steps' times.
+    :raises RuntimeError: llama.cpp fails to decode."""
     rows = [
         _Row(req=i, slot=-1, rng=sample_rng(r.params, j), pos=0, tokens=[], logprobs=[])
         for i, r in enumerate(requests)
         for j in range(r.n)
     ]
     for lo in range(0, len(rows), max_seqs):
-        _run_chunk(ll, llama, requests, rows[lo : lo + max_seqs], eos_id)
+        _run_chunk(ll, llama, requests, rows[lo : lo + max_seqs], eos_id, threads)
     result: list[list[Completion]] = [[] for _ in requests]
     for row in rows:
         result[row.req].append(
@@ -63,7 +72,12 @@ def decode_groups(
 
 
 def _run_chunk(
-    ll: Any, llama: LlamaContext, requests: list[GenRequest], rows: list[_Row], eos_id: int
+    ll: Any,
+    llama: LlamaContext,
+    requests: list[GenRequest],
+    rows: list[_Row],
+    eos_id: int,
+    threads: StepThreads,
 ) -> None:
     """Generate ``rows`` (at most ``max_seqs``, one KV sequence each) to completion."""
     mem = ll.llama_get_memory(llama.ctx)
@@ -79,6 +93,7 @@ def _run_chunk(
         for req, g in groups.items()
         for pos, tok in enumerate(requests[req].prompt_ids)
     ]
+    llama.set_threads(threads.chosen)
     logits = llama.decode(prefill)
     for (req, g), lg in zip(groups.items(), logits, strict=True):
         plen = len(requests[req].prompt_ids)
@@ -88,10 +103,14 @@ def _run_chunk(
             ll.llama_memory_seq_cp(mem, g[0].slot, row.slot, -1, -1)
         for row in g:
             row.pos = plen
-        _step(requests, g, lg.unsqueeze(0).expand(len(g), -1), eos_id)
+        _step(requests, g, np.broadcast_to(lg, (len(g), lg.shape[0])), eos_id)
     active = [r for r in rows if r.finish is None]
     while active:
+        n = threads.threads()
+        llama.set_threads(n)
+        t0 = time.perf_counter()
         logits = llama.decode([(r.slot, r.tokens[-1], r.pos, True) for r in active])
+        threads.observe(n, time.perf_counter() - t0)
         for r in active:
             r.pos += 1
         _step(requests, active, logits, eos_id)
@@ -102,7 +121,7 @@ def _run_chunk(
         active = [r for r in active if r.finish is None]
 
 
-def _step(requests: list[GenRequest], rows: list[_Row], logits: torch.Tensor, eos_id: int) -> None:
+def _step(requests: list[GenRequest], rows: list[_Row], logits: np.ndarray, eos_id: int) -> None:
     """Sample one token for each of ``rows`` from its logits row; mark finished rows."""
     params = [requests[r.req].params for r in rows]
     toks, lps = sample(logits, params, [r.rng for r in rows])

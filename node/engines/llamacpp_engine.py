@@ -52,6 +52,7 @@ from echo.node.engines.llamacpp_context import (
 )
 from echo.node.engines.llamacpp_decode import decode_groups
 from echo.node.engines.llamacpp_lora import LlamaLora
+from echo.node.engines.step_threads import StepThreads
 
 
 @dataclass
@@ -91,6 +92,10 @@ class LlamaCppEngine(Engine):
       llama.cpp does); a request that needs more grows it (a new context), up to the model's
       context length (or ``seq_len`` if larger).
     - ``max_seqs``: samples decoded together.
+    - ``adapt_threads``: with ``threads`` > 1, each decode step runs on 1 thread or on
+      ``threads``, whichever the last steps' times say is faster now
+      (:mod:`~echo.node.engines.step_threads`: on a machine whose cores are busy, 1 thread
+      decoded a small model several times faster than 2); False: always ``threads``.
     - ``kv_dtype`` (float32 or float16) and ``flash_attn``: the defaults (F32 cache, no flash
       attention) keep log-probs within ~1e-5 of transformers; float16 + flash attention is
       faster and within ~1e-2.
@@ -115,6 +120,7 @@ class LlamaCppEngine(Engine):
         dtype: str | None = None,
         seq_len: int | None = None,
         max_seqs: int = 32,
+        adapt_threads: bool = True,
         kv_dtype: str = "float32",
         flash_attn: bool = False,
         kv_unified: bool = False,
@@ -148,6 +154,7 @@ class LlamaCppEngine(Engine):
         self.max_seq_len = max(self.layout.context_length, seq_len or 0)
         self.seq_len = pad_cells(seq_len or min(self.max_seq_len, KV_PAD))
         self.max_seqs = max_seqs
+        self.step_threads = StepThreads(self.threads, adapt=adapt_threads)
         self.kv_dtype = kv_dtype
         self.flash_attn = flash_attn
         self.kv_unified = kv_unified
@@ -304,7 +311,9 @@ class LlamaCppEngine(Engine):
             self.seq_len = pad_cells(need)
             self._llama.make_context(self.seq_len)
         start = time.perf_counter()
-        result = decode_groups(self._ll, self._llama, requests, self.max_seqs, self.eos_id)
+        result = decode_groups(
+            self._ll, self._llama, requests, self.max_seqs, self.eos_id, self.step_threads
+        )
         seconds = time.perf_counter() - start
         n_tokens = sum(len(c.token_ids) for group in result for c in group)
         self.last_stats = {

@@ -4,6 +4,11 @@ llama.cpp hands the engine each step's logits; :func:`sample` picks one token pe
 ``log_softmax(logits / temperature)`` of it over the full vocabulary before top-p truncation (the
 convention of :mod:`echo.node.engines.base`). :func:`sample_rng` gives each sample its own stream,
 seeded from the request's seed and the sample's index, so results do not depend on batching.
+
+Sampling runs in NumPy on the calling thread, never in torch: torch's intra-op threads (OpenMP,
+one per core by default) would wake for each step's few hundred microseconds of work and then
+spin beside ggml's own threads, so on a machine with no idle core the two thread pools took
+turns at each other's barriers (see ``docs/results/2026-12-07-engines-best.md``).
 """
 
 from __future__ import annotations
@@ -11,7 +16,6 @@ from __future__ import annotations
 import os
 
 import numpy as np
-import torch
 
 from echo.node.engines.base import SamplingParams
 
@@ -26,37 +30,49 @@ def sample_rng(params: SamplingParams, sample: int) -> np.random.Generator | Non
 
 
 def sample(
-    logits: torch.Tensor,
+    logits: np.ndarray,
     params: list[SamplingParams],
     rngs: list[np.random.Generator | None],
 ) -> tuple[list[int], list[float]]:
-    """One token per row of ``logits`` (rows, vocab) and its log-prob under the engine convention.
+    """One token per row of ``logits`` (rows, vocab; float32) and its log-prob under the engine
+    convention. ``logits`` is only read, so it may be a view of llama.cpp's own buffer.
 
     The log-prob is ``log_softmax(logits / temperature)`` over the full vocabulary, before top-p
-    (temperature 0: greedy argmax and the raw ``log_softmax``). Top-p keeps the smallest prefix of
-    the sorted distribution whose mass reaches ``top_p`` (the top token always stays) and samples
-    from it by inverse CDF with one uniform draw from the row's generator.
+    (temperature 0: greedy argmax and the raw ``log_softmax``), computed in float64. Top-p keeps
+    the smallest prefix of the sorted distribution whose mass reaches ``top_p`` (the top token
+    always stays) and samples from it by inverse CDF with one uniform draw from the row's
+    generator.
     """
-    logits = logits.float()
-    temps = torch.tensor([p.temperature or 1.0 for p in params]).unsqueeze(1)
-    logp = torch.log_softmax(logits / temps, dim=-1)
-    toks = logits.argmax(-1)
-    sampled = [i for i, p in enumerate(params) if p.temperature != 0]
-    if sampled:
-        idx = torch.tensor(sampled)
-        lp = logp[idx].double()
-        probs = lp.exp()
-        top_p = torch.tensor([params[i].top_p for i in sampled], dtype=torch.float64)
-        if bool((top_p < 1).any()):
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            mass_before = sorted_p.cumsum(-1) - sorted_p
-            drop = torch.zeros_like(mass_before, dtype=torch.bool).scatter(
-                1, order, mass_before >= top_p.unsqueeze(1)
-            )
-            probs = probs.masked_fill(drop, 0.0)
-        cdf = probs.cumsum(-1)
-        u = torch.tensor([rngs[i].random() for i in sampled], dtype=torch.float64)  # type: ignore[union-attr]
-        draw = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
-        toks[idx] = draw.clamp(max=logits.shape[1] - 1)
-    chosen = logp.gather(1, toks.unsqueeze(1)).squeeze(1)
-    return toks.tolist(), chosen.tolist()
+    toks: list[int] = []
+    lps: list[float] = []
+    for row, p, rng in zip(logits, params, rngs, strict=True):
+        z = row.astype(np.float64)
+        if p.temperature not in (0, 1):
+            z /= p.temperature
+        z -= z.max()
+        probs = np.exp(z)
+        log_total = float(np.log(probs.sum()))
+        if p.temperature == 0:
+            tok = int(row.argmax())
+        else:
+            assert rng is not None
+            tok = _draw(probs, p.top_p, rng)
+        toks.append(tok)
+        lps.append(float(z[tok]) - log_total)
+    return toks, lps
+
+
+def _draw(probs: np.ndarray, top_p: float, rng: np.random.Generator) -> int:
+    """Inverse-CDF draw from unnormalised ``probs``, truncated to the top-p nucleus."""
+    if top_p < 1:
+        order = np.argsort(-probs, kind="stable")
+        kept = probs[order]
+        mass_before = np.cumsum(kept) - kept
+        # Kept: the tokens whose preceding mass is below top_p of the total (the top one always).
+        n = max(1, int(np.count_nonzero(mass_before < top_p * kept.sum())))
+        cdf = np.cumsum(kept[:n])
+        i = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+        return int(order[min(i, n - 1)])
+    cdf = np.cumsum(probs)
+    i = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    return min(i, len(probs) - 1)

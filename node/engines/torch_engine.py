@@ -27,11 +27,20 @@ from echo.models.weights import DTYPES, export_state
 from echo.models.weights import load_state as load_model_state
 from echo.models.weights import state_digest as digest_of
 from echo.node.engines.base import Completion, Engine, GenRequest, SamplingParams
+from echo.node.engines.step_threads import StepThreads
 from echo.node.engines.torch_lora import TorchLora
 
 
 class TorchEngine(Engine):
-    """Reference engine on CPU or one GPU. ``threads`` sets torch's (process-wide) thread count."""
+    """Reference engine on CPU or one GPU. ``threads`` sets torch's (process-wide) thread count;
+    on the CPU with ``adapt_threads`` each decode step runs on 1 thread or on ``threads``,
+    whichever the last steps' times say is faster now (:mod:`~echo.node.engines.step_threads`:
+    on a machine whose cores are busy, 1 thread decoded a small model several times faster than
+    2); torch's count is restored after each :meth:`generate`. Off by default: torch's matmul
+    reductions round differently on another thread count, so with it two calls on the same seeds
+    may differ in the last bits of a log-prob; the node turns it on
+    (:func:`~echo.node.engines.factory.make_engine`), where speed matters and log-probs are
+    checked within a tolerance anyway."""
 
     name = "torch"
 
@@ -42,6 +51,7 @@ class TorchEngine(Engine):
         device: str = "cpu",
         threads: int | None = None,
         dtype: str = "float32",
+        adapt_threads: bool = False,
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
@@ -49,6 +59,9 @@ class TorchEngine(Engine):
             torch.set_num_threads(threads)
         self.spec = spec
         self.device = torch.device(device)
+        self.step_threads = StepThreads(
+            torch.get_num_threads(), adapt=adapt_threads and self.device.type == "cpu"
+        )
         self.dtype = dtype
         self.model = build_model(spec).to(self.device, DTYPES[dtype]).eval()
         self.eos_id = eos_token_id(spec)
@@ -137,6 +150,59 @@ class TorchEngine(Engine):
         budget = per_row([p.max_new_tokens for p in params], torch.long)
         gens = [self._generator(p) for p in params]
 
+        before = torch.get_num_threads()
+        if self.step_threads.adapt:
+            torch.set_num_threads(self.step_threads.chosen)
+        try:
+            tokens, logps, length, stopped = self._decode(
+                ids, mask, pos, expand, rows, budget, row_temp, row_top_p, params, slices, gens
+            )
+        finally:
+            if torch.get_num_threads() != before:
+                torch.set_num_threads(before)
+
+        tok_rows = torch.stack(tokens, 1).cpu().tolist()
+        lp_rows = torch.stack(logps, 1).cpu().tolist()
+        lengths, stops = length.cpu().tolist(), stopped.cpu().tolist()
+        result: list[list[Completion]] = []
+        for sl in slices:
+            result.append(
+                [
+                    Completion(
+                        token_ids=tok_rows[i][: lengths[i]],
+                        logprobs=lp_rows[i][: lengths[i]],
+                        finish_reason="stop" if stops[i] else "length",
+                    )
+                    for i in range(sl.start, sl.stop)
+                ]
+            )
+        seconds = time.perf_counter() - start
+        n_tokens = int(sum(lengths))
+        self.last_stats = {
+            "tokens": n_tokens,
+            "seconds": seconds,
+            "tokens_per_s": n_tokens / seconds if seconds > 0 else 0.0,
+        }
+        return result
+
+    def _decode(
+        self,
+        ids: torch.Tensor,
+        mask: torch.Tensor,
+        pos: torch.Tensor,
+        expand: torch.Tensor,
+        rows: int,
+        budget: torch.Tensor,
+        row_temp: torch.Tensor,
+        row_top_p: torch.Tensor,
+        params: list[SamplingParams],
+        slices: list[slice],
+        gens: list[torch.Generator],
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """Prefill one row per request, repeat it for the samples, then step every row to EOS
+        or its budget; (tokens per step, log-probs per step, lengths, stopped at EOS)."""
+        dev = self.device
+        st = self.step_threads
         out, cache = forward_with_cache(
             self.model, input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=1
         )
@@ -162,6 +228,10 @@ class TorchEngine(Engine):
             # Finished rows keep stepping (their outputs are ignored): pruning the cache would
             # cost more than it saves at these batch sizes.
             mask = torch.cat([mask, torch.ones((rows, 1), dtype=mask.dtype, device=dev)], 1)
+            n = st.threads()
+            if st.adapt and n != torch.get_num_threads():
+                torch.set_num_threads(n)
+            t0 = time.perf_counter()
             out, cache = forward_with_cache(
                 self.model,
                 cache,
@@ -169,32 +239,11 @@ class TorchEngine(Engine):
                 attention_mask=mask,
                 position_ids=next_pos.unsqueeze(1),
             )
+            st.observe(n, time.perf_counter() - t0)
             logits = out.logits[:, -1, :]
             next_pos = next_pos + 1
 
-        tok_rows = torch.stack(tokens, 1).cpu().tolist()
-        lp_rows = torch.stack(logps, 1).cpu().tolist()
-        lengths, stops = length.cpu().tolist(), stopped.cpu().tolist()
-        result: list[list[Completion]] = []
-        for sl in slices:
-            result.append(
-                [
-                    Completion(
-                        token_ids=tok_rows[i][: lengths[i]],
-                        logprobs=lp_rows[i][: lengths[i]],
-                        finish_reason="stop" if stops[i] else "length",
-                    )
-                    for i in range(sl.start, sl.stop)
-                ]
-            )
-        seconds = time.perf_counter() - start
-        n_tokens = int(sum(lengths))
-        self.last_stats = {
-            "tokens": n_tokens,
-            "seconds": seconds,
-            "tokens_per_s": n_tokens / seconds if seconds > 0 else 0.0,
-        }
-        return result
+        return tokens, logps, length, stopped
 
     @staticmethod
     def _generator(params: SamplingParams) -> torch.Generator:
