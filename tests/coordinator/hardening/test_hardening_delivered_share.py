@@ -125,25 +125,27 @@ def test_a_returned_lease_costs_as_long_as_it_was_held(tmp_path) -> None:
         await swarm.deliver(hoarder, 1)  # a quota of 1: one lease at a time, as the newcomer
         v = swarm.version
         held = open_lease(coord, (await hoarder.leases(job_id, v, 8)).leases[0])
-        await trio.sleep(2.0)  # the hoarder sits on its lease
+        # The hoarder sits on its lease for most of its term (min_lease_s: it delivered at
+        # once), returning it before the deadline so that the lease is still open.
+        await trio.sleep(2.5)
         first = open_lease(coord, (await newcomer.leases(job_id, v, 8)).leases[0])
         await swarm.step(train=False)
         await swarm.step(train=False)  # v+2: a group of v is stale at S = 1
-        # The newcomer's first group comes back stale at once, the hoarder's after 2 s.
+        # The newcomer's first group comes back stale at once, the hoarder's after 2.5 s.
         reply = await newcomer.submit(newcomer.seal(group_for(first, version=v)))
         assert reply.reason == R.STALE_VERSION
         reply = await hoarder.submit(hoarder.seal(group_for(held, version=v)))
         assert reply.reason == R.STALE_VERSION
         v = swarm.version
-        # The newcomer held its lease well under 0.5 s: it waits min_lease_s (1 s), at most 4x
-        # its hold; the hoarder held its lease 2 s: lease_term_factor (4) times that, 8 s.
+        # The newcomer held its lease well under 0.5 s: it waits min_lease_s (3 s), not 4x its
+        # hold; the hoarder held its lease 2.5 s: lease_term_factor (4) times that, 10 s.
         assert (await newcomer.leases(job_id, v, 8)).leases == []
         assert (await hoarder.leases(job_id, v, 8)).leases == []
-        await trio.sleep(2.0)
+        await trio.sleep(4.0)
         got = (await newcomer.leases(job_id, v, 8)).leases
         assert len(got) == 1, "a newcomer's stale first group locked it out"
         assert (await hoarder.leases(job_id, v, 8)).leases == []
-        await trio.sleep(2.5)  # 4.5 s after its return, over 4x the newcomer's wait
+        await trio.sleep(3.0)  # 7 s after its return, over twice the newcomer's wait
         assert (await hoarder.leases(job_id, v, 8)).leases == [], "the hoarder's wait was short"
 
     run_with_coordinator(
@@ -151,5 +153,5 @@ def test_a_returned_lease_costs_as_long_as_it_was_held(tmp_path) -> None:
         body,
         lease_quota_ramp=3,
         exclude_after_failures=100,
-        min_lease_s=1.0,
+        min_lease_s=3.0,
     )
