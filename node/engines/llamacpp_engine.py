@@ -334,9 +334,14 @@ class LlamaCppEngine(Engine):
         return unified_cells(requests, self.max_seqs) <= UNIFIED_MAX_CELLS
 
 
-# A unified KV cache (one buffer for all sequences) decodes faster up to about this many cells
-# (measured: docs/results/2026-12-07-engines-best.md); every token attends over all of them.
-UNIFIED_MAX_CELLS = 2048
+# Largest unified_cells for which generate uses a unified KV cache. Every token of a unified cache
+# attends over all its cells (other sequences' masked), so its cost grows with this count; per-
+# sequence streams instead pay when samples end at different steps. SmolLM2, 1 thread, tokens per
+# CPU second unified / streams (docs/results/2026-12-07-engines-best.md): samples ending at EOS
+# 1.18-1.45 at 416-2752 cells; every sample run to max_new_tokens 1.04-1.11 up to 416 cells,
+# ~1.0 at 928, 0.89-0.93 at 1216-1824, 0.80-0.84 at 2752-3424. Sampling ends at EOS, so the
+# cut sits above the largest shape measured to gain; a real run's 32 x (112 + 256) holds ~8,600.
+UNIFIED_MAX_CELLS = 3072
 
 
 # Below this many parameters llama.cpp runs on one thread by default (see _default_threads).
