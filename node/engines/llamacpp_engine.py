@@ -9,7 +9,8 @@ offload by default), so a reload costs milliseconds and the pages it computes on
 permutation, so a wrong write shows up as a digest mismatch instead of a silently wrong model.
 
 Generation. The engine checks requests against the vocabulary and the context, grows the KV
-cells per sequence to the longest request, and hands the batch to
+cells per sequence to the longest request, chooses a unified KV cache or one stream per sequence
+from the call's shape (``UNIFIED_MAX_CELLS``), and hands the batch to
 :mod:`echo.node.engines.llamacpp_decode`, which drives llama.cpp's C API (``llama_batch`` /
 ``llama_decode``) through :mod:`echo.node.engines.llamacpp_context`: each prompt prefilled once,
 its KV cells copied to the group's other samples, then one batch per step. The engine samples
