@@ -2,7 +2,8 @@
 
 :class:`LlamaContext` owns what llama-cpp-python's C API hands out: the model (mapped from the
 engine's GGUF, no repacked copies, so the pages it computes on are the file's), a context of
-``max_seqs`` sequences with its ``llama_batch``, and :meth:`LlamaContext.decode`, which feeds
+``max_seqs`` sequences with its ``llama_batch`` (one KV stream per sequence, or one unified cache,
+chosen per context build), and :meth:`LlamaContext.decode`, which feeds
 ``(sequence, token, position)`` items through ``llama_decode`` and returns the logits asked for.
 It also routes llama.cpp's process-wide log (:func:`route_llama_log`) and tells whether the model
 maps its file shared (:func:`maps_shared`), which in-place weight patches rely on.
@@ -131,11 +132,14 @@ class LlamaContext:
             raise RuntimeError(f"llama.cpp loaded {loaded} parameters, the GGUF holds {n_params}")
         self.make_context(seq_len)
 
-    def make_context(self, seq_len: int) -> None:
-        """(Re)create the context and batch for ``max_seqs`` sequences of ``seq_len`` tokens;
-        RuntimeError (and the model unloaded) when llama.cpp cannot."""
+    def make_context(self, seq_len: int, kv_unified: bool | None = None) -> None:
+        """(Re)create the context and batch for ``max_seqs`` sequences of ``seq_len`` tokens,
+        with a unified KV cache or not (None: as the last build); RuntimeError (and the model
+        unloaded) when llama.cpp cannot."""
         ll = self._ll
         self._free_context()
+        if kv_unified is not None:
+            self.kv_unified = kv_unified
         cparams = ll.llama_context_default_params()
         cparams.n_ctx = seq_len * self.max_seqs
         cparams.n_seq_max = self.max_seqs

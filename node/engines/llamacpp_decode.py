@@ -11,6 +11,7 @@ are freed. Each step runs on the thread count that
 ``threads``). Logits of each step come back to Python (only the rows asked for, so
 ``logits_all`` is not needed) and are sampled by :mod:`echo.node.engines.llamacpp_sampler` in
 NumPy. A sample ends on the model's EOS id (kept in its tokens) or at ``max_new_tokens``.
+:func:`unified_cells` says, for the same schedule, how many cells a unified KV cache would hold.
 """
 
 from __future__ import annotations
@@ -69,6 +70,21 @@ def decode_groups(
             )
         )
     return result
+
+
+def unified_cells(requests: list[GenRequest], max_seqs: int) -> int:
+    """The most KV cells a unified cache holds in any chunk of :func:`decode_groups`' schedule:
+    each request's prompt once (its samples share the prompt's cells, ``llama_memory_seq_cp``
+    adds sequence ids to cells there), plus ``max_new_tokens`` cells per sample. Every token of
+    a unified cache attends over this many cells (the other sequences' masked), where one
+    stream per sequence attends over its own prompt + completion."""
+    reqs = [i for i, r in enumerate(requests) for _ in range(r.n)]
+    most = 0
+    for lo in range(0, len(reqs), max_seqs):
+        chunk = reqs[lo : lo + max_seqs]
+        prompts = sum(len(requests[i].prompt_ids) for i in set(chunk))
+        most = max(most, prompts + sum(requests[i].params.max_new_tokens for i in chunk))
+    return most
 
 
 def _run_chunk(

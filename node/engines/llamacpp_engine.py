@@ -9,7 +9,8 @@ offload by default), so a reload costs milliseconds and the pages it computes on
 permutation, so a wrong write shows up as a digest mismatch instead of a silently wrong model.
 
 Generation. The engine checks requests against the vocabulary and the context, grows the KV
-cells per sequence to the longest request, and hands the batch to
+cells per sequence to the longest request, chooses a unified KV cache or one stream per sequence
+from the call's shape (``UNIFIED_MAX_CELLS``), and hands the batch to
 :mod:`echo.node.engines.llamacpp_decode`, which drives llama.cpp's C API (``llama_batch`` /
 ``llama_decode``) through :mod:`echo.node.engines.llamacpp_context`: each prompt prefilled once,
 its KV cells copied to the group's other samples, then one batch per step. The engine samples
@@ -50,7 +51,7 @@ from echo.node.engines.llamacpp_context import (
     pad_cells,
     route_llama_log,
 )
-from echo.node.engines.llamacpp_decode import decode_groups
+from echo.node.engines.llamacpp_decode import decode_groups, unified_cells
 from echo.node.engines.llamacpp_lora import LlamaLora
 from echo.node.engines.step_threads import StepThreads
 
@@ -99,7 +100,10 @@ class LlamaCppEngine(Engine):
     - ``kv_dtype`` (float32 or float16) and ``flash_attn``: the defaults (F32 cache, no flash
       attention) keep log-probs within ~1e-5 of transformers; float16 + flash attention is
       faster and within ~1e-2.
-    - ``kv_unified``: one KV buffer shared by all sequences instead of one stream each.
+    - ``kv_unified``: one KV buffer shared by all sequences (True) or one stream each (False);
+      None (the default) chooses per call: unified when the cells it would hold
+      (:func:`~echo.node.engines.llamacpp_decode.unified_cells`) are at most
+      ``UNIFIED_MAX_CELLS``, remaking the context when the choice changes.
     - ``live_patch``: apply same-layout versions without reloading, where the shared mapping can
       be verified (see :meth:`load_state`).
     - ``gpu_layers`` > 0 offloads layers, after which :meth:`state_digest` covers the file, not
@@ -123,7 +127,7 @@ class LlamaCppEngine(Engine):
         adapt_threads: bool = True,
         kv_dtype: str = "float32",
         flash_attn: bool = False,
-        kv_unified: bool = False,
+        kv_unified: bool | None = None,
         gpu_layers: int = 0,
         vocab: GGUFVocab | None = None,
         live_patch: bool = False,
@@ -174,7 +178,7 @@ class LlamaCppEngine(Engine):
             max_seqs=max_seqs,
             kv_dtype=kv_dtype,
             flash_attn=flash_attn,
-            kv_unified=kv_unified,
+            kv_unified=bool(kv_unified),
             gpu_layers=gpu_layers,
         )
         self.last_stats: dict[str, float] = {"tokens": 0, "seconds": 0.0, "tokens_per_s": 0.0}
@@ -307,9 +311,10 @@ class LlamaCppEngine(Engine):
                     f"exceeds the model's context of {self.max_seq_len} tokens"
                 )
         need = max(len(r.prompt_ids) + r.params.max_new_tokens for r in requests)
-        if need > self.seq_len:
-            self.seq_len = pad_cells(need)
-            self._llama.make_context(self.seq_len)
+        unified = self.unified_for(requests)
+        if need > self.seq_len or unified != self._llama.kv_unified:
+            self.seq_len = max(self.seq_len, pad_cells(need))
+            self._llama.make_context(self.seq_len, unified)
         start = time.perf_counter()
         result = decode_groups(
             self._ll, self._llama, requests, self.max_seqs, self.eos_id, self.step_threads
@@ -322,6 +327,22 @@ class LlamaCppEngine(Engine):
             "tokens_per_s": n_tokens / seconds if seconds > 0 else 0.0,
         }
         return result
+
+    def unified_for(self, requests: list[GenRequest]) -> bool:
+        """Whether ``requests`` decode on a unified KV cache (see ``kv_unified``)."""
+        if self.kv_unified is not None:
+            return self.kv_unified
+        return unified_cells(requests, self.max_seqs) <= UNIFIED_MAX_CELLS
+
+
+# Largest unified_cells for which generate uses a unified KV cache. Every token of a unified cache
+# attends over all its cells (other sequences' masked), so its cost grows with this count; per-
+# sequence streams instead pay when samples end at different steps. SmolLM2, 1 thread, tokens per
+# CPU second unified / streams (docs/results/2026-12-07-engines-best.md): samples ending at EOS
+# 1.18-1.45 at 416-2752 cells; every sample run to max_new_tokens 1.04-1.11 up to 416 cells,
+# ~1.0 at 928, 0.89-0.93 at 1216-1824, 0.80-0.84 at 2752-3424. Sampling ends at EOS, so the
+# cut sits above the largest shape measured to gain; a real run's 32 x (112 + 256) holds ~8,600.
+UNIFIED_MAX_CELLS = 3072
 
 
 # Below this many parameters llama.cpp runs on one thread by default (see _default_threads).
