@@ -414,9 +414,10 @@ def main() -> int:
             while time.time() - t0 < args.timeout:
                 try:
                     st, nodes = swarm.status(job_id)
-                except httpx.TransportError:  # the run's own timeout bounds a silent coordinator
-                    console.print("[yellow]the coordinator did not answer its status for a "
-                                  "minute (a starved machine?): polling again[/yellow]")
+                except httpx.TransportError as exc:  # the run's timeout bounds a silent one
+                    if swarm.procs[0].poll() is not None:  # not silent: gone
+                        raise SystemExit(f"the coordinator exited: see {out}") from exc
+                    console.print("[yellow]no status from the coordinator for a minute[/yellow]")
                     continue
                 if first_version_s is None and st["current_version"] >= 1:
                     first_version_s = time.time() - t0
