@@ -28,7 +28,6 @@ import contextlib
 import math
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +52,7 @@ from echo.node.engines.llamacpp_context import (
 )
 from echo.node.engines.llamacpp_decode import decode_groups, unified_cells
 from echo.node.engines.llamacpp_lora import LlamaLora
+from echo.node.engines.scratch_dirs import make_scratch_dir
 from echo.node.engines.step_threads import StepThreads
 
 
@@ -166,7 +166,7 @@ class LlamaCppEngine(Engine):
         self.live_patch = live_patch
         self._live = False
         self._own_workdir = workdir is None
-        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="echo-llamacpp-"))
+        self.workdir = Path(workdir) if workdir else make_scratch_dir()
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.gguf_path = self.workdir / "policy.gguf"
         self._file: GGUFFile | None = None
