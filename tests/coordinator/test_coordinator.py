@@ -83,6 +83,33 @@ async def start_job(coord, client, **spec) -> tuple[str, object]:
     return job_id, learner
 
 
+async def publish_version(
+    learner, job_id: str, version: int, trained: list[str] | None = None
+) -> None:
+    """The learner's real step report of ``version`` (a patch on ``version - 1``, no chunks),
+    naming ``trained`` as the rollouts it trained on; fails the test unless it is acked."""
+    man = m.Manifest(
+        job_id=job_id,
+        version=version,
+        base_version=version - 1,
+        kind="patch",
+        total_size=0,
+        chunks=[],
+        tensor_digests={},
+        state_digest=f"digest-v{version}",
+        anchor_version=0,
+        created_at=time.time(),
+    )
+    rep = m.StepReport(
+        job_id=job_id,
+        version=version,
+        manifest=signing.seal_record(learner.identity.private_key, man),
+        trained=trained or [],
+    )
+    ack = m.decode(m.StepAck, await learner.call(ids.PROTO_LEARNER_REPORT, learner.seal(rep)))
+    assert ack.ok, ack.message
+
+
 def open_lease(coord, data: bytes) -> m.Lease:
     return signing.open_record(data, m.Lease, expected_signer=coord.identity.public_key_bytes)[1]
 

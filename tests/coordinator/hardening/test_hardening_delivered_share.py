@@ -17,15 +17,16 @@ coordinator service over real libp2p streams:
 
 from __future__ import annotations
 
-import time
-
 import trio
 
-from echo.protocol import ids, signing
-from echo.protocol import messages as m
 from echo.protocol import reasons as R
 from tests.conftest import run_with_coordinator
-from tests.coordinator.test_coordinator import group_for, open_lease, start_job
+from tests.coordinator.test_coordinator import (
+    group_for,
+    open_lease,
+    publish_version,
+    start_job,
+)
 
 
 async def _publish(coord, learner, job_id: str, version: int, train: bool) -> None:
@@ -34,26 +35,7 @@ async def _publish(coord, learner, job_id: str, version: int, train: bool) -> No
     trained = (
         [b.rollout.rollout_id for b in coord.store.take_batch(job_id, 4096, 0)] if train else []
     )
-    man = m.Manifest(
-        job_id=job_id,
-        version=version,
-        base_version=version - 1,
-        kind="patch",
-        total_size=0,
-        chunks=[],
-        tensor_digests={},
-        state_digest=f"digest-v{version}",
-        anchor_version=0,
-        created_at=time.time(),
-    )
-    rep = m.StepReport(
-        job_id=job_id,
-        version=version,
-        manifest=signing.seal_record(learner.identity.private_key, man),
-        trained=trained,
-    )
-    ack = m.decode(m.StepAck, await learner.call(ids.PROTO_LEARNER_REPORT, learner.seal(rep)))
-    assert ack.ok, ack.message
+    await publish_version(learner, job_id, version, trained)
 
 
 class _Swarm:

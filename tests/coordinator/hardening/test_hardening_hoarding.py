@@ -16,11 +16,14 @@ import trio
 
 from echo.coordinator.store import Store
 from echo.coordinator.store.rows import LeaseRow
-from echo.protocol import ids, signing
-from echo.protocol import messages as m
 from echo.protocol import reasons as R
 from tests.conftest import STORED_GROUP, run_with_coordinator
-from tests.coordinator.test_coordinator import group_for, open_lease, start_job
+from tests.coordinator.test_coordinator import (
+    group_for,
+    open_lease,
+    publish_version,
+    start_job,
+)
 
 WINDOW_S = 120.0
 
@@ -88,29 +91,6 @@ def test_an_accepted_sibling_forgives_nothing_a_later_accepted_group_forgives(tm
     store.close()
 
 
-async def _publish(learner, job_id: str, version: int) -> None:
-    man = m.Manifest(
-        job_id=job_id,
-        version=version,
-        base_version=version - 1,
-        kind="patch",
-        total_size=0,
-        chunks=[],
-        tensor_digests={},
-        state_digest=f"digest-v{version}",
-        anchor_version=0,
-        created_at=time.time(),
-    )
-    rep = m.StepReport(
-        job_id=job_id,
-        version=version,
-        manifest=signing.seal_record(learner.identity.private_key, man),
-        trained=[],
-    )
-    ack = m.decode(m.StepAck, await learner.call(ids.PROTO_LEARNER_REPORT, learner.seal(rep)))
-    assert ack.ok, ack.message
-
-
 def test_a_stale_version_hoarder_loses_the_window_and_an_honest_node_gets_it(tmp_path) -> None:
     """The issue's attack against the real coordinator: a node with accepted work takes the
     job's whole lease window, sends one stale-version submission and lets the rest expire."""
@@ -124,8 +104,8 @@ def test_a_stale_version_hoarder_loses_the_window_and_an_honest_node_gets_it(tmp
         assert (await hoarder.submit(hoarder.seal(group_for(first)))).accepted
         held = [open_lease(coord, x) for x in (await hoarder.leases(job_id, 0, 8)).leases]
         assert len(held) == 7  # the window of 8, less the group it already has buffered
-        await _publish(learner, job_id, 1)
-        await _publish(learner, job_id, 2)
+        await publish_version(learner, job_id, 1)
+        await publish_version(learner, job_id, 2)
         # A group "of v0": two versions behind at S = 1, no work at all behind it.
         reply = await hoarder.submit(hoarder.seal(group_for(held[0], version=0)))
         assert not reply.accepted and reply.reason == R.STALE_VERSION
