@@ -174,6 +174,20 @@ def test_nodes_behind_nat_held_a_reservation_on_the_coordinators_relay(run: Path
     assert s["relay"]["max_reservations"] == nat, s["relay"]
 
 
+def volunteers_relay_for_every_nat_node(s: dict) -> set[str]:
+    """Checks that every public node offers a relay and every node behind NAT holds a
+    reservation on one of them (public nodes hold none); returns the public nodes' names."""
+    public = {n for n, h in s["hosts"].items() if h["nat"] == "public"}
+    assert set(s["volunteer_relays"]) == public, s["volunteer_relays"]
+    for name, h in s["hosts"].items():
+        got = s["volunteer_reservations"][name]
+        if h["nat"] == "public":
+            assert got is None, (name, s["volunteer_reservations"])
+        else:
+            assert got in public, (name, s["volunteer_reservations"])
+    return public
+
+
 def test_nodes_behind_nat_are_reached_for_control_through_a_volunteers_relay_alone(
     run: Path,
 ) -> None:
@@ -183,15 +197,7 @@ def test_nodes_behind_nat_are_reached_for_control_through_a_volunteers_relay_alo
     coordinator's relay is on no such path) and gets an identify reply. Unlike the swarm's own
     circuit dials (the xfail below), this does not wait for a parent to need the fallback."""
     s = _summary(run)
-    public = {n for n, h in s["hosts"].items() if h["nat"] == "public"}
-    assert set(s["volunteer_relays"]) == public, s["volunteer_relays"]
-    for name, h in s["hosts"].items():
-        got = s["volunteer_reservations"][name]
-        if h["nat"] == "public":
-            assert got is None, (name, s["volunteer_reservations"])
-        else:
-            assert got in public, (name, s["volunteer_reservations"])
-    behind = {n for n, h in s["hosts"].items() if h["nat"] != "public"}
+    behind = set(s["hosts"]) - volunteers_relay_for_every_nat_node(s)
     assert set(s["volunteer_circuits"]) == behind, s["volunteer_circuits"]
     assert s["relayed_control_share"] == 1.0, s["volunteer_circuits"]
 
@@ -215,14 +221,7 @@ def test_public_volunteers_offer_relays_and_circuits_carry_control_messages(
     loaded one it does (11-15). In this run the first dials from behind NAT to public nodes come
     3-4 s late (``--slow-first-dial``, echo.tools.slow_dial), so the fallback is needed."""
     s = _summary(slow_dial_run)
-    public = {n for n, h in s["hosts"].items() if h["nat"] == "public"}
-    assert set(s["volunteer_relays"]) == public, s["volunteer_relays"]
-    for name, h in s["hosts"].items():
-        got = s["volunteer_reservations"][name]
-        if h["nat"] == "public":
-            assert got is None, (name, s["volunteer_reservations"])
-        else:
-            assert got in public, (name, s["volunteer_reservations"])
+    public = volunteers_relay_for_every_nat_node(s)
     held = sum(v["max_reservations"] for v in s["volunteer_relays"].values())
     assert held >= len(s["hosts"]) - len(public), s["volunteer_relays"]
     assert s["relayed_control_share"] == 1.0, s["volunteer_circuits"]
