@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from echo.learner.rescore import MISMATCH_THRESHOLDS
 from echo.models.spec import ModelSpec, build_model
@@ -34,12 +33,7 @@ needs_llama = pytest.mark.skipif(not HAVE_LLAMA, reason="llama-cpp-python is not
 THRESHOLD = MISMATCH_THRESHOLDS["llamacpp"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def requests(seed: int) -> list[GenRequest]:

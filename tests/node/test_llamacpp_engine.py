@@ -78,14 +78,7 @@ def check_termination(results, reqs: list[GenRequest]) -> tuple[int, int]:
     return stops, lengths
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """The tiny model gains nothing from a second torch thread, and on a busy 2-core machine
-    its spinning barriers made these tests several times slower; restored afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

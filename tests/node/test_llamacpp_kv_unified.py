@@ -44,12 +44,7 @@ def requests(seed: int, max_new: int = 12, n: int = 4) -> list[GenRequest]:
     return [GenRequest(prompt_ids=p, n=n, params=params) for p in prompts]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
