@@ -77,13 +77,15 @@ SWARM_ENGINES = "torch,llamacpp"  # three nodes take them in turn: torch, llama.
 
 
 def make_recipe(quick: bool, system: str = "short", ops: list[str] | None = None,
-                temperature: float = 1.0, match: str = "math",
+                temperature: float = 1.0, match: str = "math", objective: str = "ppo",
                 **override: Any) -> dict[str, Any]:
     """The recipe every way runs, as recorded in the run folder's recipe.json: the quick or
     full budget with the keys in ``override`` (those of :data:`FULL`; None: keep) replaced,
     the system prompt ``system`` (a name in :data:`SYSTEM_PROMPTS` or the text) and the word
     problems' operations ``ops`` (default all: tests/data/word_problems.jsonl; or
-    :data:`word_problems.BARE`'s bare arithmetic), scored by the dataset task's ``match``."""
+    :data:`word_problems.BARE`'s bare arithmetic), scored by the dataset task's ``match``,
+    trained with the learner's per-token ``objective`` (``[job.grpo] objective``; TRL keeps
+    its own loss, which on-policy is the same gradient)."""
     r = dict(QUICK if quick else FULL)
     unknown = set(override) - set(r)
     if unknown:
@@ -105,6 +107,10 @@ def make_recipe(quick: bool, system: str = "short", ops: list[str] | None = None
     if ops != ALL_OPS:  # recorded only when not the default, so older run folders still match
         data["ops"] = ops
     scorer = {} if match == "math" else {"match": match}  # as with ops: older folders match
+    if objective not in ("ppo", "cispo"):
+        raise ValueError(f"objective must be ppo or cispo, not {objective}")
+    if objective != "ppo":  # as with ops: older folders match
+        r["objective"] = objective
     return {**r, "task": TASK, "data": data,
             "task_params": {**TASK_PARAMS, "system_prompt": SYSTEM_PROMPTS.get(system, system),
                             "max_new_tokens": r["max_new"], **scorer},
@@ -175,7 +181,7 @@ def run_sync(recipe: dict[str, Any], seed: int, out: Path, threads: int = 2) -> 
         temperature=recipe["temperature"], eval_every=recipe["eval_every"],
         eval_prompts=recipe["eval_prompts"], chat=recipe["chat"],
         publish_dtype=recipe["publish_dtype"], sequential_prompts=True,
-        grpo=GRPOConfig(lr=recipe["lr"]),
+        grpo=GRPOConfig(lr=recipe["lr"], objective=recipe.get("objective", "ppo")),
     )  # fmt: skip
     def started(acc: float) -> None:
         first.append(acc)
@@ -249,6 +255,7 @@ prompts = {recipe["eval_prompts"]}
 
 [job.grpo]
 lr = {recipe["lr"]}
+objective = "{recipe.get("objective", "ppo")}"
 """
 
 
@@ -423,6 +430,8 @@ def main() -> None:
                         help="torch threads of sync and trl (on a machine other work loads, 1 "
                              "is faster than 2: two threads wait on each other)")
         ap.add_argument("--staleness", type=int, nargs="+", default=list(STALENESS))
+        ap.add_argument("--objective", default="ppo", choices=["ppo", "cispo"],
+                        help="the learner's per-token objective (echo.learner.objective)")
         ap.add_argument("--out", type=Path, default=None,
                         help="folder for the runs; an existing one is gone on from "
                              "(default: runs/real-learning/<date-time>)")
@@ -430,9 +439,9 @@ def main() -> None:
     args = parse_args(__doc__.splitlines()[0], setup=setup)
     recipe = make_recipe(args.quick, system=args.system, ops=args.ops.split(","),
                          temperature=args.temperature, match=args.match,
-                         steps=args.steps, lr=args.lr, prompts=args.prompts,
-                         group=args.group, max_new=args.max_new, eval_prompts=args.eval_prompts,
-                         eval_every=args.eval_every)
+                         objective=args.objective, steps=args.steps, lr=args.lr,
+                         prompts=args.prompts, group=args.group, max_new=args.max_new,
+                         eval_prompts=args.eval_prompts, eval_every=args.eval_every)
     seeds = 1 if args.quick else args.seeds
     out = args.out or ROOT / "runs" / "real-learning" / time.strftime("%Y%m%d-%H%M%S")
     check_recipe(out, recipe)

@@ -5,25 +5,15 @@ per-token log-probs the node's engine reported when it sampled them) and takes o
 Its hyper-parameters are :class:`echo.protocol.jobspec.GRPOParams`, the ``[job.grpo]`` table of a
 job, defined there once so that every field can be set from a job file.
 
-Objective, per completion token t of sample i in group g (token-mean over all completion tokens in
-the batch):
+Per completion token t of sample i in group g, with the group-normalised advantage
 
-    A_i      = (r_i - mean_g(r)) / (std_g(r) + adv_eps)                 group-normalised advantage
-    mu_t     = the node's behaviour log-prob of t (the policy it sampled from, in its engine)
-    ratio_t  = exp(log pi_theta(t) - mu_t)
-    surr_t   = min(ratio_t * A_i, clip(ratio_t, 1 - clip_eps, 1 + clip_eps) * A_i)
-    loss_t   = -max(surr_t, dual_clip * A_i)   if A_i < 0   else   -surr_t
+    A_i      = (r_i - mean_g(r)) / (std_g(r) + adv_eps)
 
-The PPO trust region is anchored at the policy that produced the data. A group sampled S
-versions ago carries advantages measured under that older policy; once the current weights have
-already moved a token's probability past the clip in the advantage's direction, that token stops
-pushing. Without the anchor (an importance weight min(pi_theta / mu, cap) times the plain policy
-gradient, the decoupled form with one epoch), stale groups keep pushing in the direction the
-last steps already went: with a lag of one version the same recipe's per-step change of the
-policy reached 0.97 nats per token against 0.18 on-policy, and the reward collapsed (the README's
-"Learning under asynchrony" has the runs). The dual clip bounds how hard one negative sample
-whose probability has grown since can pull. On-policy (S = 0, or the first epoch of a group from
-the current weights) ratio is 1 up to engine rounding, so this is exactly the on-policy gradient.
+and mu_t the node's behaviour log-prob of t (the policy it sampled from, in its engine), the
+loss is the token-mean over all trained completion tokens of the batch of minus the job's
+per-token objective (``objective``: PPO's clipped surrogate anchored at mu, or CISPO's clipped
+importance weight; :mod:`echo.learner.objective` gives both and why). On-policy (S = 0, or the
+first epoch of a group from the current weights) both are exactly the on-policy gradient.
 Extra epochs (``ppo_epochs``) reuse the batch inside the same trust region.
 
 Log-probs everywhere are ``log_softmax(logits / temperature)`` of the full vocabulary, the same
@@ -42,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from echo.learner.clip import clip_gradients
+from echo.learner.objective import token_surrogate
 from echo.protocol.jobspec import GRPOParams
 
 GRPOConfig = GRPOParams  # the learner's name for the job's [job.grpo] table
@@ -428,12 +419,7 @@ class GRPOLearner:
             losses, mean_kls, stopped = [], [], 0.0
             for i, logp in enumerate(logps):
                 adv, keep = advs[i], keeps[i]
-                ratio = torch.exp(logp - behaviours[i])
-                clipped = ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps)
-                surrogate = torch.minimum(ratio * adv, clipped * adv)
-                surrogate = torch.where(
-                    adv < 0, torch.maximum(surrogate, cfg.dual_clip * adv), surrogate
-                )
+                surrogate, held = token_surrogate(logp, behaviours[i], adv, cfg)
                 loss = -(keep * surrogate).sum() / kept_total  # token-mean over trained tokens
                 if kls:
                     mean_kl = (keep * kls[i]).sum() / kept_total
@@ -443,15 +429,8 @@ class GRPOLearner:
                 # then added to the parts' before it.
                 loss.backward()
                 losses.append(float(loss.detach()))
-                # Tokens whose gradient the trust region (or the dual clip) stopped.
-                with torch.no_grad():
-                    active = torch.where(
-                        adv >= 0,
-                        ratio * adv <= clipped * adv,
-                        (ratio * adv >= clipped * adv) & (ratio <= cfg.dual_clip),
-                    )
-                    active |= adv == 0
-                    stopped += float((~active)[keep > 0].sum())
+                # Tokens whose gradient the objective's clip stopped (ppo) or bounded (cispo).
+                stopped += float(held[keep > 0].sum())
             grad_norm = clip_gradients(self.model.parameters(), cfg.max_grad_norm, across.sum)
             self.opt.step()
             if epoch == 0:

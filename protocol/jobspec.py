@@ -133,6 +133,11 @@ class GRPOParams(BaseModel):
     dual_clip: float = Field(
         default=2.0, ge=1, description="a negative advantage's ratio counts at most this much"
     )
+    objective: Literal["ppo", "cispo"] = Field(
+        default="ppo",
+        description="per-token objective: ppo (clipped surrogate anchored at the behaviour "
+        "policy) or cispo (clipped, detached importance weight; every token keeps pushing)",
+    )
     ppo_epochs: int = Field(default=1, ge=1, le=64, description="optimizer steps per batch")
     adv_eps: float = Field(default=1e-6, gt=0, description="added to the group's reward std")
     kl_coef: float = Field(

@@ -289,6 +289,8 @@ def main() -> None:
     ap.add_argument("--task", default="addition")
     ap.add_argument("--max-operand", type=int, default=5, help="addition only")
     ap.add_argument("--lr", type=float, default=GRPOConfig.model_fields["lr"].default)
+    ap.add_argument("--objective", default="ppo", choices=["ppo", "cispo"],
+                    help="the per-token objective (the job's [job.grpo] objective)")
     ap.add_argument("--kl-coef", type=float, default=0.0,
                     help="KL term to the starting policy (the job's [job.grpo] kl_coef)")
     ap.add_argument("--hidden", type=int, default=64)
@@ -339,7 +341,7 @@ def main() -> None:
         threads=args.threads,
         device=args.device,
         eval_every=args.eval_every,
-        grpo=GRPOConfig(lr=args.lr, kl_coef=args.kl_coef),
+        grpo=GRPOConfig(lr=args.lr, kl_coef=args.kl_coef, objective=args.objective),
     )
     if args.no_cache:
         cfg.cache_dir = None
