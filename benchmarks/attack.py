@@ -85,8 +85,8 @@ from echo.tools.attackers.job import attack_job, keep_warmup, restore_warmup
 from echo.tools.attackers.launch import ATTACKER_IP, ATTACKER_SCHED, Fleet
 from echo.tools.attackers.window import window_held
 from echo.tools.bench import emit, parse_args, say
-from echo.tools.local_swarm import Swarm
 from echo.tools.processes import exit_on_sigterm, new_run_dir
+from echo.tools.swarm import Swarm
 from echo.tools.timed_node import RPC_TIMES_ENV, TIMED_RPCS, grants, rpc_times
 
 ATTACKERS = (

@@ -46,7 +46,7 @@ from echo.protocol.jobspec import load_job_toml
 from echo.tasks import make_task
 from echo.tools.bench import emit, parse_args, say
 from echo.tools.grpo_local import LocalConfig, _Codec, _sample_groups
-from echo.tools.local_swarm import job_toml
+from echo.tools.swarm import job_toml
 
 GROUP_SIZE, BATCH_GROUPS, LR, WARMUP = 8, 4, 5e-3, 30
 LORA_TABLE = """

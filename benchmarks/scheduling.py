@@ -1,12 +1,12 @@
 """Scheduling several jobs on one swarm: learner utilization against the capacity model, node
 switches, time to a job's first trained version.
 
-Real processes on loopback as ``tools/local_swarm.py`` runs them (its :class:`Swarm`): one
-coordinator (its ``[scheduler]`` with a short minimum stay, so that a run of a few minutes sees
-moves), jobs with different model sizes and step times, nodes of different speeds (token caps),
-one job that finishes early and one submitted mid-run. Every second the run reads ``/v1/jobs``
-(each job's nodes, the throughput they deliver by the scheduler's estimate, its status); at the
-end, from each job's published versions:
+Real processes on loopback as ``tools/local_swarm.py`` runs them (its
+:class:`~echo.tools.swarm.Swarm`): one coordinator (its ``[scheduler]`` with a short minimum stay,
+so that a run of a few minutes sees moves), jobs with different model sizes and step times,
+nodes of different speeds (token caps), one job that finishes early and one submitted mid-run.
+Every second the run reads ``/v1/jobs`` (each job's nodes, the throughput they deliver by the
+scheduler's estimate, its status); at the end, from each job's published versions:
 
 - the learner's measured utilization: the share of the wall time from its first trained
   version to its last that it spent computing versions (``step_s + encode_s`` it reports per
@@ -38,9 +38,9 @@ import sys
 import time
 from pathlib import Path
 
-import echo.tools.local_swarm as local_swarm
+import echo.tools.swarm
 from echo.coordinator.scheduling.capacity import overlapped_period, step_period
-from echo.tools.local_swarm import Swarm
+from echo.tools.swarm import Swarm
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,7 +55,7 @@ headroom = 1.1
 
 def job_toml(name: str, steps: int, hidden: int, layers: int, batch_groups: int) -> str:
     """A tiny addition job (no warm-up, no evaluation: the run measures pace, not learning)."""
-    return local_swarm.job_toml(
+    return echo.tools.swarm.job_toml(
         name, steps=steps, group_size=8, batch_groups=batch_groups, warmup=0, eval_every=0
     ).replace("hidden = 64\nlayers = 2", f"hidden = {hidden}\nlayers = {layers}")
 
@@ -71,7 +71,7 @@ class Run:
         self.samples: list[tuple[float, list[dict]]] = []
 
     def start(self) -> None:
-        local_swarm.DEMO_COORDINATOR_TOML += SCHED_TOML.format(min_stay=self.min_stay)
+        echo.tools.swarm.DEMO_COORDINATOR_TOML += SCHED_TOML.format(min_stay=self.min_stay)
         self.swarm.start_coordinator()
 
     def submit(self, toml: str) -> str:

@@ -29,8 +29,8 @@ from pathlib import Path
 import psutil
 
 from echo.tools.bench import emit, parse_args, say
-from echo.tools.local_swarm import DEMO_COORDINATOR_TOML, Swarm, job_toml
 from echo.tools.processes import new_run_dir, stop
+from echo.tools.swarm import DEMO_COORDINATOR_TOML, Swarm, job_toml
 
 ROOT = Path(__file__).resolve().parent.parent
 

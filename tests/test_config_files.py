@@ -55,7 +55,7 @@ def test_demo_buffer_batches_become_the_coordinators_buffer_groups(tmp_path) -> 
     """``local_swarm.py --buffer-batches N`` keeps N batches ahead of the learner through the
     coordinator's own setting; 0 leaves the coordinator's default."""
 
-    from echo.tools.local_swarm import DEMO_COORDINATOR_TOML, buffer_toml
+    from echo.tools.swarm import DEMO_COORDINATOR_TOML, buffer_toml
 
     path = tmp_path / "coordinator.toml"
     path.write_text(DEMO_COORDINATOR_TOML + buffer_toml(5, 16))

@@ -39,9 +39,9 @@ import time
 from pathlib import Path
 
 import echo.tools.netem_nat as netem_nat
-from echo.tools.local_swarm import HEADS, Swarm, job_toml
 from echo.tools.processes import exit_on_sigterm
 from echo.tools.slow_dial import slow_first_dials
+from echo.tools.swarm import HEADS, Swarm, job_toml
 from echo.tools.swarm_report import summarize
 
 PORT = 4001

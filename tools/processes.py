@@ -1,7 +1,8 @@
 """The processes of a local run: started in sessions of their own with their log, stopped with
 SIGINT then SIGKILL, and a script that unwinds through its ``finally`` on SIGTERM.
 
-Used by :mod:`echo.tools.local_swarm` and the benchmarks that run real processes.
+Used by :mod:`echo.tools.swarm`, :mod:`echo.tools.local_swarm` and the benchmarks that run real
+processes.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The README's pictures: a short local swarm photographed in headless Chromium.
 
 ``python -m echo.tools.screenshots`` starts a coordinator and three torch nodes
-(:class:`~echo.tools.local_swarm.Swarm`; node 0 with its local page, ``--ui-port 0``), waits until
+(:class:`~echo.tools.swarm.Swarm`; node 0 with its local page, ``--ui-port 0``), waits until
 the job has trained ``--versions`` versions and node 0's credit is paid, and saves to ``--out``
 (default docs/img/):
 
@@ -29,7 +29,7 @@ from echo.tools.browser import (
     missing,
     wait_for,
 )
-from echo.tools.local_swarm import Swarm, job_toml
+from echo.tools.swarm import Swarm, job_toml
 
 ROOT = Path(__file__).resolve().parents[1]
 WAIT_S = 60.0

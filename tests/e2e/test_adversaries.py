@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from echo.protocol import reasons as R
-from echo.tools.local_swarm import Swarm, job_toml
+from echo.tools.swarm import Swarm, job_toml
 from tests.adversaries import EXPECTED
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,7 +1,7 @@
 """Chaos (issue 13): a real local swarm whose coordinator is SIGKILLed 5 times and whose learner
 is SIGKILLed 5 times, at random points, finishes its job with a ledger that matches the weights.
 
-Every role is a real process (tools/local_swarm.py's :class:`Swarm`). Half of the kills are
+Every role is a real process (tools/swarm.py's :class:`Swarm`). Half of the kills are
 timed on the learner's newest checkpoint folder appearing, which is the window between a
 checkpoint and the report that names it (the learner has fsynced the checkpoint and not yet had
 its report booked); the rest come a random moment into a step. A killed coordinator is restarted
@@ -34,7 +34,7 @@ import pytest
 from echo.models.spec import ModelSpec, build_model
 from echo.models.weights import export_state, state_digest
 from echo.protocol.jobspec import JobSpec
-from echo.tools.local_swarm import Swarm, job_toml
+from echo.tools.swarm import Swarm, job_toml
 
 ROOT = Path(__file__).resolve().parents[2]
 

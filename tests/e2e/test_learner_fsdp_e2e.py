@@ -144,7 +144,7 @@ def test_a_lora_job_on_fsdp2_publishes_adapters_through_a_killed_rank(tmp_path: 
     from echo.models.weights import DTYPES
     from echo.protocol import messages as m
     from echo.protocol import signing
-    from echo.tools.local_swarm import HEADS, job_toml
+    from echo.tools.swarm import HEADS, job_toml
 
     out = tmp_path / "swarm"
     job = tmp_path / "job.toml"

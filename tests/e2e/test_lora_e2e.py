@@ -18,7 +18,8 @@ from echo.models.lora import lora_digest
 from echo.models.weights import state_digest, state_from_bytes
 from echo.protocol import messages as m
 from echo.protocol import signing
-from echo.tools.local_swarm import HEADS, VLLM_HEADS, job_toml, node_engines
+from echo.tools.local_swarm import node_engines
+from echo.tools.swarm import HEADS, VLLM_HEADS, job_toml
 from tests.e2e.swarm_tool import run_swarm_tool
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-import echo.tools.local_swarm as local_swarm
+from echo.tools.local_swarm import node_engines
+from echo.tools.swarm import DEMO_COORDINATOR_TOML, Swarm, job_toml
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -30,7 +31,7 @@ SCHED = "\n[scheduler]\nevery_s = 1.0\nmin_stay_s = 5.0\n"
 def lora_job(name: str, task_operand: int) -> str:
     # No warm-up: both jobs' base is the seed-0 model, bit for bit (the learner publishes it).
     return (
-        local_swarm.job_toml(
+        job_toml(
             name, steps=STEPS, group_size=4, batch_groups=2, anchor_every=3, warmup=0,
             eval_every=0, lr=5e-3, max_operand=task_operand,
         )
@@ -39,12 +40,10 @@ def lora_job(name: str, task_operand: int) -> str:
 
 
 def test_two_lora_jobs_share_one_base_on_the_same_nodes(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(
-        local_swarm, "DEMO_COORDINATOR_TOML", local_swarm.DEMO_COORDINATOR_TOML + SCHED
-    )
-    engines = [e for e in local_swarm.node_engines("mixed") if e != "vllm"]
+    monkeypatch.setattr("echo.tools.swarm.DEMO_COORDINATOR_TOML", DEMO_COORDINATOR_TOML + SCHED)
+    engines = [e for e in node_engines("mixed") if e != "vllm"]
     engines = (engines + ["torch"])[:2]
-    swarm = local_swarm.Swarm(tmp_path)
+    swarm = Swarm(tmp_path)
     try:
         swarm.start_coordinator()
         a = swarm.submit(lora_job("a", 5))

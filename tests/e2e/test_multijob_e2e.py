@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import echo.tools.local_swarm as local_swarm
+from echo.tools.swarm import DEMO_COORDINATOR_TOML, Swarm, job_toml
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,7 +21,7 @@ SCHED = "\n[scheduler]\nevery_s = 1.0\nmin_stay_s = 5.0\n"
 
 
 def job(name: str, steps: int) -> str:
-    return local_swarm.job_toml(
+    return job_toml(
         name, steps=steps, group_size=4, batch_groups=2, anchor_every=5, warmup=0, eval_every=0
     )
 
@@ -29,10 +29,8 @@ def job(name: str, steps: int) -> str:
 def test_two_nodes_serve_three_jobs_to_completion_without_restarting(
     tmp_path: Path, monkeypatch
 ) -> None:
-    monkeypatch.setattr(
-        local_swarm, "DEMO_COORDINATOR_TOML", local_swarm.DEMO_COORDINATOR_TOML + SCHED
-    )
-    swarm = local_swarm.Swarm(tmp_path)
+    monkeypatch.setattr("echo.tools.swarm.DEMO_COORDINATOR_TOML", DEMO_COORDINATOR_TOML + SCHED)
+    swarm = Swarm(tmp_path)
     try:
         swarm.start_coordinator()
         a = swarm.submit(job("a", 6))

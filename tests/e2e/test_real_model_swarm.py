@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from echo.models.weights import state_digest, state_from_bytes, to_bits
-from echo.tools.local_swarm import VLLM_READY, Swarm, node_engines
+from echo.tools.local_swarm import VLLM_READY, node_engines
+from echo.tools.swarm import Swarm
 from tests.e2e.swarm_tool import run_swarm_tool
 
 ROOT = Path(__file__).resolve().parents[2]

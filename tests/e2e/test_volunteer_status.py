@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from echo.tools.local_swarm import Swarm, job_toml
+from echo.tools.swarm import Swarm, job_toml
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 # A node importing torch and fetching v0 on a loaded 2-core machine: up to ~2 minutes.

@@ -24,7 +24,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from echo.tools.local_swarm import job_toml
+from echo.tools.swarm import job_toml
 
 # The attacked job: a gym task whose scorer eval()s (see the module doc), scored by the task and
 # by math-verify. Parameters per dataset keep prompts and answers short.
