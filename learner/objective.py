@@ -22,7 +22,11 @@ by the steps since: on SmolLM2 at S = 2 the clip stopped 4-20% of the tokens of 
 Every token keeps pushing, weighted as on-policy up to the clip: a stale token's weight is
 bounded to [1 - eps, 1 + eps], so the steps since it was sampled cannot grow its pull (an
 unbounded weight min(ratio, cap) made stale groups push further the way the last steps went,
-and the reward collapsed: docs/learning.md).
+and the reward collapsed: docs/learning.md). Measured on SmolLM2 at S = 2 it learned less than
+``ppo`` (held-out gain +0.60 against +0.68 over 3 seeds each, intervals apart:
+docs/results/2026-12-07-real-learning.md): the tokens ppo stops are the ones the steps since
+sampling already moved the advantage's way, and pushing them on overshoots. ``ppo`` stays the
+default.
 
 On-policy (ratio 1 up to engine rounding) and with one epoch both give the same gradient,
 A * grad log pi: a synchronous run does not depend on the choice.
