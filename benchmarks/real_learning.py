@@ -13,7 +13,9 @@ settings at the recipe's lr; the same number of versions, so the same rollouts t
   not installed (the ``bench`` extra);
 - ``swarm``: a real local swarm (``echo.tools.local_swarm``: coordinator, learner and three
   node processes, torch and llama.cpp side by side) at staleness S = 1 and S = 2, the
-  coordinator keeping S + 1 batches ahead as benchmarks/learning.py does.
+  coordinator keeping S + 1 batches ahead as benchmarks/learning.py does (``--default-buffer``:
+  the coordinator's default of 2 batches, what a job gets unless its operator sets
+  ``buffer_groups``; only the swarm's runs depend on it).
 
 All three see prompt ids 0, 1, 2, ... of the task in order (the coordinator leases them so; the
 swarm's nodes may serve them a little out of order) and report held-out greedy accuracy by
@@ -274,7 +276,11 @@ def run_swarm(recipe: dict[str, Any], seed: int, staleness: int, out: Path) -> d
     job.write_text(job_toml(recipe, str(model_spec().path), staleness))
     cmd = [sys.executable, "-m", "echo.tools.local_swarm", "--quiet", "--out", str(out),
            "--job", str(job), "--nodes", "3", "--engines", SWARM_ENGINES,
-           "--batch-groups", str(recipe["prompts"]), "--buffer-batches", str(staleness + 1),
+           "--batch-groups", str(recipe["prompts"]),
+           # S + 1 batches ahead, so that groups reach the bound; "default": the coordinator's
+           # own buffer (2 batches whatever S is), what a job gets unless its operator says.
+           *([] if recipe.get("buffer") == "default" else
+             ["--buffer-batches", str(staleness + 1)]),
            "--leases-at-once", "2", "--timeout", str(max(900, 120 * recipe["steps"]))]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -430,6 +436,9 @@ def main() -> None:
                         help="torch threads of sync and trl (on a machine other work loads, 1 "
                              "is faster than 2: two threads wait on each other)")
         ap.add_argument("--staleness", type=int, nargs="+", default=list(STALENESS))
+        ap.add_argument("--default-buffer", action="store_true",
+                        help="leave the coordinator's buffer at its default of 2 batches "
+                             "(default: S + 1 batches, so that groups reach the bound S)")
         ap.add_argument("--objective", default="ppo", choices=["ppo", "cispo"],
                         help="the learner's per-token objective (echo.learner.objective)")
         ap.add_argument("--out", type=Path, default=None,
@@ -442,6 +451,8 @@ def main() -> None:
                          objective=args.objective, steps=args.steps, lr=args.lr,
                          prompts=args.prompts, group=args.group, max_new=args.max_new,
                          eval_prompts=args.eval_prompts, eval_every=args.eval_every)
+    if args.default_buffer:  # recorded only when set, so older run folders still match
+        recipe["buffer"] = "default"
     seeds = 1 if args.quick else args.seeds
     out = args.out or ROOT / "runs" / "real-learning" / time.strftime("%Y%m%d-%H%M%S")
     check_recipe(out, recipe)
