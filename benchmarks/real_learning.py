@@ -293,7 +293,20 @@ def run_swarm(recipe: dict[str, Any], seed: int, staleness: int, out: Path) -> d
                            f"{(proc.stdout + proc.stderr)[-3000:]}")
     s["bench_wall_s"] = wall  # marks the run as finished for this benchmark
     keep(summary_path, s)
+    prune_weights(out)
     return swarm_result(s, recipe["steps"])
+
+
+def prune_weights(out: Path) -> None:
+    """Delete a finished swarm run's weights (checkpoints, chunk stores, the nodes' policies and
+    GGUFs: about 5 GB a run of SmolLM2, which filled the disk after a dozen runs), keeping its
+    summary, logs and databases."""
+    for d in [*out.rglob("checkpoints"), *out.rglob("chunks")]:
+        if d.is_dir():
+            shutil.rmtree(d, ignore_errors=True)
+    for pattern in ("*.safetensors", "*.gguf"):
+        for f in out.rglob(pattern):
+            f.unlink(missing_ok=True)
 
 
 def swarm_result(s: dict[str, Any], steps: int) -> dict[str, Any]:
