@@ -3,10 +3,10 @@
 ``LLM.generate`` on the node engine's own ``LLM``, one ``SamplingParams(n=group)`` per prompt,
 seeded with the leases' own seeds so that every setting samples the node's very tokens: the same
 work and the same lengths (a group whose samples end early decodes fewer rows per step, so other
-seeds would change the work, not only the speed). Two settings: vLLM's plain call (no log-probs),
-and what a node must ask for (the sampled token's log-prob, ``logprobs=0``; stopping on the
-model's EOS id; no detokenizing), so that ``group_vs_engine_vllm`` is measured against the
-engine's best at the node's demand and the cost of that demand is named beside it.
+seeds would change the work, not only the speed). Two settings, both stopping on the model's EOS id
+and not detokenizing, as the node's requests do: vLLM's plain call (no log-probs), and what a
+node must ask for (the sampled token's log-prob, ``logprobs=0``), so that the cost of that demand
+is named beside ``group_vs_engine_vllm``.
 """
 
 from __future__ import annotations
@@ -53,9 +53,13 @@ def vllm_runners(
 
         return run
 
+    # The node's LLM has no tokenizer (token ids in and out), so vLLM knows the EOS id only
+    # from ``stop_token_ids``: without it every sample runs to ``max_new``, more rows per step
+    # than the node decodes once its samples end (a rate of other work).
+    eos = {"stop_token_ids": [eos_id], "detokenize": False}
     return {
-        "LLM.generate(n=group)": runner(),
-        "LLM.generate(n=group), the node's demand: logprobs=0, EOS stop, no detokenize": runner(
-            logprobs=0, stop_token_ids=[eos_id], detokenize=False
+        "LLM.generate(n=group), EOS stop": runner(**eos),
+        "LLM.generate(n=group), EOS stop, logprobs=0 (the node's demand)": runner(
+            logprobs=0, **eos
         ),
     }
