@@ -290,10 +290,13 @@ def time_round(
     runners: dict[str, Runner],
     rates: dict[str, list[float]],
     cpu_rates: dict[str, list[float]] | None = None,
+    before: Callable[[], None] = lambda: None,
 ) -> None:
     """Run every runner once, appending its tokens/s to ``rates[name]`` and its tokens per
-    CPU second (:func:`cpu_seconds`) to ``cpu_rates[name]``."""
+    CPU second (:func:`cpu_seconds`) to ``cpu_rates[name]``; ``before`` runs, untimed, before
+    each."""
     for name, run in runners.items():
+        before()
         t0, c0 = time.perf_counter(), cpu_seconds()
         n = run()
         rates.setdefault(name, []).append(n / (time.perf_counter() - t0))
@@ -403,16 +406,21 @@ def node_vs_offline(
     spinning at barriers."""
     direct = path.requests(path.open_leases())
     engine.generate(direct[:1])  # warm-up
+    # vLLM keeps prompts' KV blocks across calls; every round asks for the same prompts, which a
+    # node's leases do not, so each timed vLLM call starts from an empty prefix cache.
+    forget = engine._llm.reset_prefix_cache if name == "vllm" else lambda: None
     runners, free = offline_runners(name, engine, prompts, group, max_new, quick, direct)
     offline: dict[str, list[float]] = {}
     offline_cpu: dict[str, list[float]] = {}
     lost, node_rate, engine_rate, direct_rate, ratios, node_cpu = [], [], [], [], [], []
     try:
         for _ in range(rounds):
+            forget()
             t0 = time.perf_counter()
             res = engine.generate(direct)
             direct_s = time.perf_counter() - t0
             direct_rate.append(sum(len(c.token_ids) for g in res for c in g) / direct_s)
+            forget()
             t0, c0 = time.perf_counter(), cpu_seconds()
             n, gen_s, _ = path.run(engine)
             node_s = time.perf_counter() - t0
@@ -420,7 +428,7 @@ def node_vs_offline(
             node_rate.append(n / node_s)
             engine_rate.append(n / gen_s)
             lost.append(1.0 - gen_s / node_s)
-            time_round(runners, offline, offline_cpu)
+            time_round(runners, offline, offline_cpu, forget)
             ratios.append(node_rate[-1] / max(v[-1] for v in offline.values()))
             say(  # per round: a shared machine's load shows in how rounds differ
                 f"    round: node path {node_rate[-1]:.1f} tok/s; offline "
