@@ -34,9 +34,9 @@ A group's prompt is computed once: vLLM fans ``n`` out into ``n`` sequences that
 other's prompt blocks in its prefix cache within the same step, but only whole KV blocks, and on
 the CPU vLLM's blocks hold 128 tokens, so a prompt shorter than that was computed ``n`` times
 (SmolLM2's chat-templated 112-token prompts: no block shared). The engine asks for blocks of
-:data:`CPU_BLOCK_SIZE` tokens on the CPU (measured: prefill of 2 groups of 4 took 1.7 CPU
-seconds against 3.7, a whole 2 x 4 x 24-token call 8.6 against 10.5; see
-``docs/results/2026-12-07-engines-best.md``); GPUs keep vLLM's 16.
+:data:`CPU_BLOCK_SIZE` tokens on the CPU (SmolLM2, 2 groups of 4 on 2 threads: prefill 1.7
+CPU seconds against 3.7; ``benchmarks/real_model.py --quick``'s node path 136 against 87 tok/s
+on a quiet machine; see ``docs/results/2026-12-07-engines-best.md``); GPUs keep vLLM's 16.
 
 LoRA adapters are :mod:`echo.node.engines.vllm_lora`'s: the engine holds one and delegates.
 """
