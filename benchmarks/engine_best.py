@@ -15,8 +15,11 @@ node tokens/s over it, measured in the same run by ``benchmarks/engines.py`` and
   Settings: sequences per context (one group, or every group at once), threads, ``n_batch``;
   the GGUF is the node engine's own file (same weights, same storage dtype), mapped with
   llama.cpp's defaults (repacking allowed).
-- vLLM: ``LLM.generate`` on the node engine's own ``LLM``, one ``SamplingParams(n=group)`` per
-  prompt, no log-probs asked.
+- vLLM: ``LLM.generate`` with ``n`` on the node engine's own ``LLM``, with and without what a
+  node must ask for (``benchmarks/engine_best_vllm.py``).
+
+CPU time counts this process and its children: vLLM computes in its engine-core process, so
+its own process's CPU time alone would be the front end's only.
 
 Every runner returns the number of tokens generated (EOS counted, as the node counts it); the
 caller times it, so rounds of the node path and of each setting can be interleaved.
@@ -266,44 +269,39 @@ class LlamaRunners:
             self.model = None
 
 
-# ------------------------------------------------------------------------------------------- vLLM
-
-
-def vllm_runners(llm: Any, prompts: list[list[int]], group: int, max_new: int) -> dict[str, Runner]:
-    """``LLM.generate`` with ``SamplingParams(n=group)`` per prompt on the engine's own ``llm``."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    def run() -> int:
-        outs = llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts],
-            [
-                SamplingParams(n=group, max_tokens=max_new, temperature=1.0, top_p=1.0, seed=i)
-                for i in range(len(prompts))
-            ],
-            use_tqdm=False,
-        )
-        return sum(len(c.token_ids) for o in outs for c in o.outputs)
-
-    return {"LLM.generate(n=group)": run}
-
-
 # ----------------------------------------------------------------------------------------- timing
+
+
+def cpu_seconds() -> float:
+    """CPU seconds used so far by this process and its live children (vLLM's engine core)."""
+    import psutil
+
+    total = time.process_time()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            t = child.cpu_times()
+        except psutil.Error:  # ended meanwhile
+            continue
+        total += t.user + t.system
+    return total
 
 
 def time_round(
     runners: dict[str, Runner],
     rates: dict[str, list[float]],
     cpu_rates: dict[str, list[float]] | None = None,
+    before: Callable[[], None] = lambda: None,
 ) -> None:
     """Run every runner once, appending its tokens/s to ``rates[name]`` and its tokens per
-    second of this process's CPU time to ``cpu_rates[name]``."""
+    CPU second (:func:`cpu_seconds`) to ``cpu_rates[name]``; ``before`` runs, untimed, before
+    each."""
     for name, run in runners.items():
-        t0, c0 = time.perf_counter(), time.process_time()
+        before()
+        t0, c0 = time.perf_counter(), cpu_seconds()
         n = run()
         rates.setdefault(name, []).append(n / (time.perf_counter() - t0))
         if cpu_rates is not None:
-            cpu_rates.setdefault(name, []).append(n / max(time.process_time() - c0, 1e-9))
+            cpu_rates.setdefault(name, []).append(n / max(cpu_seconds() - c0, 1e-9))
 
 
 def best(rates: dict[str, list[float]], threads: int | None = None) -> tuple[str, float]:
@@ -330,11 +328,19 @@ def _at_threads(run: Runner, threads: int) -> Runner:
 
 
 def offline_runners(
-    name: str, engine: Any, prompts: list[list[int]], group: int, max_new: int, quick: bool
+    name: str,
+    engine: Any,
+    prompts: list[list[int]],
+    group: int,
+    max_new: int,
+    quick: bool,
+    requests: list[Any] | None = None,
 ) -> tuple[dict[str, Runner], Callable[[], None]]:
     """The best-offline settings of node engine ``engine`` (torch, llamacpp or vllm, weights
     loaded) for these prompts, and what frees them. Thread counts tried: the engine's and 1;
-    ``quick`` tries only every group in one call (torch) or one context (llama.cpp), n_batch 512."""
+    ``quick`` tries only every group in one call (torch) or one context (llama.cpp), n_batch 512.
+    ``requests``: the node's ``GenRequest`` for these prompts, whose seeds and temperature vLLM
+    reuses (default: seeds 0, 1, ..., temperature 1)."""
     if name == "torch":
         runners = torch_runners(engine.model, prompts, group, max_new, engine.eos_id, engine.pad_id)
         if quick:
@@ -359,7 +365,14 @@ def offline_runners(
         )
         return lr.runners, lr.close
     if name == "vllm":
-        return vllm_runners(engine._llm, prompts, group, max_new), lambda: None
+        from engine_best_vllm import vllm_runners
+
+        seeds = [r.params.seed for r in requests] if requests else list(range(len(prompts)))
+        temperature = requests[0].params.temperature if requests else 1.0
+        runners = vllm_runners(
+            engine._llm, prompts, group, max_new, seeds, engine.eos_id, temperature
+        )
+        return runners, lambda: None
     raise ValueError(f"no offline runners for engine {name!r}")
 
 
@@ -386,31 +399,36 @@ def node_vs_offline(
     setting of :func:`offline_runners`, interleaved so that drift on a shared machine hits all
     alike. Rates are best rounds; ``group_vs_engine_rounds`` is each round's node-path rate
     over that round's best offline rate (its median is the figure least moved by load that
-    comes and goes between rounds). ``group_vs_engine_cpu`` compares tokens per second of this
-    process's CPU time instead (best rounds): on one thread that is the rate the work would have
+    comes and goes between rounds). ``group_vs_engine_cpu`` compares tokens per CPU second
+    (:func:`cpu_seconds`) instead (best rounds): on one thread that is the rate the work would have
     on an idle core, so it tells the node's cost from the engine's where the machine's load moves
     wall-clock rates several-fold between runs; on more threads it also counts time spent
     spinning at barriers."""
     direct = path.requests(path.open_leases())
     engine.generate(direct[:1])  # warm-up
-    runners, free = offline_runners(name, engine, prompts, group, max_new, quick)
+    # vLLM keeps prompts' KV blocks across calls; every round asks for the same prompts, which a
+    # node's leases do not, so each timed vLLM call starts from an empty prefix cache.
+    forget = engine._llm.reset_prefix_cache if name == "vllm" else lambda: None
+    runners, free = offline_runners(name, engine, prompts, group, max_new, quick, direct)
     offline: dict[str, list[float]] = {}
     offline_cpu: dict[str, list[float]] = {}
     lost, node_rate, engine_rate, direct_rate, ratios, node_cpu = [], [], [], [], [], []
     try:
         for _ in range(rounds):
+            forget()
             t0 = time.perf_counter()
             res = engine.generate(direct)
             direct_s = time.perf_counter() - t0
             direct_rate.append(sum(len(c.token_ids) for g in res for c in g) / direct_s)
-            t0, c0 = time.perf_counter(), time.process_time()
+            forget()
+            t0, c0 = time.perf_counter(), cpu_seconds()
             n, gen_s, _ = path.run(engine)
             node_s = time.perf_counter() - t0
-            node_cpu.append(n / max(time.process_time() - c0, 1e-9))
+            node_cpu.append(n / max(cpu_seconds() - c0, 1e-9))
             node_rate.append(n / node_s)
             engine_rate.append(n / gen_s)
             lost.append(1.0 - gen_s / node_s)
-            time_round(runners, offline, offline_cpu)
+            time_round(runners, offline, offline_cpu, forget)
             ratios.append(node_rate[-1] / max(v[-1] for v in offline.values()))
             say(  # per round: a shared machine's load shows in how rounds differ
                 f"    round: node path {node_rate[-1]:.1f} tok/s; offline "

@@ -26,9 +26,17 @@ no such sampler to wrap (the V2 model runner; the engine asks for V1 with
 the wrong quantity.
 
 Requests. What a request may ask of vLLM, its seeding, and how a completion must end are
-:mod:`echo.node.engines.vllm_requests`'s; the engine submits every request at once.
-``generation_config="vllm"`` keeps a checkpoint's own sampling defaults (top-k, penalties, extra
-EOS ids) out of it.
+:mod:`echo.node.engines.vllm_requests`'s; the engine submits every request at once, each group
+as one request with ``n`` samples. ``generation_config="vllm"`` keeps a checkpoint's own sampling
+defaults (top-k, penalties, extra EOS ids) out of it.
+
+A group's prompt is computed once: vLLM fans ``n`` out into ``n`` sequences that find each
+other's prompt blocks in its prefix cache within the same step, but only whole KV blocks, and on
+the CPU vLLM's blocks hold 128 tokens, so a prompt shorter than that was computed ``n`` times
+(SmolLM2's chat-templated 112-token prompts: no block shared). The engine asks for blocks of
+:data:`CPU_BLOCK_SIZE` tokens on the CPU (SmolLM2, 2 groups of 4 on 2 threads: prefill 1.7
+CPU seconds against 3.7; ``benchmarks/real_model.py --quick``'s node path 136 against 87 tok/s
+on a quiet machine; see ``docs/results/2026-12-07-engines-best.md``); GPUs keep vLLM's 16.
 
 LoRA adapters are :mod:`echo.node.engines.vllm_lora`'s: the engine holds one and delegates.
 """
@@ -57,6 +65,9 @@ from echo.node.engines.vllm_worker import read_plan
 
 # vLLM imports the worker extension by name in its worker processes.
 _EXTENSION = "echo.node.engines.vllm_worker.EchoWorkerExtension"
+# KV block size on the CPU (vLLM's default there is 128): a group's samples share a prompt's
+# whole blocks only, and the CPU attention wants multiples of 32.
+CPU_BLOCK_SIZE = 32
 
 
 def vllm_available() -> bool:
@@ -100,6 +111,8 @@ class VLLMEngine(Engine):
     - ``max_seqs``: sequences vLLM schedules together (``max_num_seqs``).
     - ``eager``: no torch.compile / CUDA graphs (default: on the CPU, where compiling costs
       minutes; off on GPUs).
+    - ``block_size``: tokens per KV block, the unit in which a group's samples share their
+      prompt (default: :data:`CPU_BLOCK_SIZE` on the CPU, vLLM's own on GPUs).
     - ``workdir``: where the model directory lives (default: a temporary directory, removed by
       :meth:`close`).
 
@@ -119,12 +132,15 @@ class VLLMEngine(Engine):
         kv_cache_gib: int | None = None,
         max_seqs: int = 256,
         eager: bool | None = None,
+        block_size: int | None = None,
         workdir: str | Path | None = None,
     ) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be >= 1, not {threads}")
+        if block_size is not None and block_size < 1:
+            raise ValueError(f"block_size must be >= 1, not {block_size}")
         if not vllm_available():
             raise RuntimeError(install_hint())
         self.spec = spec
@@ -144,6 +160,7 @@ class VLLMEngine(Engine):
         self.model_dir = self.workdir / "model"
         self._kv_cache_gib = kv_cache_gib
         self._eager = eager
+        self.block_size = block_size
         self._llm: Any = None
         self._meta: dict[str, tuple[str, tuple[int, ...]]] = {}
         # Whether the workers report log-probs before top-p (see the module docstring).
@@ -178,7 +195,9 @@ class VLLMEngine(Engine):
     def _start(self) -> None:
         from vllm import LLM
 
-        eager = (not torch.cuda.is_available()) if self._eager is None else self._eager
+        on_cpu = not torch.cuda.is_available()
+        eager = on_cpu if self._eager is None else self._eager
+        block_size = self.block_size or (CPU_BLOCK_SIZE if on_cpu else None)
         self._set_env()
         self._llm = LLM(
             model=str(self.model_dir),
@@ -191,6 +210,7 @@ class VLLMEngine(Engine):
             gpu_memory_utilization=self.gpu_memory_fraction,
             worker_extension_cls=_EXTENSION,
             seed=0,
+            **({"block_size": block_size} if block_size is not None else {}),
             **(self._lora.start_args() if self._lora is not None else {}),
         )
         self.logprobs_before_top_p = all(self._llm.collective_rpc("echo_logprobs_before_top_p"))
@@ -329,6 +349,9 @@ class VLLMEngine(Engine):
             "tokens": n_tokens,
             "seconds": seconds,
             "tokens_per_s": n_tokens / seconds if seconds > 0 else 0.0,
+            # Prompt tokens vLLM found in its prefix cache (for a group, as one of its samples
+            # saw them: the first computes the prompt, the others reuse its whole blocks).
+            "cached_prompt_tokens": sum(int(o.num_cached_tokens or 0) for o in outputs),
         }
         return result
 

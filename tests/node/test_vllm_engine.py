@@ -215,6 +215,28 @@ def test_a_whole_group_is_seeded_and_independent_of_batching(engine, peaked) -> 
 
 
 @needs_vllm
+def test_a_group_computes_its_prompt_once(engine, peaked) -> None:
+    """A group's samples reuse the prompt's KV blocks that the first sample computes in the same
+    call (vLLM shares whole blocks only: with its CPU default of 128 tokens a shorter prompt was
+    computed once per sample), and the samples that reuse them keep log-prob parity."""
+    from echo.node.engines.vllm_engine import CPU_BLOCK_SIZE
+
+    state = export_state(peaked)
+    engine.load_state(state)  # an empty prefix cache
+    block = engine.block_size or CPU_BLOCK_SIZE
+    prompt = [1] + [3 + (7 * i) % (VOCAB_SIZE - 3) for i in range(2 * block + 5)]
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=5)
+    reqs = [GenRequest(prompt_ids=prompt, n=4, params=params)]
+    results = engine.generate(reqs)
+    assert engine.last_stats["cached_prompt_tokens"] == 2 * block
+    check_termination(results, reqs)
+    assert max_logprob_error(SPEC, state, reqs, results) < LOGPROB_TOL
+    # The same group with a prefix cache already holding the prompt samples the same tokens.
+    again = engine.generate(reqs)
+    assert tokens_of(again) == tokens_of(results)
+
+
+@needs_vllm
 def test_bad_input_raises_and_keeps_the_weights(engine, peaked, tmp_path) -> None:
     from echo.node.engines.vllm_engine import VLLMEngine
 
