@@ -47,13 +47,18 @@ address of its own, which the coordinator counts as a network of its own; the ch
 address per identity (127.1.0.0/16); ``--attacker-ip ''`` puts every attacker on 127.0.0.1 with
 the honest nodes, uncapped. The attackers get cores of their own (``--attacker-cores``, default
 1 of this machine's: the swarm -- coordinator, learner, honest nodes -- is pinned to the others
-in every phase) and run under SCHED_IDLE (``--attacker-sched``) besides. Sharing the cores
-instead (``--attacker-cores 0``), five processes that only spin slowed this 2-core swarm by
-~30%. On one core the ten attackers slow each other too: their counters say what each managed
-(``identities_per_s`` for the churner's reached rate). ``scoring_cpu_pct`` per phase is the
-job's scoring sandbox (its zygote and the children it forked per group), which the
-coordinator's own CPU leaves out (tools/swarm_probe.py reads these; ``--profile`` samples every
-swarm process with py-spy during the attack phase).
+in every phase) and run under SCHED_IDLE (``--attacker-sched``) besides: on the internet they
+run on machines of their own, so what they cost here is the work they make the coordinator, the
+learner and the honest nodes do (which counts in full), never CPU taken from them. The attack
+phase's ``attackers_placement`` checks it (processes, how many SCHED_IDLE, their cores). Sharing
+the cores instead (``--attacker-cores 0``), five processes that only spin slowed this 2-core
+swarm by ~30%. On one core the ten attackers slow each other too: their counters say what each
+managed (``identities_per_s`` for the churner's reached rate). Each phase has every part's CPU
+in % of a core (tools/swarm_probe.py): ``coordinator_cpu_pct`` (its own), ``learner_cpu_pct``,
+``scoring_cpu_pct`` (the scoring sandbox's zygote and the children it forked per group),
+``honest_nodes_cpu_pct``, ``attackers_cpu_pct``, and ``others_on_swarm_cores_pct``: what this
+machine's other work took of the swarm's cores (the swarm's share drifts with it).
+``--profile`` samples every swarm process with py-spy during the attack phase.
 
 The stale hoarders must earn their quota before they can hoard: they start first, alone, and
 the other attackers once they all have turned (at most ``STALE_WAIT_S`` later; their counter
@@ -149,6 +154,7 @@ class Bench:
         # The swarm's processes inherit this process's cores; the attackers get theirs at start.
         if attacker_cpus:
             os.sched_setaffinity(0, set(os.sched_getaffinity(0)) - attacker_cpus)
+        self.swarm_cores = os.sched_getaffinity(0)
         self.times_dir = out / "rpc_times"
         self.times_dir.mkdir(parents=True, exist_ok=True)
         self.swarm.env[RPC_TIMES_ENV] = str(self.times_dir)
@@ -204,28 +210,19 @@ class Bench:
 
     def phase(self, name: str, seconds: float) -> dict:
         """Measure ``seconds`` of the swarm as it is now."""
-        learner = swarm_probe.learner(self.coord)
-        t0, v0 = time.time(), self.version()
-        c0 = sum(self.coord.cpu_times()[:2])
-        q0 = swarm_probe.runq_wait_s(self.coord.pid)
-        l0 = sum(learner.cpu_times()[:2]) if learner else 0.0
-        s0 = swarm_probe.sandbox_cpu(self.coord)
+        s0, t0, v0 = self.cpu(), time.time(), self.version()
         time.sleep(seconds)
-        t1, v1 = time.time(), self.version()
-        c1 = sum(self.coord.cpu_times()[:2])
-        q1 = swarm_probe.runq_wait_s(self.coord.pid)
-        l1 = sum(learner.cpu_times()[:2]) if learner and learner.is_running() else l0
-        s1 = swarm_probe.sandbox_cpu(self.coord)
+        s1, t1, v1 = self.cpu(), time.time(), self.version()
         res: dict = {
             "window": [t0, t1],
             "versions_per_min": (v1 - v0) * 60.0 / (t1 - t0),
-            "coordinator_cpu_pct": 100.0 * (c1 - c0) / (t1 - t0),
-            # Time its threads were ready to run but waited for a core (the machine's load).
-            "coordinator_runq_wait_pct": 100.0 * (q1 - q0) / (t1 - t0),
-            "learner_cpu_pct": 100.0 * (l1 - l0) / (t1 - t0),
-            # A zygote started during the phase counts from 0.
-            "scoring_cpu_pct": 100.0 * sum(s1[p] - s0.get(p, 0.0) for p in s1) / (t1 - t0),
+            **swarm_probe.cpu_pct(s0, s1),
         }
+        # What the swarm's cores gave to neither the swarm nor the attackers (other work on
+        # this machine; the benchmark's own process, mostly asleep, too).
+        res["others_on_swarm_cores_pct"] = res["swarm_cores_busy_pct"] - sum(
+            res[f"{k}_cpu_pct"] for k in ("coordinator", "learner", "scoring", "honest_nodes")
+        )
         res["leases_granted"], res["empty_lease_replies"] = grants(self.times_dir, (t0, t1))
         for rpc in TIMED_RPCS.values():
             lat = rpc_times(self.times_dir, rpc, [(t0, t1)])
@@ -236,13 +233,20 @@ class Bench:
             f"{name}: v{v0} -> v{v1} in {t1 - t0:.0f} s = {res['versions_per_min']:.1f} "
             f"versions/min; coordinator CPU {res['coordinator_cpu_pct']:.0f}% (waited for a "
             f"core {res['coordinator_runq_wait_pct']:.0f}%), learner "
-            f"{res['learner_cpu_pct']:.0f}%, scoring {res['scoring_cpu_pct']:.0f}%; lease p50 "
+            f"{res['learner_cpu_pct']:.0f}%, scoring {res['scoring_cpu_pct']:.0f}%, honest nodes "
+            f"{res['honest_nodes_cpu_pct']:.0f}%, attackers {res['attackers_cpu_pct']:.0f}%, "
+            f"others on the swarm's cores {res['others_on_swarm_cores_pct']:.0f}%; lease p50 "
             f"{_ms(res['lease_p50_ms'])}, p99 {_ms(res['lease_p99_ms'])} "
             f"({res['lease_calls']} calls); submit p50 {_ms(res['submit_p50_ms'])}, p99 "
             f"{_ms(res['submit_p99_ms'])} ({res['submit_calls']} calls); leases granted "
             f"{res['leases_granted']}, empty replies {res['empty_lease_replies']}"
         )
         return res
+
+    def cpu(self) -> dict:
+        nodes = [p.pid for p in self.swarm.procs[1:]]
+        attackers = [p.pid for p in self.attackers.procs if p.poll() is None]
+        return swarm_probe.cpu_snapshot(self.coord, nodes, attackers, self.swarm_cores)
 
     def profile(self, folder: Path) -> list:
         """py-spy on the coordinator, the learner and the honest nodes until
@@ -382,6 +386,14 @@ def main() -> int:
         demoted_before = bench.demotions()
         spies = bench.profile(args.profile) if args.profile else []
         hit = bench.phase("under attack", phase_s)
+        # Where the attackers ran: SCHED_IDLE, off the swarm's cores (checked, not assumed).
+        hit["attackers_placement"] = swarm_probe.placement(
+            [p.pid for p in bench.attackers.procs if p.poll() is None]
+        )
+        say(
+            f"attackers ran as {hit['attackers_placement']}, the swarm on cores "
+            f"{sorted(bench.swarm_cores)}"
+        )
         swarm_probe.stop_profiles(spies)
         demoted = bench.demotions() - demoted_before
         dead = bench.attackers.dead()
