@@ -166,12 +166,18 @@ def cpu_snapshot(
 
 
 def cpu_pct(before: dict, after: dict) -> dict[str, float]:
-    """Each part's CPU between two :func:`cpu_snapshot`\\ s in % of one core. A process started
-    in between counts from 0; one that ended in between is left out."""
+    """Each part's CPU between two :func:`cpu_snapshot`\\ s in % of one core, and what others
+    took of the swarm's cores. A process started in between counts from 0; one that ended in
+    between is left out."""
     seconds = after["time"][-1] - before["time"][-1]
     out = {}
     for part, now in after.items():
         if part != "time":
             spent = sum(v - before[part].get(pid, 0.0) for pid, v in now.items())
             out[f"{part}_pct"] = 100.0 * spent / seconds
+    # What the swarm's cores gave to neither the swarm nor the attackers (kept off them): this
+    # machine's other work, and the benchmark's own process, asleep nearly all the time.
+    out["others_on_swarm_cores_pct"] = out["swarm_cores_busy_pct"] - sum(
+        out[f"{k}_cpu_pct"] for k in ("coordinator", "learner", "scoring", "honest_nodes")
+    )
     return out
