@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -48,3 +49,40 @@ def test_attacker_counters_skip_unreadable_files(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path, "/ip4/127.0.0.1/tcp/1/p2p/x", "j", [], tmp_path)
     assert fleet.stats() == {"churn": {"identities": 3}}
     assert fleet.dead() == []
+
+
+def test_cpu_and_placement_of_an_idle_pinned_process_tree() -> None:
+    """What attack.py reports of the attackers: a tree's CPU (a spinning grandchild's counted),
+    its scheduling policy and its cores; :func:`swarm_probe.cpu_pct` between snapshots."""
+    core = max(os.sched_getaffinity(0))
+    spin = "import time; t = time.time()\nwhile time.time() - t < 1.0: pass\ntime.sleep(30)"
+    parent = (
+        "import subprocess, sys, time; "
+        f"subprocess.Popen([sys.executable, '-c', {spin!r}]); time.sleep(30)"
+    )
+
+    def idle_on_core() -> None:
+        os.sched_setaffinity(0, {core})
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+    tree = subprocess.Popen([sys.executable, "-c", parent], preexec_fn=idle_on_core)
+    try:
+        me = psutil.Process(os.getpid())
+        before = swarm_probe.cpu_snapshot(me, [], [tree.pid], {core})
+        deadline = time.time() + 30
+        while len(psutil.Process(tree.pid).children()) < 1 and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.5)  # the grandchild has spun its second (on a busy core: at least part)
+        placed = swarm_probe.placement([tree.pid])
+        assert placed == {"processes": 2, "sched_idle": 2, "cores": [core]}
+        after = swarm_probe.cpu_snapshot(me, [], [tree.pid], {core})
+        pct = swarm_probe.cpu_pct(before, after)
+        assert pct["attackers_cpu_pct"] > 5.0  # the grandchild's spinning, through its parent
+        assert pct["honest_nodes_cpu_pct"] == 0.0 and pct["learner_cpu_pct"] == 0.0
+        assert pct["swarm_cores_busy_pct"] >= pct["attackers_cpu_pct"] - 1.0
+        assert swarm_probe.placement([2**22 + 1]) == {"processes": 0, "sched_idle": 0, "cores": []}
+    finally:
+        for proc in psutil.Process(tree.pid).children(recursive=True):
+            proc.kill()
+        tree.kill()
+        tree.wait()
