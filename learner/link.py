@@ -30,8 +30,8 @@ RPC_TIMEOUT = 30.0
 # networks for a shedding hold (up to 80 s, echo.p2p.shedding) and then readmits them at one a
 # second; an external learner's network is capped, and so was the local one's in
 # benchmarks/attack.py (``loopback_is_network``). Dialling once, the learner exited and was
-# restarted, each life building the model again: at load 9-11, three runs in a row never
-# trained (refused, rebuilt, refused: 3 lives in 2 minutes).
+# restarted, each life building the model again: at load 6-12, of three runs in a row one lost
+# a life and two never attached (3 lives each, refused each time, in about 2 minutes).
 CONNECT_PATIENCE_S = 180.0
 CONNECT_PAUSE_S = (0.5, 8.0)
 
