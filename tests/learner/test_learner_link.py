@@ -38,7 +38,8 @@ async def _refused(shedder, times: int) -> None:
 
 def test_the_learner_dials_again_while_a_lagging_coordinator_refuses_it() -> None:
     """Dialling once, the learner exited at the first refused handshake and was restarted,
-    building its model again each time (benchmarks/attack.py at load 6-12: two runs of three never attached)."""
+    building its model again each time (benchmarks/attack.py at load 6-12: two runs of three
+    never attached)."""
 
     async def body() -> None:
         async with (
