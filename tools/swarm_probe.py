@@ -109,10 +109,12 @@ def tree_cpu_s(pids: list[int]) -> float:
 
 def placement(pids: list[int]) -> dict:
     """Where the processes ``pids`` and their descendants may run: how many there are, how many
-    run under SCHED_IDLE (threads inherit it from the process that made them), and the union of
-    their allowed cores."""
+    run under SCHED_IDLE (threads inherit it from the process that made them), the union of
+    their allowed cores, and their autogroups' nice values (a session's autogroup is weighed as
+    one task of that nice, whatever its tasks' policy)."""
     seen = idle = 0
     cores: set[int] = set()
+    nices: set[int] = set()
     for pid in pids:
         try:
             root = psutil.Process(pid)
@@ -127,7 +129,10 @@ def placement(pids: list[int]) -> dict:
                 continue
             seen += 1
             idle += policy == os.SCHED_IDLE
-    return {"processes": seen, "sched_idle": idle, "cores": sorted(cores)}
+            with contextlib.suppress(OSError, ValueError, IndexError):  # no autogroups here
+                nices.add(int(Path(f"/proc/{proc.pid}/autogroup").read_text().split()[-1]))
+    out = {"processes": seen, "sched_idle": idle, "cores": sorted(cores)}
+    return out | {"autogroup_nice": sorted(nices)}
 
 
 def cores_busy_s(cores: set[int]) -> float:

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 
 from echo.tools import swarm_probe
-from echo.tools.attackers.launch import Fleet
+from echo.tools.attackers.launch import AUTOGROUP_NICE, Fleet, _lowest_autogroup
 from echo.tools.timed_node import grants, rpc_times
 
 
@@ -51,38 +51,64 @@ def test_attacker_counters_skip_unreadable_files(tmp_path: Path) -> None:
     assert fleet.dead() == []
 
 
-def test_cpu_and_placement_of_an_idle_pinned_process_tree() -> None:
-    """What attack.py reports of the attackers: a tree's CPU (a spinning grandchild's counted),
-    its scheduling policy and its cores; :func:`swarm_probe.cpu_pct` between snapshots."""
-    core = max(os.sched_getaffinity(0))
-    spin = "import time; t = time.time()\nwhile time.time() - t < 1.0: pass\ntime.sleep(30)"
+def _tree(child_code: str, **popen) -> subprocess.Popen:
+    """A process that starts one child running ``child_code`` and sleeps."""
     parent = (
         "import subprocess, sys, time; "
-        f"subprocess.Popen([sys.executable, '-c', {spin!r}]); time.sleep(30)"
+        f"subprocess.Popen([sys.executable, '-c', {child_code!r}]); time.sleep(60)"
     )
+    return subprocess.Popen([sys.executable, "-c", parent], **popen)
 
-    def idle_on_core() -> None:
+
+def _kill(tree: subprocess.Popen) -> None:
+    for proc in psutil.Process(tree.pid).children(recursive=True):
+        proc.kill()
+    tree.kill()
+    tree.wait()
+
+
+def test_cpu_of_a_process_tree_counts_its_grandchildren() -> None:
+    """What attack.py reports of each part: a tree's CPU between two snapshots, a spinning
+    grandchild's included (:func:`swarm_probe.cpu_pct`)."""
+    spin = "import time\nwhile time.process_time() < 0.3: pass\ntime.sleep(60)"
+    me = psutil.Process(os.getpid())
+    cores = os.sched_getaffinity(0)
+    before = swarm_probe.cpu_snapshot(me, [], [], cores)
+    tree = _tree(spin)
+    try:
+        deadline = time.time() + 30
+        while swarm_probe.tree_cpu_s([tree.pid]) < 0.3 and time.time() < deadline:
+            time.sleep(0.1)
+        after = swarm_probe.cpu_snapshot(me, [tree.pid], [], cores)
+        seconds = after["time"][-1] - before["time"][-1]
+        pct = swarm_probe.cpu_pct(before, after)
+        # Started after the first snapshot: counted from 0, its grandchild's 0.3 s included.
+        assert pct["honest_nodes_cpu_pct"] * seconds / 100 >= 0.3
+        assert pct["attackers_cpu_pct"] == 0.0 and pct["learner_cpu_pct"] == 0.0
+        assert pct["swarm_cores_busy_pct"] >= pct["honest_nodes_cpu_pct"] - 5.0
+    finally:
+        _kill(tree)
+
+
+def test_placement_of_an_attacker_tree() -> None:
+    """Started as the attackers are (tools/attackers/launch.py): pinned, SCHED_IDLE, a session
+    of its own whose autogroup is at the lowest weight; its child inherits all of it."""
+    core = max(os.sched_getaffinity(0))
+
+    def as_an_attacker() -> None:
         os.sched_setaffinity(0, {core})
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        _lowest_autogroup()
 
-    tree = subprocess.Popen([sys.executable, "-c", parent], preexec_fn=idle_on_core)
+    tree = _tree("import time; time.sleep(60)", preexec_fn=as_an_attacker, start_new_session=True)
     try:
-        me = psutil.Process(os.getpid())
-        before = swarm_probe.cpu_snapshot(me, [], [tree.pid], {core})
         deadline = time.time() + 30
-        while len(psutil.Process(tree.pid).children()) < 1 and time.time() < deadline:
+        while not psutil.Process(tree.pid).children() and time.time() < deadline:
             time.sleep(0.05)
-        time.sleep(1.5)  # the grandchild has spun its second (on a busy core: at least part)
         placed = swarm_probe.placement([tree.pid])
-        assert placed == {"processes": 2, "sched_idle": 2, "cores": [core]}
-        after = swarm_probe.cpu_snapshot(me, [], [tree.pid], {core})
-        pct = swarm_probe.cpu_pct(before, after)
-        assert pct["attackers_cpu_pct"] > 5.0  # the grandchild's spinning, through its parent
-        assert pct["honest_nodes_cpu_pct"] == 0.0 and pct["learner_cpu_pct"] == 0.0
-        assert pct["swarm_cores_busy_pct"] >= pct["attackers_cpu_pct"] - 1.0
-        assert swarm_probe.placement([2**22 + 1]) == {"processes": 0, "sched_idle": 0, "cores": []}
+        nice = [AUTOGROUP_NICE] if Path("/proc/self/autogroup").exists() else []
+        assert placed == {"processes": 2, "sched_idle": 2, "cores": [core], "autogroup_nice": nice}
+        nobody = {"processes": 0, "sched_idle": 0, "cores": [], "autogroup_nice": []}
+        assert swarm_probe.placement([2**22 + 1]) == nobody
     finally:
-        for proc in psutil.Process(tree.pid).children(recursive=True):
-            proc.kill()
-        tree.kill()
-        tree.wait()
+        _kill(tree)
