@@ -27,43 +27,45 @@ task whose scorer ``eval()``\\ s the answer, with math-verify (sympy) as a secon
 so that every bomb goes through both kinds of hostile-input parser; ``--task addition`` is
 issue 13's job. What is measured is the swarm's throughput in versions per minute.
 
-Printed per phase: versions per minute (the honest swarm's throughput), the coordinator's and
-the learner's CPU (psutil, % of one core), and the honest nodes' lease and submit round trips,
-p50/p99, timed inside the real node around the coordinator's reply (tools/timed_node.py: the
-node's own pacing before a call is not counted; a submit's round trip includes its verification
-and scoring). The JSON line (the last printed) carries
-``honest_ratio_under_attack``: versions/min under attack over the mean of the two unattacked
-phases (goal >= 0.8), and ``rpc_p99_under_attack_vs_unattacked``: the larger of the honest
-nodes' lease p99 and submit p99 under attack over the same p99 of both unattacked phases
-together (goal <= 2). The swarm's pace drifts between phases (a run with no attackers at all
-measured 0.87 against the first phase alone); the phase after the attack brackets that, and
-``recovery_after_attack`` (after over before) shows damage that outlasts the attackers. Also
-in it: ``bomb_traces``, files the bombs' code payloads managed to write (anything but 0 is
-code run outside the scoring sandbox), ``relays_demoted``, the coordinator's log lines
-demoting a relay, and each attacker's own counters (what it sent, what it was answered).
+Printed per phase: versions per minute (the honest swarm's throughput), every swarm part's CPU
+(below), and the honest nodes' lease and submit round trips, p50/p99, timed inside the real
+node around the coordinator's reply (tools/timed_node.py: the node's own pacing before a call
+is not counted; a submit's round trip includes its verification and scoring). The JSON line
+(the last printed) carries ``honest_ratio_under_attack``: versions/min under attack over the
+mean of the two unattacked phases (goal >= 0.8), and ``rpc_p99_under_attack_vs_unattacked``:
+the larger of the honest nodes' lease p99 and submit p99 under attack over the same p99 of both
+unattacked phases together (goal <= 2). The swarm's pace drifts between phases with the
+machine's other work; the phase after the attack brackets that, ``recovery_after_attack``
+(after over before) shows damage that outlasts the attackers, and
+``honest_ratio_per_free_core`` is the same ratio per core that other work left the swarm
+(``versions_per_min_per_free_core``: the swarm's own work under attack stays in). Also in it:
+``bomb_traces``, files the bombs' code payloads managed to write (anything but 0 is code run
+outside the scoring sandbox), ``relays_demoted``, the coordinator's log lines demoting a relay,
+and each attacker's own counters (what it sent, what it was answered).
 
 Where the attackers stand (tools/attackers/launch.py says why): each kind dials from a 127.0.0.x
 address of its own, which the coordinator counts as a network of its own; the churner from a new
 address per identity (127.1.0.0/16); ``--attacker-ip ''`` puts every attacker on 127.0.0.1 with
 the honest nodes, uncapped. The attackers get cores of their own (``--attacker-cores``, default
 1 of this machine's: the swarm -- coordinator, learner, honest nodes -- is pinned to the others
-in every phase) and run under SCHED_IDLE (``--attacker-sched``) besides. Sharing the cores
-instead (``--attacker-cores 0``), five processes that only spin slowed this 2-core swarm by
-~30%. On one core the ten attackers slow each other too: their counters say what each managed
-(``identities_per_s`` for the churner's reached rate). ``scoring_cpu_pct`` per phase is the
-job's scoring sandbox (its zygote and the children it forked per group), which the
-coordinator's own CPU leaves out (tools/swarm_probe.py reads these; ``--profile`` samples every
-swarm process with py-spy during the attack phase).
+in every phase) and run under SCHED_IDLE (``--attacker-sched``) besides: on the internet they
+have machines of their own, so they cost the work they make the swarm do (in full), never CPU
+taken from it; the attack phase's ``attackers_placement`` checks it (processes, SCHED_IDLE ones,
+cores). Sharing the cores (``--attacker-cores 0``), 5 spinning processes slowed the swarm ~30%.
+On one core the ten attackers slow each other too: their counters say what each managed
+(``identities_per_s`` for the churner's reached rate). Each phase has every part's CPU in % of
+a core (tools/swarm_probe.py): the coordinator's own, the learner's, the scoring sandbox's (its
+zygote and its children), the honest nodes', the attackers', and ``others_on_swarm_cores_pct``,
+what other work took of the swarm's cores; ``--profile``: py-spy on the swarm under attack.
 
 The stale hoarders must earn their quota before they can hoard: they start first, alone, and
 the other attackers once they all have turned (at most ``STALE_WAIT_S`` later; their counter
 ``turned`` says how many did). Until then they are honest nodes, beside the swarm's. The phase
 after the attack starts once the leases that hoarders held have expired (``LEASE_TIMEOUT_S``).
 
-``--quick``: 2 nodes and 20 s phases, about 4 minutes in all on 2 busy cores (start-up, the
-stale hoarders' warm-up and the wait for held leases to expire included); the default is 3
-nodes and 180 s phases. The learner's format warm-up of the job is kept between runs
-(tools/attackers/job.py): only the first run of a job spends it (about a minute).
+``--quick``: 2 nodes and 20 s phases, about 4 minutes in all (start-up, the stale hoarders'
+warm-up, the held leases' expiry included); else 3 nodes and 180 s phases. Only the first run of
+a job spends the learner's format warm-up (about a minute; tools/attackers/job.py keeps it).
 """
 
 from __future__ import annotations
@@ -149,6 +151,7 @@ class Bench:
         # The swarm's processes inherit this process's cores; the attackers get theirs at start.
         if attacker_cpus:
             os.sched_setaffinity(0, set(os.sched_getaffinity(0)) - attacker_cpus)
+        self.swarm_cores = os.sched_getaffinity(0)
         self.times_dir = out / "rpc_times"
         self.times_dir.mkdir(parents=True, exist_ok=True)
         self.swarm.env[RPC_TIMES_ENV] = str(self.times_dir)
@@ -204,28 +207,18 @@ class Bench:
 
     def phase(self, name: str, seconds: float) -> dict:
         """Measure ``seconds`` of the swarm as it is now."""
-        learner = swarm_probe.learner(self.coord)
-        t0, v0 = time.time(), self.version()
-        c0 = sum(self.coord.cpu_times()[:2])
-        q0 = swarm_probe.runq_wait_s(self.coord.pid)
-        l0 = sum(learner.cpu_times()[:2]) if learner else 0.0
-        s0 = swarm_probe.sandbox_cpu(self.coord)
+        s0, t0, v0 = self.cpu(), time.time(), self.version()
         time.sleep(seconds)
-        t1, v1 = time.time(), self.version()
-        c1 = sum(self.coord.cpu_times()[:2])
-        q1 = swarm_probe.runq_wait_s(self.coord.pid)
-        l1 = sum(learner.cpu_times()[:2]) if learner and learner.is_running() else l0
-        s1 = swarm_probe.sandbox_cpu(self.coord)
+        s1, t1, v1 = self.cpu(), time.time(), self.version()
         res: dict = {
             "window": [t0, t1],
             "versions_per_min": (v1 - v0) * 60.0 / (t1 - t0),
-            "coordinator_cpu_pct": 100.0 * (c1 - c0) / (t1 - t0),
-            # Time its threads were ready to run but waited for a core (the machine's load).
-            "coordinator_runq_wait_pct": 100.0 * (q1 - q0) / (t1 - t0),
-            "learner_cpu_pct": 100.0 * (l1 - l0) / (t1 - t0),
-            # A zygote started during the phase counts from 0.
-            "scoring_cpu_pct": 100.0 * sum(s1[p] - s0.get(p, 0.0) for p in s1) / (t1 - t0),
+            **swarm_probe.cpu_pct(s0, s1),
         }
+        # Per core that this machine's other work left the swarm (the swarm's own work, the
+        # coordinator's answers to attackers included, stays in): the phases' drift with load.
+        free = len(self.swarm_cores) - res["others_on_swarm_cores_pct"] / 100.0
+        res["versions_per_min_per_free_core"] = res["versions_per_min"] / max(free, 0.01)
         res["leases_granted"], res["empty_lease_replies"] = grants(self.times_dir, (t0, t1))
         for rpc in TIMED_RPCS.values():
             lat = rpc_times(self.times_dir, rpc, [(t0, t1)])
@@ -236,13 +229,20 @@ class Bench:
             f"{name}: v{v0} -> v{v1} in {t1 - t0:.0f} s = {res['versions_per_min']:.1f} "
             f"versions/min; coordinator CPU {res['coordinator_cpu_pct']:.0f}% (waited for a "
             f"core {res['coordinator_runq_wait_pct']:.0f}%), learner "
-            f"{res['learner_cpu_pct']:.0f}%, scoring {res['scoring_cpu_pct']:.0f}%; lease p50 "
+            f"{res['learner_cpu_pct']:.0f}%, scoring {res['scoring_cpu_pct']:.0f}%, honest nodes "
+            f"{res['honest_nodes_cpu_pct']:.0f}%, attackers {res['attackers_cpu_pct']:.0f}%, "
+            f"others on the swarm's cores {res['others_on_swarm_cores_pct']:.0f}%; lease p50 "
             f"{_ms(res['lease_p50_ms'])}, p99 {_ms(res['lease_p99_ms'])} "
             f"({res['lease_calls']} calls); submit p50 {_ms(res['submit_p50_ms'])}, p99 "
             f"{_ms(res['submit_p99_ms'])} ({res['submit_calls']} calls); leases granted "
             f"{res['leases_granted']}, empty replies {res['empty_lease_replies']}"
         )
         return res
+
+    def cpu(self) -> dict:
+        nodes = [p.pid for p in self.swarm.procs[1:]]
+        attackers = [p.pid for p in self.attackers.procs if p.poll() is None]
+        return swarm_probe.cpu_snapshot(self.coord, nodes, attackers, self.swarm_cores)
 
     def profile(self, folder: Path) -> list:
         """py-spy on the coordinator, the learner and the honest nodes until
@@ -382,6 +382,14 @@ def main() -> int:
         demoted_before = bench.demotions()
         spies = bench.profile(args.profile) if args.profile else []
         hit = bench.phase("under attack", phase_s)
+        # Where the attackers ran: SCHED_IDLE, off the swarm's cores (checked, not assumed).
+        hit["attackers_placement"] = swarm_probe.placement(
+            [p.pid for p in bench.attackers.procs if p.poll() is None]
+        )
+        say(
+            f"attackers ran as {hit['attackers_placement']}, the swarm on cores "
+            f"{sorted(bench.swarm_cores)}"
+        )
         swarm_probe.stop_profiles(spies)
         demoted = bench.demotions() - demoted_before
         dead = bench.attackers.dead()
@@ -418,6 +426,8 @@ def main() -> int:
         say(f"the honest swarm stopped training (see {out}); no ratio")
     base = (calm["versions_per_min"] + after["versions_per_min"]) / 2
     ratio = None if stopped else hit["versions_per_min"] / base if base else 0.0
+    per_free = [r["versions_per_min_per_free_core"] for r in (calm, hit, after)]
+    ratio_free = per_free[1] / ((per_free[0] + per_free[2]) / 2) if per_free[0] + per_free[2] else 0
     recovery = (
         after["versions_per_min"] / calm["versions_per_min"] if calm["versions_per_min"] else 0
     )
@@ -443,7 +453,8 @@ def main() -> int:
     if ratio is not None:
         say(
             f"honest ratio under attack: {ratio:.2f} of the unattacked phases' mean (goal >= "
-            f"0.8); after the attack the swarm ran at {recovery:.2f} of its first phase"
+            f"0.8); after the attack the swarm ran at {recovery:.2f} of its first phase; per "
+            f"core the machine's other work left the swarm: {ratio_free:.2f}"
         )
     shown = ", ".join(
         f"{k} {ratios[k]:.2f}" if k in ratios else f"{k} -" for k in TIMED_RPCS.values()
@@ -474,6 +485,7 @@ def main() -> int:
             "relays_demoted": demoted,
             **rpc,
             "honest_ratio_under_attack": ratio,
+            "honest_ratio_per_free_core": ratio_free,
             "rpc_p99_under_attack_vs_unattacked": rpc_ratio,
             "rpc_p99_from": sorted(ratios),
             "recovery_after_attack": recovery,

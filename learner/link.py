@@ -10,6 +10,7 @@ this process's epoch (:meth:`CoordinatorLink.for_this_epoch`).
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TypeVar
 
@@ -17,11 +18,22 @@ import trio
 
 from echo.p2p.host import EchoHost
 from echo.p2p.identity import Identity, public_key_from_peer_id
-from echo.p2p.rpc import RemoteError
+from echo.p2p.rpc import RemoteError, RpcConnectionError, RpcTimeout
 from echo.protocol import ids, limits, signing
 from echo.protocol import messages as m
 
+log = logging.getLogger(__name__)
+
 RPC_TIMEOUT = 30.0
+# How long the learner keeps dialling a coordinator that refuses or drops its handshake, and its
+# pauses between dials (doubling). A coordinator whose loop lags refuses handshakes from capped
+# networks for a shedding hold (up to 80 s, echo.p2p.shedding) and then readmits them at one a
+# second; an external learner's network is capped, and so was the local one's in
+# benchmarks/attack.py (``loopback_is_network``). Dialling once, the learner exited and was
+# restarted, each life building the model again: at load 6-12, of three runs in a row one lost
+# a life and two never attached (3 lives each, refused each time, in about 2 minutes).
+CONNECT_PATIENCE_S = 180.0
+CONNECT_PAUSE_S = (0.5, 8.0)
 
 R = TypeVar("R", bound=m.Record)
 
@@ -44,10 +56,32 @@ class CoordinatorLink:
         self.host: EchoHost | None = None
         self.peer = None
 
-    async def connect(self, host: EchoHost, coordinator: str) -> None:
-        """Dial the coordinator at multiaddr ``coordinator`` from ``host``."""
+    async def connect(
+        self, host: EchoHost, coordinator: str, patience_s: float = CONNECT_PATIENCE_S
+    ) -> None:
+        """Dial the coordinator at multiaddr ``coordinator`` from ``host``, again while it
+        refuses or drops the handshake, for up to ``patience_s``.
+
+        :raises RpcConnectionError, RpcTimeout: still refused after ``patience_s``.
+        :raises ValueError: ``coordinator`` is not a dialable multiaddr.
+        """
         self.host = host
-        self.peer = await host.connect(coordinator)
+        give_up_at = trio.current_time() + patience_s
+        pause, longest = CONNECT_PAUSE_S
+        while True:
+            try:
+                self.peer = await host.connect(coordinator)
+                return
+            except (RpcConnectionError, RpcTimeout) as exc:
+                if trio.current_time() + pause > give_up_at:
+                    raise
+                log.info(
+                    "the coordinator did not take our connection (%s); again in %.1f s", exc, pause
+                )
+            await trio.sleep(pause)
+            # libp2p would refuse to dial it for 60 s after a failed dial: we pace ours.
+            host.forget_dial_failures(coordinator.rsplit("/p2p/", 1)[-1])
+            pause = min(2 * pause, longest)
 
     @property
     def coordinator_key(self) -> bytes:

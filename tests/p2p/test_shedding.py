@@ -246,3 +246,39 @@ def test_strangers_come_back_at_a_bounded_rate_after_a_hold() -> None:
             assert not any(shedder.refuses_newcomer(f"9.9.9.{i}") for i in range(10))
 
     run(body)
+
+
+def test_the_readmission_lasts_while_its_rate_turns_strangers_away() -> None:
+    """Ended on the clock, the readmission let every stranger still queued in at once: the loop
+    saturated again ~1 s after each one ended, 11 s after the hold, never a relapse, so every
+    hold stayed 10 s (benchmarks/attack.py). It lasts while its rate turns strangers away, and
+    a saturation meanwhile is a relapse (the next hold twice as long)."""
+
+    async def body() -> None:
+        async with open_host(Identity.generate(), pubsub=False, guard_policy=POLICY) as server:
+            clock = Clock()
+            shedder = install_shedder(server, HandLag(0.2, 5.0, clock=clock))
+            shedder.lag.observe(1.0)
+            clock.t += 5.1  # the hold is over: readmission for RELAPSE_S
+            for _ in range(int(RELAPSE_S) + 2):  # a herd that knocks 3 times a second
+                for i in range(3):
+                    shedder.refuses_newcomer(f"1.2.3.{i}")
+                clock.t += 1.0
+            assert clock.t - 5.1 > RELAPSE_S and shedder.lag.readmitting
+            # Still paced (one a second), not everybody at once.
+            assert [shedder.refuses_newcomer(f"1.2.4.{i}") for i in range(3)] == [
+                False,
+                True,
+                True,
+            ]
+            shedder.lag.observe(1.0)  # the loop saturates meanwhile: a relapse
+            assert shedder.lag.lagging
+            clock.t += 5.1
+            assert shedder.lag.lagging  # the second hold is twice as long
+            clock.t += 5.0
+            assert not shedder.lag.lagging and shedder.lag.readmitting
+            clock.t += 2 * RELAPSE_S + 0.1  # nobody knocked: the readmission is over
+            assert not shedder.lag.readmitting
+            assert not any(shedder.refuses_newcomer(f"9.9.9.{i}") for i in range(10))
+
+    run(body)

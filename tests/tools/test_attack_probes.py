@@ -8,12 +8,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
 
 from echo.tools import swarm_probe
-from echo.tools.attackers.launch import Fleet
+from echo.tools.attackers.launch import AUTOGROUP_NICE, Fleet, _lowest_autogroup
 from echo.tools.timed_node import grants, rpc_times
 
 
@@ -48,3 +49,66 @@ def test_attacker_counters_skip_unreadable_files(tmp_path: Path) -> None:
     fleet = Fleet(tmp_path, "/ip4/127.0.0.1/tcp/1/p2p/x", "j", [], tmp_path)
     assert fleet.stats() == {"churn": {"identities": 3}}
     assert fleet.dead() == []
+
+
+def _tree(child_code: str, **popen) -> subprocess.Popen:
+    """A process that starts one child running ``child_code`` and sleeps."""
+    parent = (
+        "import subprocess, sys, time; "
+        f"subprocess.Popen([sys.executable, '-c', {child_code!r}]); time.sleep(60)"
+    )
+    return subprocess.Popen([sys.executable, "-c", parent], **popen)
+
+
+def _kill(tree: subprocess.Popen) -> None:
+    for proc in psutil.Process(tree.pid).children(recursive=True):
+        proc.kill()
+    tree.kill()
+    tree.wait()
+
+
+def test_cpu_of_a_process_tree_counts_its_grandchildren() -> None:
+    """What attack.py reports of each part: a tree's CPU between two snapshots, a spinning
+    grandchild's included (:func:`swarm_probe.cpu_pct`)."""
+    spin = "import time\nwhile time.process_time() < 0.3: pass\ntime.sleep(60)"
+    me = psutil.Process(os.getpid())
+    cores = os.sched_getaffinity(0)
+    before = swarm_probe.cpu_snapshot(me, [], [], cores)
+    tree = _tree(spin)
+    try:
+        deadline = time.time() + 30
+        while swarm_probe.tree_cpu_s([tree.pid]) < 0.3 and time.time() < deadline:
+            time.sleep(0.1)
+        after = swarm_probe.cpu_snapshot(me, [tree.pid], [], cores)
+        seconds = after["time"][-1] - before["time"][-1]
+        pct = swarm_probe.cpu_pct(before, after)
+        # Started after the first snapshot: counted from 0, its grandchild's 0.3 s included.
+        assert pct["honest_nodes_cpu_pct"] * seconds / 100 >= 0.3
+        assert pct["attackers_cpu_pct"] == 0.0 and pct["learner_cpu_pct"] == 0.0
+        assert pct["swarm_cores_busy_pct"] >= pct["honest_nodes_cpu_pct"] - 5.0
+    finally:
+        _kill(tree)
+
+
+def test_placement_of_an_attacker_tree() -> None:
+    """Started as the attackers are (tools/attackers/launch.py): pinned, SCHED_IDLE, a session
+    of its own whose autogroup is at the lowest weight; its child inherits all of it."""
+    core = max(os.sched_getaffinity(0))
+
+    def as_an_attacker() -> None:
+        os.sched_setaffinity(0, {core})
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        _lowest_autogroup()
+
+    tree = _tree("import time; time.sleep(60)", preexec_fn=as_an_attacker, start_new_session=True)
+    try:
+        deadline = time.time() + 30
+        while not psutil.Process(tree.pid).children() and time.time() < deadline:
+            time.sleep(0.05)
+        placed = swarm_probe.placement([tree.pid])
+        nice = [AUTOGROUP_NICE] if Path("/proc/self/autogroup").exists() else []
+        assert placed == {"processes": 2, "sched_idle": 2, "cores": [core], "autogroup_nice": nice}
+        nobody = {"processes": 0, "sched_idle": 0, "cores": [], "autogroup_nice": []}
+        assert swarm_probe.placement([2**22 + 1]) == nobody
+    finally:
+        _kill(tree)
