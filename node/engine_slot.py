@@ -46,6 +46,23 @@ ENGINE_MODULES = {
 }
 
 
+async def preload_engine(name: str) -> None:
+    """Import engine ``name``'s libraries in a worker thread. A node does this while it waits
+    for its first job, when it has nothing else to do: placed, it then starts generating that
+    much sooner (seconds with torch on a small machine, where the imports were the most of a
+    tiny job's start). An import that fails is left to :func:`open_engine`, which reports it as
+    it always has."""
+    modules = ENGINE_MODULES.get(name, ())
+
+    def load() -> None:
+        for module in modules:
+            # open_engine() imports it again and says what failed.
+            with contextlib.suppress(Exception):
+                importlib.import_module(module)
+
+    await trio.to_thread.run_sync(load, abandon_on_cancel=True)
+
+
 async def open_engine(name: str, spec: ModelSpec, device: str, cfg: NodeConfig) -> EngineChoice:
     """Start engine ``name`` on a job's model in a worker thread (torch where ``name`` cannot
     run the model). :raises NodeError: the model does not fit in memory."""
@@ -90,20 +107,8 @@ class EngineSlot:
         return held if kept else None
 
     async def preload(self) -> None:
-        """Import the chosen engine's libraries in a worker thread. The node does this while it
-        waits for its first job, when it has nothing else to do: placed, it then starts
-        generating that much sooner (seconds with torch on a small machine, where the imports
-        were the most of a tiny job's start). An import that fails is left to :meth:`open`,
-        which reports it as it always has."""
-        modules = ENGINE_MODULES.get(self.chosen, ())
-
-        def load() -> None:
-            for module in modules:
-                # open() imports it again and says what failed.
-                with contextlib.suppress(Exception):
-                    importlib.import_module(module)
-
-        await trio.to_thread.run_sync(load, abandon_on_cancel=True)
+        """:func:`preload_engine` of the chosen engine."""
+        await preload_engine(self.chosen)
 
     async def open(self, spec: ModelSpec) -> None:
         """Start the chosen engine on ``spec`` unless the slot kept one, and name it for this
