@@ -15,6 +15,9 @@ slot decides when there is one.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+
 import trio
 
 from echo.models.device import resolve_device
@@ -32,6 +35,32 @@ from echo.protocol import messages as m
 
 # Stopping an engine's worker processes (vLLM's shutdown waits up to 2 s per process).
 ENGINE_CLOSE_TIMEOUT_S = 10.0
+# What each engine is built from (echo.node.engines.factory.make_engine): the engine's module,
+# its libraries (torch alone: seconds of CPU), and the model classes its first model build
+# imports (transformers' Llama, the architecture of the tiny model and of SmolLM2).
+LLAMA = "transformers.models.llama.modeling_llama"
+ENGINE_MODULES = {
+    "torch": ("echo.node.engines.torch_engine", LLAMA),
+    "llamacpp": ("echo.node.engines.llamacpp_engine", LLAMA, "llama_cpp"),
+    "vllm": ("echo.node.engines.vllm_engine",),
+}
+
+
+async def preload_engine(name: str) -> None:
+    """Import engine ``name``'s libraries in a worker thread. A node does this while it waits
+    for its first job, when it has nothing else to do: placed, it then starts generating that
+    much sooner (seconds with torch on a small machine, where the imports were the most of a
+    tiny job's start). An import that fails is left to :func:`open_engine`, which reports it as
+    it always has."""
+    modules = ENGINE_MODULES.get(name, ())
+
+    def load() -> None:
+        for module in modules:
+            # open_engine() imports it again and says what failed.
+            with contextlib.suppress(Exception):
+                importlib.import_module(module)
+
+    await trio.to_thread.run_sync(load, abandon_on_cancel=True)
 
 
 async def open_engine(name: str, spec: ModelSpec, device: str, cfg: NodeConfig) -> EngineChoice:
@@ -76,6 +105,10 @@ class EngineSlot:
             await self.close()
         await trio.to_thread.run_sync(self._prune_other_jobs, job.job_id)
         return held if kept else None
+
+    async def preload(self) -> None:
+        """:func:`preload_engine` of the chosen engine."""
+        await preload_engine(self.chosen)
 
     async def open(self, spec: ModelSpec) -> None:
         """Start the chosen engine on ``spec`` unless the slot kept one, and name it for this

@@ -200,7 +200,11 @@ class Node:
                     nursery.cancel_scope.cancel()
 
     async def _serve_jobs(self, host: EchoHost) -> None:
-        job = await self.session.wait_for_job(first=True)
+        async with trio.open_nursery() as nursery:
+            # The engine's imports overlap the wait for a job; a job that comes first waits for
+            # them, as opening the engine would.
+            nursery.start_soon(self.engine_slot.preload)
+            job = await self.session.wait_for_job(first=True)
         try:
             while True:
                 if self.jobs_served and self.jobs_served[-1] != job.job_id:

@@ -9,7 +9,9 @@ is re-raised on its own, outside the nurseries' exception groups.
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
+import gc
 import signal
 from collections.abc import Awaitable, Callable, Iterator
 
@@ -29,8 +31,12 @@ def run_until_signalled(main: Callable[[], Awaitable[None]]) -> bool:
 
     A crash below Python (a segfault in an extension) prints the threads' Python stacks to
     stderr first (:mod:`faulthandler`), where the daemon's log is: without it the process
-    vanishes without a word."""
+    vanishes without a word.
+
+    The daemon's process then exits without a last full garbage collection
+    (:func:`fast_exit`)."""
     faulthandler.enable()
+    fast_exit()
     fired: list[int] = []
 
     async def runner() -> None:
@@ -49,6 +55,19 @@ def run_until_signalled(main: Callable[[], Awaitable[None]]) -> bool:
             raise leaves[0] from None
         raise
     return bool(fired)
+
+
+def fast_exit() -> None:
+    """Freeze the garbage collector's objects as the interpreter exits (an atexit handler,
+    registered once). Its teardown ends with a full collection that walks every object still
+    alive, and a daemon that imported torch, transformers and libp2p has some 440,000: 3-6 s of
+    CPU on a loaded 2-core machine for each node, learner and coordinator a swarm stops (which
+    is how long SIGINT took them to exit, in "Garbage-collecting" with no Python frame left),
+    against 0.4-1.0 s frozen. Nothing is lost: the other atexit handlers (logging's flush) run
+    as before, objects are still freed by reference counting, and the memory goes back to the
+    system with the process."""
+    atexit.unregister(gc.freeze)
+    atexit.register(gc.freeze)
 
 
 def exception_leaves(group: BaseExceptionGroup) -> Iterator[BaseException]:
