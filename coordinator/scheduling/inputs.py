@@ -67,7 +67,6 @@ class NodeRecord:
     delivered: dict[str, float] = field(default_factory=dict)
     accepted: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
     held: dict[str, int] = field(default_factory=dict)  # job -> version it reported holding
-    asking: str | None = None  # the job it last asked leases of: its relay runs there
     job: str | None = None
     since: float = 0.0
     decided: bool = False  # placed by a scheduling pass (else: never, or adopted)

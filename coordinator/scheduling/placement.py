@@ -179,10 +179,8 @@ class Placement:
         node = self.nodes.get(node_id)
         if node is None:
             node = self.nodes[node_id] = NodeRecord(job=job_id, since=time.time())
-            node.asking = job_id
             return None
         node.seen = time.time()
-        node.asking = job_id
         if node.job is None and not node.decided:
             node.job, node.since = job_id, time.time()
             return None
@@ -212,21 +210,15 @@ class Placement:
 
     def plannable(self, node_id: str, job_id: str, anchor: bool) -> bool:
         """Whether a version of ``job_id`` may be planned through the node: it serves the job
-        and holds one of its versions, or the version is an anchor (which needs no base) and
-        the node has asked for the job's leases. A job new since the last pass is scheduled
-        first, so its first version reaches the nodes placed on it.
-
-        A node placed on a job learns of it at its next registration (an idle node asks every
-        few seconds) and takes pushes only once it serves the job, before its first lease
-        request: planned before that, as every node was for a new job's v0, its push failed at
-        once and the node then waited out its push stall (10 s) for a version its lease reply
-        had named. Left out, it pulls that version after its short plan wait (1 s)."""
+        and holds one of its versions, or the version is an anchor (which needs no base). A
+        job new since the last pass is scheduled first, so its first version reaches the nodes
+        placed on it."""
         if job_id not in self.views:
             self.refresh()
         node = self.nodes.get(node_id)
         if node is None or node.job != job_id:
             return False
-        return node.held.get(job_id, -1) >= 0 or (anchor and node.asking == job_id)
+        return anchor or node.held.get(job_id, -1) >= 0
 
     def proven(self, node_id: str) -> bool:
         """The node has had a group accepted (as of the last scheduling pass). Identities are

@@ -182,9 +182,6 @@ def test_learner_gets_a_signed_plan_and_bad_peer_reports_are_heard(tmp_path) -> 
         nodes = [await client() for _ in range(4)]
         for i, n in enumerate(nodes):
             await n.register(upload_bps=(4 - i) * MB)
-            # It serves the job (and so takes pushes) once it asks for the job's leases: only
-            # then is it planned.
-            await n.leases(job_id, -1)
             # Its first accepted group (not what this test is about) queues its dial-back.
             coord.node_rpc.probes.earned(str(n.host.peer_id))
         with trio.fail_after(20):  # plans carry only what the dial-backs verified
@@ -221,38 +218,6 @@ def test_learner_gets_a_signed_plan_and_bad_peer_reports_are_heard(tmp_path) -> 
         with pytest.raises(RemoteError, match="register first"):
             await stranger.call(ids.PROTO_BAD_PEER, stranger.seal(rep))
         assert coord.dissemination.relays.upload_of(str(nodes[1].host.peer_id)) > 0.0
-
-    run_with_coordinator(tmp_path, body)
-
-
-def test_a_new_jobs_first_version_skips_nodes_that_do_not_serve_it_yet(tmp_path) -> None:
-    """A node placed on a new job learns of it at its next registration and takes pushes once
-    it serves the job, which is when it asks for the job's leases. Planned before that (every
-    node was, for a job's v0), its push failed at once and the node waited out its 10 s push
-    stall for the version its lease reply named; left out, it pulls that version at once."""
-
-    async def body(coord, client) -> None:
-        job_id = submit_job(coord)
-        told, untold = await client(), await client()
-        for n in (told, untold):
-            await n.register(upload_bps=MB)
-        await told.leases(job_id, -1)
-        ident, _, report = learner_publish_v0(coord, job_id)
-        learner = await client(ident)
-        hello = m.LearnerHello(job_id=job_id, peer_id=str(learner.host.peer_id),
-                               addrs=learner.host.listen_multiaddrs, timestamp=time.time())
-        await learner.call(ids.PROTO_LEARNER_HELLO, learner.seal(hello))
-        ack = m.decode(m.StepAck, await learner.call(
-            ids.PROTO_LEARNER_REPORT, learner.seal(report)), max_bytes=8 << 20)
-        assert ack.ok and ack.plan
-        _, ann = signing.open_record(ack.plan, b.PlanAnnouncement, max_bytes=8 << 20,
-                                     expected_signer=coord.identity.public_key_bytes)
-        for n in (told, untold):  # both are placed on the job; one serves it
-            assert coord.placement.serves(str(n.host.peer_id), job_id)
-        assert {p.peer_id for p in ann.peers} == {str(told.host.peer_id), ann.plan.source}
-        assert not coord.placement.plannable(str(untold.host.peer_id), job_id, anchor=True)
-        await untold.leases(job_id, -1)  # now it serves the job: the next anchor reaches it
-        assert coord.placement.plannable(str(untold.host.peer_id), job_id, anchor=True)
 
     run_with_coordinator(tmp_path, body)
 
