@@ -12,10 +12,10 @@ settings at the recipe's lr; the same number of versions, so the same rollouts t
   says how, and what stays different); skipped, with the reason in the JSON, where TRL is
   not installed (the ``bench`` extra);
 - ``swarm``: a real local swarm (``echo.tools.local_swarm``: coordinator, learner and three
-  node processes, torch and llama.cpp side by side) at staleness S = 1 and S = 2, the
-  coordinator keeping S + 1 batches ahead as benchmarks/learning.py does (``--default-buffer``:
-  the coordinator's default of 2 batches, what a job gets unless its operator sets
-  ``buffer_groups``; only the swarm's runs depend on it).
+  node processes, torch and llama.cpp side by side) at staleness S = 1 and S = 2, with the
+  coordinator's default buffer of 2 batches, what a job gets unless its operator sets
+  ``buffer_groups`` (``--bound-buffer``: S + 1 batches ahead as benchmarks/learning.py keeps,
+  so that every group reaches the bound; only the swarm's runs depend on it).
 
 All three see prompt ids 0, 1, 2, ... of the task in order (the coordinator leases them so; the
 swarm's nodes may serve them a little out of order) and report held-out greedy accuracy by
@@ -449,9 +449,10 @@ def main() -> None:
                         help="torch threads of sync and trl (on a machine other work loads, 1 "
                              "is faster than 2: two threads wait on each other)")
         ap.add_argument("--staleness", type=int, nargs="+", default=list(STALENESS))
-        ap.add_argument("--default-buffer", action="store_true",
-                        help="leave the coordinator's buffer at its default of 2 batches "
-                             "(default: S + 1 batches, so that groups reach the bound S)")
+        ap.add_argument("--bound-buffer", action="store_true",
+                        help="keep S + 1 batches ahead of the learner, so that every group "
+                             "reaches the bound S (default: the coordinator's default buffer "
+                             "of 2 batches, what a job gets)")
         ap.add_argument("--objective", default="ppo", choices=["ppo", "cispo"],
                         help="the learner's per-token objective (echo.learner.objective)")
         ap.add_argument("--out", type=Path, default=None,
@@ -464,7 +465,7 @@ def main() -> None:
                          objective=args.objective, steps=args.steps, lr=args.lr,
                          prompts=args.prompts, group=args.group, max_new=args.max_new,
                          eval_prompts=args.eval_prompts, eval_every=args.eval_every)
-    if args.default_buffer:  # recorded only when set, so older run folders still match
+    if not args.bound_buffer:  # recorded only then, so older (bound) run folders still match
         recipe["buffer"] = "default"
     seeds = 1 if args.quick else args.seeds
     out = args.out or ROOT / "runs" / "real-learning" / time.strftime("%Y%m%d-%H%M%S")
