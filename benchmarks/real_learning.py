@@ -53,6 +53,7 @@ except ModuleNotFoundError:  # run as a script: benchmarks/ is sys.path[0]
     import word_problems
     from learning import INTERVAL, check_recipe, ratio_interval
 
+from echo.learner.objective import OBJECTIVES
 from echo.tools.bench import emit, parse_args, say
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,8 +110,8 @@ def make_recipe(quick: bool, system: str = "short", ops: list[str] | None = None
     if ops != ALL_OPS:  # recorded only when not the default, so older run folders still match
         data["ops"] = ops
     scorer = {} if match == "math" else {"match": match}  # as with ops: older folders match
-    if objective not in ("ppo", "cispo"):
-        raise ValueError(f"objective must be ppo or cispo, not {objective}")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, not {objective}")
     if objective != "ppo":  # as with ops: older folders match
         r["objective"] = objective
     return {**r, "task": TASK, "data": data,
@@ -453,7 +454,7 @@ def main() -> None:
                         help="keep S + 1 batches ahead of the learner, so that every group "
                              "reaches the bound S (default: the coordinator's default buffer "
                              "of 2 batches, what a job gets)")
-        ap.add_argument("--objective", default="ppo", choices=["ppo", "cispo"],
+        ap.add_argument("--objective", default="ppo", choices=OBJECTIVES,
                         help="the learner's per-token objective (echo.learner.objective)")
         ap.add_argument("--out", type=Path, default=None,
                         help="folder for the runs; an existing one is gone on from "

@@ -34,11 +34,14 @@ A * grad log pi: a synchronous run does not depend on the choice.
 
 from __future__ import annotations
 
+from typing import get_args
+
 import torch
 
 from echo.protocol.jobspec import GRPOParams
 
-OBJECTIVES = ("ppo", "cispo")
+# The names a job may give (``GRPOParams.objective``), for command lines that offer them.
+OBJECTIVES: tuple[str, ...] = get_args(GRPOParams.model_fields["objective"].annotation)
 
 
 def token_surrogate(

@@ -31,6 +31,7 @@ import torch
 
 from echo.learner.evaluate import greedy_accuracy
 from echo.learner.grpo import GRPOConfig, GRPOLearner, TrainGroup
+from echo.learner.objective import OBJECTIVES
 from echo.learner.warmup import warmup
 from echo.models.device import resolve_device
 from echo.models.prompts import PromptRenderer
@@ -289,7 +290,7 @@ def main() -> None:
     ap.add_argument("--task", default="addition")
     ap.add_argument("--max-operand", type=int, default=5, help="addition only")
     ap.add_argument("--lr", type=float, default=GRPOConfig.model_fields["lr"].default)
-    ap.add_argument("--objective", default="ppo", choices=["ppo", "cispo"],
+    ap.add_argument("--objective", default="ppo", choices=OBJECTIVES,
                     help="the per-token objective (the job's [job.grpo] objective)")
     ap.add_argument("--kl-coef", type=float, default=0.0,
                     help="KL term to the starting policy (the job's [job.grpo] kl_coef)")
