@@ -89,21 +89,27 @@ def stop_profiles(spies: list[subprocess.Popen], timeout_s: float = 30.0) -> Non
         spy.wait(timeout_s)
 
 
+def process_trees(pids: list[int]) -> list[psutil.Process]:
+    """The processes ``pids`` that still run, each followed by all its descendants."""
+    procs = []
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            procs += [root, *root.children(recursive=True)]
+        except psutil.Error:
+            continue  # ended meanwhile
+    return procs
+
+
 def tree_cpu_s(pids: list[int]) -> float:
     """CPU seconds of the processes ``pids`` with all their descendants: the live ones' own, and
     the reaped ones' through their parents' children times (each counted once)."""
     total = 0.0
-    for pid in pids:
+    for proc in process_trees(pids):
         try:
-            root = psutil.Process(pid)
-            tree = [root, *root.children(recursive=True)]
+            total += sum(proc.cpu_times()[:4])
         except psutil.Error:
-            continue  # ended meanwhile: its time is in its parent's children times
-        for proc in tree:
-            try:
-                total += sum(proc.cpu_times()[:4])
-            except psutil.Error:
-                continue
+            continue
     return total
 
 
@@ -115,22 +121,16 @@ def placement(pids: list[int]) -> dict:
     seen = idle = 0
     cores: set[int] = set()
     nices: set[int] = set()
-    for pid in pids:
+    for proc in process_trees(pids):
         try:
-            root = psutil.Process(pid)
-            tree = [root, *root.children(recursive=True)]
-        except psutil.Error:
+            policy = os.sched_getscheduler(proc.pid)
+            cores |= os.sched_getaffinity(proc.pid)
+        except OSError:
             continue
-        for proc in tree:
-            try:
-                policy = os.sched_getscheduler(proc.pid)
-                cores |= os.sched_getaffinity(proc.pid)
-            except OSError:
-                continue
-            seen += 1
-            idle += policy == os.SCHED_IDLE
-            with contextlib.suppress(OSError, ValueError, IndexError):  # no autogroups here
-                nices.add(int(Path(f"/proc/{proc.pid}/autogroup").read_text().split()[-1]))
+        seen += 1
+        idle += policy == os.SCHED_IDLE
+        with contextlib.suppress(OSError, ValueError, IndexError):  # no autogroups here
+            nices.add(int(Path(f"/proc/{proc.pid}/autogroup").read_text().split()[-1]))
     out = {"processes": seen, "sched_idle": idle, "cores": sorted(cores)}
     return out | {"autogroup_nice": sorted(nices)}
 
