@@ -102,7 +102,8 @@ class PolicyFollower:
     async def prepare(self, host: EchoHost, job: m.JobInfo) -> WeightSync:
         """Open the job's chunk store, serve it to peers and reach the job's learner.
 
-        :raises NodeError: the learner cannot be reached.
+        A learner that cannot be reached now (restarting after a crash, or on a new address) is
+        looked up again by :meth:`sync_to`, which gives up only after :data:`SYNC_GIVE_UP_S`.
         """
         chunks = ChunkStore(
             self.cfg.data_dir / "chunks" / job.job_id, keep_versions=job.staleness + 2
@@ -118,7 +119,10 @@ class PolicyFollower:
         )
         await sync.add_source_addrs(job.learner_addrs)
         if not sync.sources:
-            raise NodeError("cannot reach the job's learner to fetch weights")
+            self.display.say(
+                "[yellow]the job's learner cannot be reached yet[/yellow] (restarting?); "
+                "asking the coordinator for its address again"
+            )
         self.sync = sync
         return sync
 
@@ -225,6 +229,7 @@ class PolicyFollower:
         and reported to the coordinator.
 
         :raises NodeError: no sync succeeded for :data:`SYNC_GIVE_UP_S`.
+        :raises JobGone: the job ended meanwhile (the coordinator no longer lists it).
         """
         sync = self.sync
         assert sync is not None

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import trio
 
 from echo.node.display import Display
-from echo.node.errors import NodeError
+from echo.node.errors import JobGone, NodeError
 from echo.node.pacing import Pacer
 from echo.node.punching import Punches
 from echo.node.relay_slots import VolunteerRelays
@@ -42,6 +42,8 @@ RPC_TIMEOUT_S = 30.0
 # An idle node registers again this often to learn of work: 10 a minute, inside the
 # coordinator's default budget of 12 registrations per peer and minute.
 IDLE_POLL_S = 6.0
+# ... and this often while a job is starting (its learner publishing version 0).
+STARTING_POLL_S = 1.5
 # A registration that fails once the node has been registered (the coordinator restarting) is
 # retried, with a pause that doubles up to this.
 MAX_RETRY_S = 60.0
@@ -185,15 +187,21 @@ class CoordinatorSession:
                     f"v{job.current_version}"
                 )
                 return job
-            reason = reply.message if not reply.assigned_job else "the job is starting"
+            reason = reply.message if not reply.assigned_job else m.JOB_STARTING
             if reason != shown:
                 self.display.idle(reason or "no job for this node yet")
                 shown = reason
-            await trio.sleep(IDLE_POLL_S)
+            # A job whose first version is moments away: asked again sooner (the pacer keeps
+            # the registrations inside the coordinator's budget).
+            await trio.sleep(STARTING_POLL_S if reason == m.JOB_STARTING else IDLE_POLL_S)
 
     async def learner_addrs(self, job_id: str) -> list[str] | None:
         """The current addresses of ``job_id``'s learner, by registering again (a restarted
-        learner may listen elsewhere); None when the call fails or the job is not listed."""
+        learner may listen elsewhere; the pacer keeps these inside the registration budget);
+        None when the call fails.
+
+        :raises JobGone: the coordinator no longer lists ``job_id``.
+        """
         try:
             reply = await self.register()
         except (RpcError, ProtocolError):
@@ -201,7 +209,7 @@ class CoordinatorSession:
         for job in reply.jobs:
             if job.job_id == job_id:
                 return job.learner_addrs
-        return None
+        raise JobGone(job_id)
 
     async def _ask_reachability(self) -> DialBackReply | None:
         """The coordinator's dial-back verdict on this node; None if it never answered."""

@@ -41,7 +41,7 @@ from echo.node.config import NodeConfig
 from echo.node.display import Display
 from echo.node.engine_slot import EngineSlot
 from echo.node.engines.base import Completion, GenRequest, SamplingParams
-from echo.node.errors import NodeError
+from echo.node.errors import JobGone, NodeError
 from echo.node.policy import PolicyFollower
 from echo.node.probe import probe
 from echo.node.relay_slots import VolunteerRelays
@@ -260,7 +260,10 @@ class Node:
         async with trio.open_nursery() as nursery:
             assert self.engine_slot.engine is not None
             await self.policy.start(nursery, self.engine_slot.engine)
-            await self._lease_loop(job, vocab, sync, shared)
+            try:
+                await self._lease_loop(job, vocab, sync, shared)
+            except JobGone:  # it ended while we looked for its restarted learner
+                self.say(f"job {job.job_id} is no longer running; looking for the next job")
             nursery.cancel_scope.cancel()
 
     async def _lease_loop(

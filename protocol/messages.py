@@ -122,6 +122,11 @@ class JobInfo(Record):
     current_version: int = Field(ge=-1)
 
 
+# RegisterReply.message when a job runs but has not published version 0 yet, or the node is
+# placed on a job that is not listed yet: the node asks again sooner than when idle.
+JOB_STARTING = "a job is starting"
+
+
 class RegisterReply(Record):
     """The running jobs, and (protocol 6) the one the coordinator's scheduler placed the node
     on: ``assigned_job`` is one of ``jobs``' ids, or "" when the node has nothing to do (no job

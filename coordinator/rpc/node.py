@@ -139,10 +139,12 @@ class NodeRPC:
             self.guard.protect(peer_id)
         self.dissemination.relays.registered(node_id, reg.addrs, reg.upload_bps)
         log.info("node %s registered (%s, %.0f tok/s)", node_id[-8:], reg.engine, reg.tokens_per_s)
-        jobs = self._job_infos()
         # Registrations that need a scheduling pass share one (a churn of identities is not a
         # pass each).
         placed, why = await self.placement.place(node_id, reg) if self.placement else ("", "")
+        # Listed after the pass: a job that published version 0 while this registration waited
+        # for it is the job the pass placed the node on.
+        jobs = self._job_infos()
         placed = placed if placed in {j.job_id for j in jobs} else ""  # the job it serves
         # LoRA jobs on the base of the node's job: served too, with adapter switches.
         shared = self.placement.bases.siblings(placed, [j.job_id for j in jobs]) if placed else []

@@ -248,6 +248,14 @@ class Placement:
                 out[job_id] = job
         return out
 
+    def _starting(self) -> bool:
+        """Whether a job is submitted or runs whose learner has not published version 0 yet."""
+        rows = (self.store.job(job_id) for job_id in self.jobs)
+        return any(
+            r is not None and r.status in ("pending", "running") and r.current_version < 0
+            for r in rows
+        )
+
     def _forget(self, now: float) -> None:
         """Drop the nodes not heard from for :data:`FORGET_S` (see the module docstring)."""
         gone = [nid for nid, n in self.nodes.items() if n.seen < now - FORGET_S]
@@ -293,7 +301,7 @@ class Placement:
         if node.job is not None:
             return ""
         if not self._runnable():
-            return "no running job"
+            return m.JOB_STARTING if self._starting() else "no running job"
         if node_id in self.inputs.misfits:
             return f"no running job fits this node: {self.inputs.misfits[node_id]}"
         return "standby: the running jobs have the throughput they need"

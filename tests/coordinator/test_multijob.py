@@ -10,7 +10,8 @@ from pathlib import Path
 from echo.coordinator.api.app import job_status
 from echo.coordinator.scheduling.assign import SchedulerParams
 from echo.p2p.chunkstore import ChunkStore, prune_job_stores
-from tests.conftest import run_with_coordinator
+from echo.protocol import messages as m
+from tests.conftest import run_with_coordinator, submit_job
 from tests.coordinator.test_coordinator import start_job
 
 
@@ -50,6 +51,11 @@ def test_nodes_are_spread_over_jobs_moved_and_replaced_when_a_job_ends(tmp_path)
         coord.store.set_job_status(job_b, "done")
         reply = await on_b.register()
         assert reply.assigned_job == "" and reply.message == "no running job"
+        # A job whose learner has not published version 0 yet: the node is told one is
+        # starting (it asks again sooner than when nothing runs).
+        submit_job(coord)
+        reply = await on_b.register()
+        assert reply.assigned_job == "" and reply.message == m.JOB_STARTING
 
     run_with_coordinator(tmp_path, body)
 

@@ -6,8 +6,10 @@ import trio
 import trio.testing
 
 from echo.coordinator.config import AdmissionSection
-from echo.node.pacing import CALL_BURST, CALLS_PER_S, Pacer
+from echo.coordinator.rpc.budgets import node_limits
+from echo.node.pacing import CALL_BURST, CALLS_PER_S, REGISTERS_PER_S, Pacer
 from echo.p2p.budget import Bucket, Limit
+from echo.protocol import ids
 
 
 def test_the_pace_is_under_the_coordinators_default_budget() -> None:
@@ -35,5 +37,24 @@ def test_a_burst_goes_at_once_then_calls_are_spaced() -> None:
         assert expected - 0.01 <= elapsed <= expected + 0.1, elapsed
         # Another RPC has its own bucket: its first call does not wait.
         assert await pacer.wait("lease") == 0.0
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_registrations_keep_under_the_coordinators_registration_budget() -> None:
+    """A node looking for a restarted learner registers again and again: the pacer spaces the
+    calls so that a coordinator's default registration bucket admits each of them."""
+
+    async def main() -> None:
+        pacer = Pacer()
+        limit = node_limits(AdmissionSection())[ids.PROTO_REGISTER]
+        server = Bucket(limit, trio.current_time())
+        start = trio.current_time()
+        for _ in range(10):
+            await pacer.wait(ids.PROTO_REGISTER)
+            assert server.can(trio.current_time(), 1, 0)
+            server.take(1, 0)
+        # The burst went at once, the other seven at the pacer's rate.
+        assert trio.current_time() - start >= 7 / REGISTERS_PER_S - 0.01
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
