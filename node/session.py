@@ -42,8 +42,6 @@ RPC_TIMEOUT_S = 30.0
 # An idle node registers again this often to learn of work: 10 a minute, inside the
 # coordinator's default budget of 12 registrations per peer and minute.
 IDLE_POLL_S = 6.0
-# ... and this often while a job is starting (its learner publishing version 0).
-STARTING_POLL_S = 1.5
 # A registration that fails once the node has been registered (the coordinator restarting) is
 # retried, with a pause that doubles up to this.
 MAX_RETRY_S = 60.0
@@ -191,9 +189,7 @@ class CoordinatorSession:
             if reason != shown:
                 self.display.idle(reason or "no job for this node yet")
                 shown = reason
-            # A job whose first version is moments away: asked again sooner (the pacer keeps
-            # the registrations inside the coordinator's budget).
-            await trio.sleep(STARTING_POLL_S if reason == m.JOB_STARTING else IDLE_POLL_S)
+            await trio.sleep(IDLE_POLL_S)
 
     async def learner_addrs(self, job_id: str) -> list[str] | None:
         """The current addresses of ``job_id``'s learner, by registering again (a restarted

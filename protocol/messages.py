@@ -122,8 +122,8 @@ class JobInfo(Record):
     current_version: int = Field(ge=-1)
 
 
-# RegisterReply.message when a job runs but has not published version 0 yet, or the node is
-# placed on a job that is not listed yet: the node asks again sooner than when idle.
+# RegisterReply.message when a job is submitted or runs but has not published version 0 yet
+# (its learner is loading the model), or the node is placed on a job that is not listed yet.
 JOB_STARTING = "a job is starting"
 
 
