@@ -56,17 +56,6 @@ BROADCAST_WAIT_S = 30.0
 # 4 MiB, under 10 s on a 4 Mb/s home downlink; the relay's own stall watchdog and its pulls
 # from other holders can take longer than that again when those holders sit behind NAT.
 BROADCAST_STALL_S = 10.0
-# A push that has not brought its first chunk is given up sooner than a stalled one where this
-# node's earlier pushes show what to expect: FIRST_CHUNK_FACTOR times the longest wait for an
-# earlier push's first chunk (at least FIRST_CHUNK_MIN_S), or FIRST_CHUNK_MIN_S when earlier
-# plans' pushes never reached it (behind NAT with no punched path to its parent). Without such
-# history (the job's first versions) the node waits BROADCAST_STALL_S: every node pulling its
-# first version from the learner is what the relay tree is there to avoid. In the NAT swarm,
-# nodes behind NAT waited 10 s for each lost push while the tiny job moved on 20 versions.
-FIRST_CHUNK_MIN_S = 2.0
-FIRST_CHUNK_FACTOR = 3.0
-# ... judged from at least this many earlier plans of the job.
-FIRST_CHUNK_HISTORY = 2
 # How often a node waiting for a version's push checks whether a newer one completed first:
 # a fraction of the fastest version period (about half a second in the tiny demo).
 OVERTAKEN_POLL_S = 0.1
@@ -106,7 +95,6 @@ class PolicyFollower:
         self.relay: Relay | None = None
         self._nursery: trio.Nursery | None = None  # start()'s: the heartbeat joins it
         self._punched_said: set[int] = set()  # versions whose punched-path chunks were told
-        self.joined_version = -1  # the job's version when prepare() joined it
         self._bad_peers_in, self._bad_peers_out = trio.open_memory_channel[b.BadPeerReport](
             BAD_PEER_QUEUE
         )
@@ -136,9 +124,6 @@ class PolicyFollower:
                 "asking the coordinator for its address again"
             )
         self.sync = sync
-        # Versions published before we served the job were pushed (if at all) before our relay
-        # could take them: waiting for those pushes is waiting for nothing.
-        self.joined_version = job.current_version
         return sync
 
     async def start(self, nursery: trio.Nursery, engine: Engine) -> None:
@@ -218,12 +203,9 @@ class PolicyFollower:
                 await sub.aclose()
 
     async def _await_broadcast(self, job_id: str, target: int) -> None:
-        """Let the relay bring ``target`` into the store if a plan covers us (bounded). A
-        version published before we joined the job is pulled at once: the plan that gossip
-        replays when we subscribe names us, but its push was tried (and failed) before our
-        relay listened, and every node of the NAT swarm waited 10 s for it."""
+        """Let the relay bring ``target`` into the store if a plan covers us (bounded)."""
         relay = self.relay
-        if relay is None or target <= self.joined_version:
+        if relay is None:
             return
         t = relay.transfer(job_id, target)
         if t is None:
@@ -232,12 +214,9 @@ class PolicyFollower:
                     await trio.sleep(0.02)
         if t is None:
             return
-        first_chunk_s = first_chunk_wait(relay.transfers, t)
         with trio.move_on_after(BROADCAST_WAIT_S):
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(
-                    until_overtaken, relay.transfers, t, nursery.cancel_scope, first_chunk_s
-                )
+                nursery.start_soon(until_overtaken, relay.transfers, t, nursery.cancel_scope)
                 await self.display.relay_progress(t, target)
                 nursery.cancel_scope.cancel()
 
@@ -381,38 +360,17 @@ class PolicyFollower:
         return await self.relay.wait_forwarded(self.sync.job.job_id, version, timeout)
 
 
-def first_chunk_wait(transfers: Mapping[tuple[str, int], Transfer], t: Transfer) -> float:
-    """How long ``t``'s push may take to bring its first chunk, from the earlier plans of its
-    job that this node's relay took part in (see :data:`FIRST_CHUNK_FACTOR`)."""
-    job = t.job_id
-    earlier = [o for o in list(transfers.values()) if o.job_id == job and o.version < t.version]
-    if len(earlier) < FIRST_CHUNK_HISTORY:
-        return BROADCAST_STALL_S
-    starts = [o.arrived_at[0] - o.created for o in earlier if o.arrived_at]
-    wait = FIRST_CHUNK_FACTOR * max(starts, default=0.0)
-    return min(BROADCAST_STALL_S, max(FIRST_CHUNK_MIN_S, wait))
-
-
 async def until_overtaken(
-    transfers: Mapping[tuple[str, int], Transfer],
-    t: Transfer,
-    scope: trio.CancelScope,
-    first_chunk_s: float | None = None,
+    transfers: Mapping[tuple[str, int], Transfer], t: Transfer, scope: trio.CancelScope
 ) -> None:
     """Cancel ``scope`` once ``t`` is not worth waiting for: a newer version of its job
-    completed here first, no chunk of ``t`` arrived for :data:`BROADCAST_STALL_S`, or its
-    first chunk not within ``first_chunk_s`` (default :data:`BROADCAST_STALL_S`; see
-    :func:`first_chunk_wait`). Its push was lost (a parent gone, a path that never came up)
-    and waiting out :data:`BROADCAST_WAIT_S` would cost a whole short job (tests/test_nat_swarm:
-    a node behind NAT held v1 while v3..v30 arrived and missed the run waiting for v2; another
-    waited 37 s for v0 and served nothing). The caller then fetches ``t``'s version from the
-    learner and patches on from there."""
-    first_chunk_s = BROADCAST_STALL_S if first_chunk_s is None else first_chunk_s
+    completed here first, or no chunk of ``t`` arrived for :data:`BROADCAST_STALL_S`. Its push
+    was lost (a parent gone, a path that never came up) and waiting out
+    :data:`BROADCAST_WAIT_S` would cost a whole short job (tests/test_nat_swarm: a node behind
+    NAT held v1 while v3..v30 arrived and missed the run waiting for v2; another waited 37 s
+    for v0 and served nothing). The caller then fetches ``t``'s version from the learner and
+    patches on from there."""
     while not t.done.is_set():
-        if not t.arrived_at and time.monotonic() - t.created > first_chunk_s:
-            log.info("v%d: no push began in %.1f s: fetching it", t.version, first_chunk_s)
-            scope.cancel()
-            return
         last = t.arrived_at[-1] if t.arrived_at else t.created
         if time.monotonic() - last > BROADCAST_STALL_S:
             log.info("v%d: no chunk pushed for %.0f s: fetching it", t.version, BROADCAST_STALL_S)

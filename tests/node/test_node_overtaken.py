@@ -7,12 +7,7 @@ from __future__ import annotations
 
 import trio
 
-from echo.node.policy import (
-    BROADCAST_STALL_S,
-    FIRST_CHUNK_MIN_S,
-    first_chunk_wait,
-    until_overtaken,
-)
+from echo.node.policy import until_overtaken
 from echo.p2p.relay.transfer import Transfer
 from echo.protocol import messages as m
 
@@ -68,38 +63,3 @@ def test_a_push_that_stalls_is_given_up(monkeypatch) -> None:
         assert scope.cancelled_caught
 
     trio.run(body)
-
-
-def test_a_push_that_never_began_is_given_up_after_the_first_chunk_wait() -> None:
-    async def body() -> None:
-        waiting = _transfer("a", 3)
-        with trio.fail_after(2):
-            with trio.CancelScope() as scope:
-                await until_overtaken({("a", 3): waiting}, waiting, scope, first_chunk_s=0.2)
-                await trio.sleep_forever()
-        assert scope.cancelled_caught
-
-    trio.run(body)
-
-
-def test_the_first_chunk_wait_follows_what_earlier_pushes_took() -> None:
-    def with_first_chunk_after(version: int, delay: float | None) -> Transfer:
-        t = _transfer("a", version)
-        if delay is not None:
-            t.arrived_at.append(t.created + delay)
-        return t
-
-    waiting = _transfer("a", 5)
-    # The job's first versions: no history, the stall bound.
-    assert first_chunk_wait({("a", 5): waiting}, waiting) == BROADCAST_STALL_S
-    early = {("a", v): with_first_chunk_after(v, None) for v in (1, 2)}
-    # Earlier plans whose pushes never reached this node: the least wait.
-    assert first_chunk_wait({**early, ("a", 5): waiting}, waiting) == FIRST_CHUNK_MIN_S
-    # Pushes that began 1.5 s after their plan: three times that.
-    slow = {("a", v): with_first_chunk_after(v, 1.5) for v in (1, 2)}
-    assert first_chunk_wait({**slow, ("a", 5): waiting}, waiting) == 3 * 1.5
-    # ... never more than the stall bound; another job's history counts for nothing.
-    slower = {("a", v): with_first_chunk_after(v, 60.0) for v in (1, 2)}
-    assert first_chunk_wait({**slower, ("a", 5): waiting}, waiting) == BROADCAST_STALL_S
-    other = {("b", v): _transfer("b", v) for v in (1, 2)}
-    assert first_chunk_wait({**other, ("a", 5): waiting}, waiting) == BROADCAST_STALL_S
