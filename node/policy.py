@@ -95,6 +95,7 @@ class PolicyFollower:
         self.relay: Relay | None = None
         self._nursery: trio.Nursery | None = None  # start()'s: the heartbeat joins it
         self._punched_said: set[int] = set()  # versions whose punched-path chunks were told
+        self.joined_version = -1  # the job's version when prepare() joined it
         self._bad_peers_in, self._bad_peers_out = trio.open_memory_channel[b.BadPeerReport](
             BAD_PEER_QUEUE
         )
@@ -124,6 +125,9 @@ class PolicyFollower:
                 "asking the coordinator for its address again"
             )
         self.sync = sync
+        # Versions published before we served the job were pushed (if at all) before our relay
+        # could take them: waiting for those pushes is waiting for nothing.
+        self.joined_version = job.current_version
         return sync
 
     async def start(self, nursery: trio.Nursery, engine: Engine) -> None:
@@ -203,9 +207,12 @@ class PolicyFollower:
                 await sub.aclose()
 
     async def _await_broadcast(self, job_id: str, target: int) -> None:
-        """Let the relay bring ``target`` into the store if a plan covers us (bounded)."""
+        """Let the relay bring ``target`` into the store if a plan covers us (bounded). A
+        version published before we joined the job is pulled at once: the plan that gossip
+        replays when we subscribe names us, but its push was tried (and failed) before our
+        relay listened, and every node of the NAT swarm waited BROADCAST_STALL_S for v0."""
         relay = self.relay
-        if relay is None:
+        if relay is None or target <= self.joined_version:
             return
         t = relay.transfer(job_id, target)
         if t is None:

@@ -71,6 +71,10 @@ def recipe_summary(run: SwarmTool) -> dict:
     return s
 
 
+# Two whole recipe runs (140 s here): a soak run (`pytest -m soak`). CI keeps the step-for-step
+# equality of two ranks and one (tests/learner/test_learner_fsdp.py) and FSDP2 through a swarm
+# with a killed rank (below).
+@pytest.mark.soak
 def test_fsdp2_learns_the_tiny_recipe_like_the_single_learner(tmp_path: Path) -> None:
     # Both swarms at once: each run is mostly waits on 2 cores, so together they end in about
     # 1.5 runs' time rather than two.
