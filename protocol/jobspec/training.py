@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 class GRPOParams(BaseModel):
     """GRPO's hyper-parameters, the ``[job.grpo]`` table: defined once, here, and read by the
-    learner as they are (``echo.learner.grpo``, whose docstring gives the objective)."""
+    learner as they are (``echo.learner.algorithm.grpo``, whose docstring gives the objective)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     # 7e-4, not 1e-3: one version of staleness makes a converged policy's answers swing (late
