@@ -122,7 +122,7 @@ class UniformSampler:
     model: the engine's ``generate`` for an untrained tiny model, at the cost of one prefill."""
 
     def __init__(self, model: torch.nn.Module, temperature: float) -> None:
-        from echo.learner.grpo import GRPOLearner
+        from echo.learner.algorithm.grpo import GRPOLearner
 
         self.scorer = GRPOLearner(model, temperature=temperature)
         self.vocab = model.config.vocab_size
@@ -130,7 +130,7 @@ class UniformSampler:
     def generate(self, reqs: list) -> list:
         from types import SimpleNamespace
 
-        from echo.learner.grpo import TrainGroup
+        from echo.learner.algorithm.grpo import TrainGroup
 
         out = []
         for r in reqs:

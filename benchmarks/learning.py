@@ -131,7 +131,7 @@ def run_sync(
     kept = json.loads(out.read_text()) if out.exists() else None
     if kept is not None and "eval_curve" in kept:  # runs made before the curve was kept: again
         return kept
-    from echo.learner.grpo import GRPOConfig
+    from echo.learner.algorithm.grpo import GRPOConfig
     from echo.models.spec import ModelSpec
     from echo.tools.grpo_local import LocalConfig, run
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from echo.learner.grpo import TrainGroup
+from echo.learner.algorithm.grpo import TrainGroup
 from echo.learner.lora import AdapterPublisher, LoraTrainer, adapter_ref
 from echo.learner.publish import Publisher
 from echo.learner.trainer import Trainer

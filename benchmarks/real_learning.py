@@ -53,7 +53,7 @@ except ModuleNotFoundError:  # run as a script: benchmarks/ is sys.path[0]
     import word_problems
     from learning import INTERVAL, check_recipe, ratio_interval
 
-from echo.learner.objective import OBJECTIVES
+from echo.learner.algorithm.objective import OBJECTIVES
 from echo.tools.bench import emit, parse_args, say
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -172,7 +172,7 @@ def run_sync(recipe: dict[str, Any], seed: int, out: Path, threads: int = 2) -> 
     torch threads."""
     if (k := kept(out)) is not None:
         return k
-    from echo.learner.grpo import GRPOConfig
+    from echo.learner.algorithm.grpo import GRPOConfig
     from echo.tools.grpo_local import LocalConfig, run
 
     t0 = time.perf_counter()
@@ -455,7 +455,7 @@ def main() -> None:
                              "reaches the bound S (default: the coordinator's default buffer "
                              "of 2 batches, what a job gets)")
         ap.add_argument("--objective", default="ppo", choices=OBJECTIVES,
-                        help="the learner's per-token objective (echo.learner.objective)")
+                        help="the learner's per-token objective (echo.learner.algorithm.objective)")
         ap.add_argument("--out", type=Path, default=None,
                         help="folder for the runs; an existing one is gone on from "
                              "(default: runs/real-learning/<date-time>)")

@@ -106,7 +106,7 @@ def prompts_for(spec: ModelSpec, n: int, start: int = 0) -> tuple[Any, Any, list
 
 def bench_learner(spec: ModelSpec, quick: bool, threads: int) -> tuple[dict[str, Any], list]:
     """GRPO steps on SmolLM2; returns the figures and the published states v0..vN."""
-    from echo.learner.grpo import GRPOLearner
+    from echo.learner.algorithm.grpo import GRPOLearner
     from echo.learner.trainer import Trainer
     from echo.models.spec import build_model
     from echo.node.engines.torch_engine import TorchEngine

@@ -23,8 +23,8 @@ import time
 import numpy as np
 import torch
 
-from echo.learner.grpo import GRPOConfig, GRPOLearner, TrainGroup
-from echo.learner.rescore import Rescorer, token_stats
+from echo.learner.algorithm.grpo import GRPOConfig, GRPOLearner, TrainGroup
+from echo.learner.rescoring.rescore import Rescorer, token_stats
 from echo.models.device import resolve_device
 from echo.models.spec import ModelSpec, build_model, decode_completion, encode_prompt
 from echo.models.tokenizer import EOS_ID

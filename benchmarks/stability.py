@@ -35,7 +35,7 @@ import os
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from echo.learner.grpo import GRPOConfig
+from echo.learner.algorithm.grpo import GRPOConfig
 from echo.tools.bench import emit, parse_args, say
 from echo.tools.curves import DIP_DEPTH, EVAL_EVERY
 
@@ -55,7 +55,7 @@ KL_COEF = 0.2
 
 def run_one(seed: int, lag: int, steps: int, grpo: GRPOConfig) -> dict:
     """One grpo_local run at ``lag``; its per-step answer probabilities and evaluations."""
-    from echo.learner.grpo import GRPOLearner, TrainGroup
+    from echo.learner.algorithm.grpo import GRPOLearner, TrainGroup
     from echo.models.spec import ModelSpec, encode_prompt
     from echo.models.tokenizer import EOS_ID, encode
     from echo.tools.grpo_local import LocalConfig, run

@@ -27,11 +27,11 @@ import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from safetensors.torch import load_file, save_file
 
-from echo.learner import checkpoint
-from echo.learner.grpo import GRPOLearner
+from echo.learner.algorithm.grpo import GRPOLearner
+from echo.learner.checkpoints import checkpoint
+from echo.learner.exports.staging import staged_folder
 from echo.learner.publish import Publisher
-from echo.learner.rescore import Rescorer
-from echo.learner.staging import staged_folder
+from echo.learner.rescoring.rescore import Rescorer
 from echo.learner.trainer import Trainer
 from echo.models.lora import (
     LoraShape,

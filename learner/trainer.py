@@ -1,13 +1,13 @@
 """The learner's compute: a batch from the coordinator in, one GRPO version out.
 
-:class:`Trainer` owns the policy and its optimizer (:class:`~echo.learner.grpo.GRPOLearner`),
-the re-scorer with the weights of the versions a group may still claim, the task and its
-held-out evaluation. :meth:`Trainer.train` takes one batch through three stages, each in its
-own module: the wire records as GRPO groups (:func:`train_groups`: the coordinator verified and
-decoded them once, so nothing is unpacked here), the re-scoring gate (``echo.learner.rescore``),
-and the GRPO step (``echo.learner.grpo``, which refuses a token id outside the vocabulary). It
-does no I/O: the learner process (``echo.learner.service``) publishes, checkpoints and reports
-what it returns.
+:class:`Trainer` owns the policy and its optimizer
+(:class:`~echo.learner.algorithm.grpo.GRPOLearner`), the re-scorer with the weights of the versions
+a group may still claim, the task and its held-out evaluation. :meth:`Trainer.train` takes one batch
+through three stages, each in its own module: the wire records as GRPO groups (:func:`train_groups`:
+the coordinator verified and decoded them once, so nothing is unpacked here), the re-scoring gate
+(``echo.learner.rescoring.rescore``), and the GRPO step (``echo.learner.algorithm.grpo``, which
+refuses a token id outside the vocabulary). It does no I/O: the learner process
+(``echo.learner.service``) publishes, checkpoints and reports what it returns.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from echo.learner import checkpoint
+from echo.learner.algorithm.grpo import GRPOLearner, TrainGroup
+from echo.learner.checkpoints import checkpoint
 from echo.learner.evaluate import greedy_accuracy
-from echo.learner.grpo import GRPOLearner, TrainGroup
-from echo.learner.rescore import Rescorer, Verdict, token_stats
+from echo.learner.rescoring.rescore import Rescorer, Verdict, token_stats
 from echo.learner.warmup import warmup
 from echo.models.spec import ModelSpec, build_model, load_tokenizer
 from echo.models.weights import export_state

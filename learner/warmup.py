@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from echo.learner.grpo import pad_id_of
+from echo.learner.algorithm.grpo import pad_id_of
 from echo.models.spec import ModelSpec, encode_prompt, eos_token_id, load_tokenizer
 from echo.models.tokenizer import encode as byte_encode
 from echo.models.weights import (

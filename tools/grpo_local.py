@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
+from echo.learner.algorithm.grpo import GRPOConfig, GRPOLearner, TrainGroup
+from echo.learner.algorithm.objective import OBJECTIVES
 from echo.learner.evaluate import greedy_accuracy
-from echo.learner.grpo import GRPOConfig, GRPOLearner, TrainGroup
-from echo.learner.objective import OBJECTIVES
 from echo.learner.warmup import warmup
 from echo.models.device import resolve_device
 from echo.models.prompts import PromptRenderer

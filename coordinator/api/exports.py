@@ -1,12 +1,12 @@
 """Model exports the HTTP API serves: a published version as a Hugging Face folder.
 
 :class:`Exports` owns ``<job dir>/exports/v<version>``: it writes a version's folder once, with
-:func:`echo.learner.export.export_version` (from the local learner's checkpoint, checked against
-the state digest recorded when the version was published), and lists its files with their sizes
-and sha256 so ``echo-job export`` can download and check each one. A LoRA job's version exports
-as a peft adapter folder, or ``merged`` into its base as a plain Hugging Face folder
-(``v<version>-merged``, :func:`echo.learner.lora_merge.export_merged`). Writing runs in a worker
-thread: a large model takes minutes and the API keeps answering meanwhile.
+:func:`echo.learner.exports.export.export_version` (from the local learner's checkpoint, checked
+against the state digest recorded when the version was published), and lists its files with their
+sizes and sha256 so ``echo-job export`` can download and check each one. A LoRA job's version
+exports as a peft adapter folder, or ``merged`` into its base as a plain Hugging Face folder
+(``v<version>-merged``, :func:`echo.learner.exports.lora_merge.export_merged`). Writing runs in a
+worker thread: a large model takes minutes and the API keeps answering meanwhile.
 """
 
 from __future__ import annotations
@@ -94,13 +94,13 @@ class Exports:
         # Imported here: torch and transformers load only when a researcher exports.
         import shutil
 
-        from echo.learner.export import ExportError, export_version, file_list
+        from echo.learner.exports.export import ExportError, export_version, file_list
 
         shutil.rmtree(folder, ignore_errors=True)  # a folder without listing is incomplete
         folder.parent.mkdir(parents=True, exist_ok=True)
         try:
             if merged:
-                from echo.learner.lora_merge import export_merged
+                from echo.learner.exports.lora_merge import export_merged
 
                 export_merged(job_dir, spec, version, digest, folder)
             else:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
-from echo.learner.grpo import shares
+from echo.learner.algorithm.grpo import shares
 
 # Followers wait on the command group while rank 0 waits for rollouts, which may take long on
 # a quiet swarm; a rank that dies is noticed by torchrun (it ends the others), not by this.
@@ -141,7 +141,7 @@ def shard_model(
     """``model`` sharded in place over the default process group: ``fully_shard`` per decoder
     layer (each is gathered only while it computes), then the root (embeddings, final norm and
     LM head). Gradients are summed, not averaged, across ranks: the step divides its loss by
-    the token count of the whole batch (see :class:`~echo.learner.grpo.GRPOLearner`). With
+    the token count of the whole batch (see :class:`~echo.learner.algorithm.grpo.GRPOLearner`). With
     ``checkpoint_layers`` each layer recomputes its activations in the backward
     (:func:`recompute_in_backward`; FSDP gathers the layer's weights again for it)."""
     kw = {"mp_policy": policy} if policy is not None else {}
@@ -206,6 +206,6 @@ def all_sum(d: Dist, values: torch.Tensor) -> torch.Tensor:
 
 def share(n: int, rank: int, world: int) -> range:
     """The indices of ``n`` items (groups) that ``rank`` of ``world`` takes: contiguous, sizes
-    differing by at most one, the larger shares first (:func:`~echo.learner.grpo.shares`, the
-    split a single learner's step with ``parts = world`` computes in)."""
+    differing by at most one, the larger shares first (:func:`~echo.learner.algorithm.grpo.shares`,
+    the split a single learner's step with ``parts = world`` computes in)."""
     return shares(n, world)[rank]

@@ -12,8 +12,8 @@ and adapter tensors alike are sharded, only the adapter's have gradients and Ada
   LoRA learner publishes, so :class:`~echo.learner.lora.AdapterPublisher` builds the same signed
   adapter manifests from it.
 - Checkpoints: DCP, the adapter and its optimizer state only
-  (:data:`~echo.learner.dcp_checkpoint.ADAPTER_ONLY`), under the names the single LoRA learner's
-  checkpoints use, so either learner resumes from the other's, with any number of ranks.
+  (:data:`~echo.learner.checkpoints.dcp_checkpoint.ADAPTER_ONLY`), under the names the single LoRA
+  learner's checkpoints use, so either learner resumes from the other's, with any number of ranks.
 - Re-scoring: the re-scorer's base+adapter model is sharded too; rank 0 broadcasts a
   remembered version's adapter into it (:class:`ShardedLoraRescorer`).
 """
@@ -33,7 +33,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from echo.learner import checkpoint, dcp_checkpoint
+from echo.learner.algorithm.grpo import GRPOLearner
+from echo.learner.checkpoints import checkpoint, dcp_checkpoint
 from echo.learner.fsdp import distributed
 from echo.learner.fsdp.distributed import Dist
 from echo.learner.fsdp.trainer import (
@@ -43,7 +44,6 @@ from echo.learner.fsdp.trainer import (
     shard_and_resume,
     single_checkpoint,
 )
-from echo.learner.grpo import GRPOLearner
 from echo.learner.lora import (
     BASE_FILE,
     AdapterInitError,
@@ -54,7 +54,7 @@ from echo.learner.lora import (
     shape_of,
 )
 from echo.learner.publish import Publisher
-from echo.learner.rescore import Rescorer
+from echo.learner.rescoring.rescore import Rescorer
 from echo.models.lora import (
     LoraShape,
     base_state,

@@ -8,7 +8,7 @@ the one the single learner makes on the whole batch. Re-scoring is sharded alike
 (:class:`ShardedRescorer`: the re-scorer's model is sharded too, each rank scores its share of
 every version's groups, and the verdicts are gathered before the step). Rank 0 alone holds the
 published states (gathered whole, on the CPU, with ``get_model_state_dict``); checkpoints are
-``torch.distributed.checkpoint`` (:mod:`~echo.learner.dcp_checkpoint`).
+``torch.distributed.checkpoint`` (:mod:`~echo.learner.checkpoints.dcp_checkpoint`).
 
 Every method that computes is a collective: all ranks call it in the same order, which
 :mod:`~echo.learner.fsdp.ranks` arranges (rank 0 announces each call to the others).
@@ -31,12 +31,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from echo.learner import checkpoint, dcp_checkpoint
-from echo.learner.checkpoint_files import version_dir
+from echo.learner.algorithm.grpo import Across, GRPOLearner, TrainGroup, pad_batch
+from echo.learner.checkpoints import checkpoint, dcp_checkpoint
+from echo.learner.checkpoints.checkpoint_files import version_dir
 from echo.learner.fsdp import distributed
 from echo.learner.fsdp.distributed import Dist
-from echo.learner.grpo import Across, GRPOLearner, TrainGroup, pad_batch
-from echo.learner.rescore import Rescorer, Verdict
+from echo.learner.rescoring.rescore import Rescorer, Verdict
 from echo.learner.trainer import Trainer
 from echo.learner.warmup import warmup
 from echo.models.spec import ModelSpec, build_model, load_tokenizer

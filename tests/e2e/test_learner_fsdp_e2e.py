@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from echo.learner import checkpoint
+from echo.learner.checkpoints import checkpoint
 from echo.models.spec import ModelSpec, build_model
 from echo.models.weights import export_state, state_digest, state_from_bytes, to_bits
 from echo.protocol.jobspec import JobSpec

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from echo.learner.grpo import GRPOConfig, GRPOLearner, TrainGroup, group_advantages
+from echo.learner.algorithm.grpo import GRPOConfig, GRPOLearner, TrainGroup, group_advantages
 from echo.learner.warmup import warmup
 from echo.models.spec import ModelSpec, build_model
 from echo.models.tokenizer import EOS_ID, encode
@@ -193,7 +193,7 @@ def test_skip_uniform_trains_on_groups_with_signal(tmp_path: Path, monkeypatch) 
     """Dynamic sampling in the local loop: a batch holds only groups whose rewards differ,
     drawn over as many rounds of prompts as that takes (MAX_DRAWS at most), and the run says how
     many groups it sampled."""
-    from echo.learner.grpo import GRPOLearner
+    from echo.learner.algorithm.grpo import GRPOLearner
     from echo.tools.grpo_local import MAX_DRAWS, LocalConfig, run
 
     batches: list[list[list[float]]] = []

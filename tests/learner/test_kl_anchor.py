@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from echo.learner import checkpoint
-from echo.learner.grpo import GRPOConfig, GRPOLearner, TrainGroup
+from echo.learner.algorithm.grpo import GRPOConfig, GRPOLearner, TrainGroup
+from echo.learner.checkpoints import checkpoint
 from echo.learner.trainer import Trainer
 from echo.models.spec import ModelSpec, build_model
 from echo.models.tokenizer import EOS_ID, encode

@@ -15,14 +15,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from typer.testing import CliRunner
 
 from echo.coordinator.api.job_cli import app as job_cli
-from echo.learner.export import (
+from echo.learner.exports.export import (
     ExportError,
     export_version,
     read_back,
     write_weights,
 )
+from echo.learner.exports.staging import staged_folder
 from echo.learner.service import Learner
-from echo.learner.staging import staged_folder
 from echo.models.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB_SIZE, byte_tokenizer
 from echo.models.weights import to_bits
 from echo.p2p.identity import Identity

@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from echo.learner import checkpoint
+from echo.learner.checkpoints import checkpoint
 from echo.learner.lora import BASE_FILE, AdapterPublisher, LoraTrainer, adapter_ref
 from echo.models.spec import ModelSpec, encode_prompt
 from echo.models.weights import state_digest

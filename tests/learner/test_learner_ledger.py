@@ -18,7 +18,7 @@ import torch
 
 from echo.coordinator.store import Store
 from echo.coordinator.store.rows import LeaseRow
-from echo.learner import checkpoint
+from echo.learner.checkpoints import checkpoint
 from echo.learner.service import LedgerAhead, resume_action
 from tests.conftest import STORED_GROUP, store_with_anchor
 

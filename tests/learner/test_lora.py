@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from echo.learner import checkpoint
-from echo.learner.grpo import TrainGroup
+from echo.learner.algorithm.grpo import TrainGroup
+from echo.learner.checkpoints import checkpoint
 from echo.learner.lora import (
     AdapterInitError,
     AdapterPublisher,
@@ -18,7 +18,7 @@ from echo.learner.lora import (
     adapter_ref,
     write_peft_folder,
 )
-from echo.learner.rescore import MISMATCH_THRESHOLDS
+from echo.learner.rescoring.rescore import MISMATCH_THRESHOLDS
 from echo.models.lora import lora_digest
 from echo.models.spec import ModelSpec, encode_prompt
 from echo.models.weights import state_digest
@@ -265,7 +265,7 @@ def test_an_exported_adapter_loads_with_peft_and_computes_as_the_learner(tmp_pat
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    from echo.learner.export import ExportError, export_version
+    from echo.learner.exports.export import ExportError, export_version
     from echo.models.spec import build_model
     from echo.models.weights import load_state
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from echo.learner import checkpoint
-from echo.learner.export import ExportError
+from echo.learner.checkpoints import checkpoint
+from echo.learner.exports.export import ExportError
+from echo.learner.exports.lora_merge import export_merged
 from echo.learner.lora import LoraTrainer, adapter_ref
-from echo.learner.lora_merge import export_merged
 from echo.models.lora import lora_digest
 from echo.models.spec import encode_prompt
 from echo.node.engines.torch_engine import TorchEngine

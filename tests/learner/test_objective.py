@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from echo.learner.grpo import GRPOConfig, GRPOLearner
-from echo.learner.objective import token_surrogate
+from echo.learner.algorithm.grpo import GRPOConfig, GRPOLearner
+from echo.learner.algorithm.objective import token_surrogate
 from echo.models.spec import ModelSpec, build_model
 from echo.models.weights import export_state, state_digest
 from echo.protocol.jobspec import JobSpec

@@ -1,6 +1,6 @@
-"""The shared-prompt prefill (``echo.learner.prefill``) gives the log-probs of the whole-sequence
-forward the learner trains with, on every architecture the project loads, for ragged groups:
-prompts of different lengths, empty and one-token completions, groups of different sizes."""
+"""The shared-prompt prefill (``echo.learner.rescoring.prefill``) gives the log-probs of the
+whole-sequence forward the learner trains with, on every architecture the project loads, for ragged
+groups: prompts of different lengths, empty and one-token completions, groups of different sizes."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from echo.learner.grpo import GRPOLearner, TrainGroup
-from echo.learner.prefill import _whole_sequences, completion_logits
+from echo.learner.algorithm.grpo import GRPOLearner, TrainGroup
+from echo.learner.rescoring.prefill import _whole_sequences, completion_logits
 from echo.models.spec import ModelSpec, build_model
 from echo.models.tokenizer import EOS_ID, PAD_ID, VOCAB_SIZE
 from tests.arch_models import ARCHS, make_config, save_model_folder

@@ -7,8 +7,8 @@ import random
 
 import torch
 
-from echo.learner.grpo import GRPOConfig, GRPOLearner, TrainGroup
-from echo.learner.rescore import Rescorer, token_stats
+from echo.learner.algorithm.grpo import GRPOConfig, GRPOLearner, TrainGroup
+from echo.learner.rescoring.rescore import Rescorer, token_stats
 from echo.learner.warmup import warmup
 from echo.models.spec import ModelSpec, build_model, encode_prompt
 from echo.models.tokenizer import EOS_ID

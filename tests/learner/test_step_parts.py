@@ -1,6 +1,6 @@
 """A GRPO step computed in parts (``GRPOLearner.parts``, the arithmetic of that many FSDP2 ranks)
-and the float64 gradient clipping (``echo.learner.clip``): the same update as one part, and the
-same clipping as torch's. That the parts reproduce the ranks bit for bit is
+and the float64 gradient clipping (``echo.learner.algorithm.clip``): the same update as one part,
+and the same clipping as torch's. That the parts reproduce the ranks bit for bit is
 ``tests/learner/test_learner_fsdp.py``'s (under torchrun)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import copy
 import pytest
 import torch
 
-from echo.learner.clip import clip_gradients
-from echo.learner.grpo import Across, GRPOConfig, GRPOLearner, shares
+from echo.learner.algorithm.clip import clip_gradients
+from echo.learner.algorithm.grpo import Across, GRPOConfig, GRPOLearner, shares
 from echo.models.spec import ModelSpec, build_model
 from tests.learner.test_grpo import make_groups
 

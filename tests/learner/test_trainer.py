@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from echo.learner.algorithm.grpo import GRPOLearner
 from echo.learner.evaluate import EVAL_PROMPT_BASE, greedy_accuracy, greedy_completions
-from echo.learner.grpo import GRPOLearner
 from echo.learner.trainer import Trainer
 from echo.models.spec import ModelSpec, build_model, encode_prompt
 from echo.models.tokenizer import EOS_ID
@@ -62,7 +62,7 @@ def test_prescored_groups_skip_the_step_prefill_with_the_same_verdicts() -> None
     assert ra.trained == rb.trained == [g.rollout_id for g in batch]
     assert [(v.ok, v.reason) for v in ra.verdicts] == [(v.ok, v.reason) for v in rb.verdicts]
     # The figures agree up to float rounding. The re-scoring prefill's matrix products take
-    # their shapes from the batch (echo.learner.prefill), so a group's log-probs can round
+    # their shapes from the batch (echo.learner.rescoring.prefill), so a group's log-probs can round
     # differently with other batch-mates (measured: 2e-7 nats); the count test's limit, a sum
     # over the tokens below IMPROBABLE_P, moved more (0.0014 in 14). Both are far inside the
     # thresholds' margins.

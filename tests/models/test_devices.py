@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from echo.coordinator.config import CoordinatorConfig
-from echo.learner import checkpoint
-from echo.learner.grpo import GRPOLearner, TrainGroup
-from echo.learner.prefill import completion_logits
-from echo.learner.rescore import MISMATCH_THRESHOLDS
+from echo.learner.algorithm.grpo import GRPOLearner, TrainGroup
+from echo.learner.checkpoints import checkpoint
+from echo.learner.rescoring.prefill import completion_logits
+from echo.learner.rescoring.rescore import MISMATCH_THRESHOLDS
 from echo.learner.trainer import Trainer
 from echo.models.device import resolve_device
 from echo.models.spec import ModelSpec, build_model, decode_completion, encode_prompt

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from echo.learner.rescore import MISMATCH_THRESHOLDS
+from echo.learner.rescoring.rescore import MISMATCH_THRESHOLDS
 from echo.models.spec import ModelSpec, build_model
 from echo.models.weights import export_state, state_digest
 from echo.node.engines.base import GenRequest, SamplingParams

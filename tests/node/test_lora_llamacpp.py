@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from echo.learner.lora import LoraTrainer, adapter_ref
-from echo.learner.rescore import MISMATCH_THRESHOLDS
+from echo.learner.rescoring.rescore import MISMATCH_THRESHOLDS
 from echo.models.lora import lora_digest
 from echo.node.engines.torch_engine import TorchEngine
 from tests.learner.test_lora import SPEC, groups_from, lora_job, mean_gap

@@ -4,7 +4,7 @@ embeddings, published in bf16) on the torch and llama.cpp engines.
 Both engines load the same published bf16 state and hold it bit for bit (digests), generate
 from a chat-templated prompt, and report per-token log-probs that transformers' teacher-forced
 float32 re-scoring (what the learner computes) matches within each engine's re-scoring threshold
-(``learner/rescore.py``). A version one small update away is then applied in place to the
+(``learner/rescoring/rescore.py``). A version one small update away is then applied in place to the
 llama.cpp engine's GGUF, exactly, and parity holds again.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from echo.learner.rescore import MISMATCH_THRESHOLDS
+from echo.learner.rescoring.rescore import MISMATCH_THRESHOLDS
 from echo.models.spec import ModelSpec, build_model, eos_token_id, load_tokenizer
 from echo.models.weights import export_state, load_state, state_digest
 from echo.node.engines.base import GenRequest, SamplingParams

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from echo.learner.grpo import GRPOLearner, TrainGroup
+from echo.learner.algorithm.grpo import GRPOLearner, TrainGroup
 from echo.models.spec import ModelSpec, build_model
 from echo.models.tokenizer import EOS_ID, encode
 from echo.models.weights import export_state, state_digest

@@ -119,8 +119,8 @@ def test_parity_and_exact_weights_through_a_version_chain(engine, peaked) -> Non
     each of 4 float32 AdamW versions and a bfloat16 one, reloaded in place; each reload reaches
     the model (log-probs fit the new weights, not the old); the learner's re-scoring accepts
     the groups under the 'vllm' threshold."""
-    from echo.learner.grpo import TrainGroup
-    from echo.learner.rescore import Rescorer
+    from echo.learner.algorithm.grpo import TrainGroup
+    from echo.learner.rescoring.rescore import Rescorer
 
     base = export_state(peaked)
     engine.load_state(base)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from echo.learner.lora import LoraTrainer, adapter_ref
-from echo.learner.rescore import MISMATCH_THRESHOLDS
+from echo.learner.rescoring.rescore import MISMATCH_THRESHOLDS
 from echo.models.lora import lora_digest
 from echo.models.spec import ModelSpec
 from echo.node.engines.torch_engine import TorchEngine

@@ -2,8 +2,8 @@
 under ``<job dir>/checkpoints``, the newest :data:`KEEP` kept, the :class:`Checkpoint` a learner
 restores, and the fsyncs that make a checkpoint durable before it is visible.
 
-The single learner's files are :mod:`echo.learner.checkpoint`, the FSDP2 learner's sharded ones
-:mod:`echo.learner.dcp_checkpoint`; both build on this module.
+The single learner's files are :mod:`echo.learner.checkpoints.checkpoint`, the FSDP2 learner's
+sharded ones :mod:`echo.learner.checkpoints.dcp_checkpoint`; both build on this module.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import torch
 
 # Checkpoints kept: the newest and the one before it (a crash while the newest is written).
 KEEP = 2
-# ``meta.json``'s "format" in a version the FSDP2 learner wrote (echo.learner.dcp_checkpoint).
+# ``meta.json``'s "format" in a version the FSDP2 learner wrote
+# (echo.learner.checkpoints.dcp_checkpoint).
 DCP_FORMAT = "dcp"
 
 
@@ -53,8 +54,9 @@ def keep_newest(root: Path) -> None:
 
 def is_dcp(version_dir: Path) -> bool:
     """Whether the checkpoint folder ``version_dir`` holds a DCP checkpoint. Here, not in
-    :mod:`echo.learner.dcp_checkpoint`, so that the single learner tells the formats apart
-    without importing ``torch.distributed.checkpoint`` (about a fifth of its start-up imports)."""
+    :mod:`echo.learner.checkpoints.dcp_checkpoint`, so that the single learner tells the formats
+    apart without importing ``torch.distributed.checkpoint`` (about a fifth of its start-up
+    imports)."""
     try:
         return json.loads((version_dir / "meta.json").read_text()).get("format") == DCP_FORMAT
     except (OSError, ValueError, AttributeError):

@@ -1,11 +1,11 @@
 """The FSDP2 learner's checkpoints: sharded, through ``torch.distributed.checkpoint`` (DCP).
 
 A version's folder under ``<job dir>/checkpoints`` is laid out as the single learner's
-(:mod:`~echo.learner.checkpoint`: ``v00000012/`` with ``report.bin`` and ``meta.json``), but its
-weights and optimizer state are a DCP checkpoint in ``dcp/``: the ``{"model", "optim"}`` state
-dicts of :func:`~torch.distributed.checkpoint.state_dict.get_state_dict`, one file per rank and a
-``.metadata`` that maps every tensor's shards. DCP reshards on load, so the learner restarts with
-any number of ranks (and the single learner, or ``echo-job export``, reads it with none).
+(:mod:`~echo.learner.checkpoints.checkpoint`: ``v00000012/`` with ``report.bin`` and ``meta.json``),
+but its weights and optimizer state are a DCP checkpoint in ``dcp/``: the ``{"model", "optim"}``
+state dicts of :func:`~torch.distributed.checkpoint.state_dict.get_state_dict`, one file per rank
+and a ``.metadata`` that maps every tensor's shards. DCP reshards on load, so the learner restarts
+with any number of ranks (and the single learner, or ``echo-job export``, reads it with none).
 
 The rules of the single learner's checkpoints hold: every rank writes its shard into a temporary
 folder (DCP fsyncs each file), then rank 0 alone -- the only rank that reports -- writes the
@@ -35,9 +35,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from echo.learner.checkpoint_files import DCP_FORMAT as FORMAT
-from echo.learner.checkpoint_files import Checkpoint, fsync, keep_newest, version_dir
-from echo.learner.checkpoint_files import is_dcp as is_dcp  # this module's readers call it here
+from echo.learner.checkpoints.checkpoint_files import DCP_FORMAT as FORMAT
+from echo.learner.checkpoints.checkpoint_files import Checkpoint, fsync, keep_newest, version_dir
+from echo.learner.checkpoints.checkpoint_files import is_dcp as is_dcp  # readers call it here
 
 DCP_DIR = "dcp"
 # A LoRA job's checkpoint holds the adapter and its optimizer state only (the base is fixed in

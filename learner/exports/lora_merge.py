@@ -6,10 +6,10 @@
 learner's signed digest of base and adapter, read back from the written file); ``peft`` loads it
 onto the job's base (``<job dir>/lora_base.safetensors``, whose digest that signed digest binds)
 and ``merge_and_unload`` folds ``(alpha / r) B A`` into each wrapped projection, in float32. The
-merged weights, cast to the publish dtype, are written as :mod:`echo.learner.export` writes a
-full-weight version (safetensors read back tensor by tensor, config, generation config,
-tokenizer), under a temporary name renamed into place. The merged weights are not a published
-state, so no signed digest names them: what is checked is what they are made of.
+merged weights, cast to the publish dtype, are written as :mod:`echo.learner.exports.export` writes
+a full-weight version (safetensors read back tensor by tensor, config, generation config,
+tokenizer), under a temporary name renamed into place. The merged weights are not a published state,
+so no signed digest names them: what is checked is what they are made of.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from echo.learner.export import (
+from echo.learner.exports.export import (
     ExportError,
     meta_model,
     published_state,
     write_model_folder,
 )
+from echo.learner.exports.staging import staged_folder
 from echo.learner.lora import BASE_FILE, export_adapter
-from echo.learner.staging import staged_folder
 from echo.models.spec import ModelSpec, build_model
 from echo.models.weights import load_state
 from echo.protocol.jobspec import JobSpec

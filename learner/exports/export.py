@@ -12,7 +12,7 @@ written files before the folder is complete. Only versions whose checkpoint the 
 keeps can be exported (the newest ``checkpoint.KEEP``).
 
 The folder is written under a temporary name next to ``out`` and renamed
-(:func:`echo.learner.staging.staged_folder`, which the adapter and merged exports use too),
+(:func:`echo.learner.exports.staging.staged_folder`, which the adapter and merged exports use too),
 so a crash never leaves a half-written export where a complete one is expected.
 """
 
@@ -27,8 +27,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from echo.learner import checkpoint
-from echo.learner.staging import staged_folder
+from echo.learner.checkpoints import checkpoint
+from echo.learner.exports.staging import staged_folder
 from echo.models.spec import ModelSpec, build_model, load_tokenizer
 from echo.models.weights import DTYPES, state_digest, tensor_digest
 from echo.protocol.jobspec import JobSpec

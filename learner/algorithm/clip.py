@@ -1,5 +1,5 @@
 """Gradient clipping by global norm, with a norm that does not depend on how the gradients are
-sharded: :func:`clip_gradients`, which the GRPO step (``echo.learner.grpo``) uses on one
+sharded: :func:`clip_gradients`, which the GRPO step (``echo.learner.algorithm.grpo``) uses on one
 process and on the FSDP2 learner's ranks alike.
 
 ``torch.nn.utils.clip_grad_norm_`` takes the float32 norm of the per-tensor norms; on FSDP2

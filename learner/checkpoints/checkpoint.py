@@ -4,8 +4,9 @@ One folder per version under ``<job dir>/checkpoints`` (the newest :data:`KEEP`)
 temporary name and renamed, so a crash leaves the previous checkpoint intact; ``echo-job export``
 reads their model weights back (:func:`load_model_state`). Only local files of our own are read
 back: tensors through safetensors, optimizer state through ``torch.load(weights_only=True)``.
-A version the FSDP2 learner wrote is a sharded DCP checkpoint (:mod:`~echo.learner.dcp_checkpoint`);
-:func:`latest` and :func:`load_model_state` read it whole, so a job may go back to one process.
+A version the FSDP2 learner wrote is a sharded DCP checkpoint
+(:mod:`~echo.learner.checkpoints.dcp_checkpoint`); :func:`latest` and :func:`load_model_state` read
+it whole, so a job may go back to one process.
 """
 
 from __future__ import annotations
@@ -18,7 +19,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from echo.learner.checkpoint_files import KEEP, Checkpoint, fsync, is_dcp, keep_newest, version_dir
+from echo.learner.checkpoints.checkpoint_files import (
+    KEEP,
+    Checkpoint,
+    fsync,
+    is_dcp,
+    keep_newest,
+    version_dir,
+)
 
 
 def save(root: Path, ckpt: Checkpoint) -> None:
@@ -71,7 +79,7 @@ def load_model_state(root: Path, version: int) -> dict[str, torch.Tensor]:
     """
     path = version_dir(root, version) / "model.safetensors"
     if is_dcp(path.parent):  # written by the FSDP2 learner
-        from echo.learner import dcp_checkpoint  # torch.distributed: only when needed
+        from echo.learner.checkpoints import dcp_checkpoint  # torch.distributed: only when needed
 
         return dcp_checkpoint.load_full(path.parent)["model"]
     if not path.exists():
@@ -85,7 +93,8 @@ def latest(root: Path) -> Checkpoint | None:
     for d in sorted((p for p in root.iterdir() if p.name.startswith("v")), reverse=True):
         try:
             if is_dcp(d):  # written by the FSDP2 learner: read with no ranks
-                from echo.learner import dcp_checkpoint  # torch.distributed: only when needed
+                # torch.distributed: only when needed
+                from echo.learner.checkpoints import dcp_checkpoint
 
                 return dcp_checkpoint.load_for_single(d)
             meta = json.loads((d / "meta.json").read_text())

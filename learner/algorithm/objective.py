@@ -1,9 +1,9 @@
 """The per-token objective of a GRPO step: what each completion token contributes to the loss.
 
 :func:`token_surrogate` owns the two objectives a job may pick (``[job.grpo] objective``); the
-step (:meth:`echo.learner.grpo.GRPOLearner.step`) takes the token-mean of its negative over the
-batch's trained tokens. Per completion token t, with A the group-normalised advantage, mu_t the
-node's behaviour log-prob of t and ratio_t = exp(log pi_theta(t) - mu_t):
+step (:meth:`echo.learner.algorithm.grpo.GRPOLearner.step`) takes the token-mean of its negative
+over the batch's trained tokens. Per completion token t, with A the group-normalised advantage, mu_t
+the node's behaviour log-prob of t and ratio_t = exp(log pi_theta(t) - mu_t):
 
 ``ppo`` (the default): PPO's clipped surrogate with a dual clip, its trust region anchored at
 the behaviour policy::

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from echo.learner.grpo import TrainGroup, pad_id_of
-from echo.learner.prefill import completion_logits
+from echo.learner.algorithm.grpo import TrainGroup, pad_id_of
+from echo.learner.rescoring.prefill import completion_logits
 from echo.models.spec import ModelSpec, build_model
 from echo.models.weights import load_state
 from echo.protocol import reasons as R

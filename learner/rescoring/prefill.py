@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from echo.learner.grpo import pad_batch
+from echo.learner.algorithm.grpo import pad_batch
 from echo.models.kv_cache import forward_with_cache
 
 # Cache layers that hold keys and values only: selecting rows of them is the whole-sequence

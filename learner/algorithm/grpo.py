@@ -12,13 +12,14 @@ Per completion token t of sample i in group g, with the group-normalised advanta
 and mu_t the node's behaviour log-prob of t (the policy it sampled from, in its engine), the
 loss is the token-mean over all trained completion tokens of the batch of minus the job's
 per-token objective (``objective``: PPO's clipped surrogate anchored at mu, or CISPO's clipped
-importance weight; :mod:`echo.learner.objective` gives both and why). On-policy (S = 0, or the
-first epoch of a group from the current weights) both are exactly the on-policy gradient.
-Extra epochs (``ppo_epochs``) reuse the batch inside the same trust region.
+importance weight; :mod:`echo.learner.algorithm.objective` gives both and why). On-policy (S = 0, or
+the first epoch of a group from the current weights) both are exactly the on-policy gradient. Extra
+epochs (``ppo_epochs``) reuse the batch inside the same trust region.
 
 Log-probs everywhere are ``log_softmax(logits / temperature)`` of the full vocabulary, the same
 definition the engines report (see ``echo.node.engines.base``), so :meth:`GRPOLearner.score`
-recomputes a node's numbers; the learner's re-scoring (``echo.learner.rescore``) builds on it.
+recomputes a node's numbers; the learner's re-scoring (``echo.learner.rescoring.rescore``) builds on
+it.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from echo.learner.clip import clip_gradients
-from echo.learner.objective import token_surrogate
+from echo.learner.algorithm.clip import clip_gradients
+from echo.learner.algorithm.objective import token_surrogate
 from echo.protocol.jobspec import GRPOParams
 
 GRPOConfig = GRPOParams  # the learner's name for the job's [job.grpo] table
