@@ -20,7 +20,6 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Mapping
 
 import trio
 
@@ -29,13 +28,13 @@ from echo.node.config import NodeConfig
 from echo.node.display import Display
 from echo.node.engines.base import Engine
 from echo.node.errors import NodeError
+from echo.node.push_wait import await_push
 from echo.node.session import CoordinatorSession
 from echo.node.weights import WeightError, WeightSync
 from echo.p2p.chunkstore import ChunkStore, serve_chunks
 from echo.p2p.gossip_validate import signed_by
 from echo.p2p.host import EchoHost
 from echo.p2p.relay import Relay, RelayConfig
-from echo.p2p.relay.transfer import Transfer
 from echo.p2p.rpc import RpcError
 from echo.protocol import broadcast as b
 from echo.protocol import ids
@@ -47,18 +46,6 @@ log = logging.getLogger("echo.node")
 STATUS_EVERY_S = 10.0
 # A learner restart takes a few seconds; a node waits this long for weights before giving up.
 SYNC_GIVE_UP_S = 300.0
-# A lease reply can name a version before its plan arrives by gossip: wait this long for the
-# push to start before pulling, then this long for the relay (which pulls around stalls itself)
-# to complete the version before falling back to pulling it whole.
-PLAN_WAIT_S = 1.0
-BROADCAST_WAIT_S = 30.0
-# A push that brought no chunk for this long is given up for a direct fetch: a chunk is at most
-# 4 MiB, under 10 s on a 4 Mb/s home downlink; the relay's own stall watchdog and its pulls
-# from other holders can take longer than that again when those holders sit behind NAT.
-BROADCAST_STALL_S = 10.0
-# How often a node waiting for a version's push checks whether a newer one completed first:
-# a fraction of the fastest version period (about half a second in the tiny demo).
-OVERTAKEN_POLL_S = 0.1
 # Bad-relay reports queued for the coordinator; beyond this they are dropped (a node under
 # attack reports the first ones, the rest add nothing).
 BAD_PEER_QUEUE = 32
@@ -126,7 +113,7 @@ class PolicyFollower:
             )
         self.sync = sync
         # Versions published before we served the job were pushed (if at all) before our relay
-        # could take them: waiting for those pushes is waiting for nothing.
+        # could take them: waiting for those pushes is waiting for nothing (see sync_to).
         self.joined_version = job.current_version
         return sync
 
@@ -206,27 +193,6 @@ class PolicyFollower:
             with trio.CancelScope(shield=True), trio.move_on_after(5.0):
                 await sub.aclose()
 
-    async def _await_broadcast(self, job_id: str, target: int) -> None:
-        """Let the relay bring ``target`` into the store if a plan covers us (bounded). A
-        version published before we joined the job is pulled at once: the plan that gossip
-        replays when we subscribe names us, but its push was tried (and failed) before our
-        relay listened, and every node of the NAT swarm waited BROADCAST_STALL_S for v0."""
-        relay = self.relay
-        if relay is None or target <= self.joined_version:
-            return
-        t = relay.transfer(job_id, target)
-        if t is None:
-            with trio.move_on_after(PLAN_WAIT_S):
-                while (t := relay.transfer(job_id, target)) is None:
-                    await trio.sleep(0.02)
-        if t is None:
-            return
-        with trio.move_on_after(BROADCAST_WAIT_S):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(until_overtaken, relay.transfers, t, nursery.cancel_scope)
-                await self.display.relay_progress(t, target)
-                nursery.cancel_scope.cancel()
-
     async def sync_to(self, target: int) -> None:
         """Bring engine and weights to ``target``, riding out a learner restart or a lost peer.
 
@@ -242,7 +208,8 @@ class PolicyFollower:
         assert sync is not None
         started = time.monotonic()
         delay, rebase = 0.5, False
-        await self._await_broadcast(sync.job.job_id, target)
+        if target > self.joined_version:  # before it, the push was tried before we listened
+            await await_push(self.relay, self.display, sync.job.job_id, target)
         while True:
             try:
                 changed = await sync.sync_to(target, rebase=rebase)
@@ -365,32 +332,3 @@ class PolicyFollower:
         if self.relay is None or self.sync is None:
             return True
         return await self.relay.wait_forwarded(self.sync.job.job_id, version, timeout)
-
-
-async def until_overtaken(
-    transfers: Mapping[tuple[str, int], Transfer], t: Transfer, scope: trio.CancelScope
-) -> None:
-    """Cancel ``scope`` once ``t`` is not worth waiting for: a newer version of its job
-    completed here first, or no chunk of ``t`` arrived for :data:`BROADCAST_STALL_S`. Its push
-    was lost (a parent gone, a path that never came up) and waiting out
-    :data:`BROADCAST_WAIT_S` would cost a whole short job (tests/test_nat_swarm: a node behind
-    NAT held v1 while v3..v30 arrived and missed the run waiting for v2; another waited 37 s
-    for v0 and served nothing). The caller then fetches ``t``'s version from the learner and
-    patches on from there."""
-    while not t.done.is_set():
-        last = t.arrived_at[-1] if t.arrived_at else t.created
-        if time.monotonic() - last > BROADCAST_STALL_S:
-            log.info("v%d: no chunk pushed for %.0f s: fetching it", t.version, BROADCAST_STALL_S)
-            scope.cancel()
-            return
-        if any(
-            o.job_id == t.job_id and o.version > t.version and o.done.is_set()
-            for o in list(transfers.values())
-        ):
-            log.info(
-                "v%d overtaken by a newer version before its push completed: fetching it",
-                t.version,
-            )
-            scope.cancel()
-            return
-        await trio.sleep(OVERTAKEN_POLL_S)

@@ -1,5 +1,5 @@
 """A node waiting for a version's push stops waiting once a newer version of the job completed
-first, or when its push stalls (node/policy.py ``until_overtaken``): found in the NAT swarm,
+first, or when its push stalls (node/push_wait.py ``until_overtaken``): found in the NAT swarm,
 where a node behind NAT held v1 while v3..v30 arrived and missed the whole run waiting 30 s for
 v2's lost push."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import trio
 
-from echo.node.policy import until_overtaken
+from echo.node.push_wait import until_overtaken
 from echo.p2p.relay.transfer import Transfer
 from echo.protocol import messages as m
 
@@ -50,9 +50,9 @@ def test_the_wait_ends_quietly_when_the_version_itself_completes() -> None:
 
 
 def test_a_push_that_stalls_is_given_up(monkeypatch) -> None:
-    import echo.node.policy as policy
+    import echo.node.push_wait as push_wait
 
-    monkeypatch.setattr(policy, "BROADCAST_STALL_S", 0.3)
+    monkeypatch.setattr(push_wait, "BROADCAST_STALL_S", 0.3)
 
     async def body() -> None:
         waiting = _transfer("a", 0)
