@@ -248,7 +248,7 @@ class LearnerRPC:
             n.node_id
             for n in active_nodes(self.store)
             if self.placement is None
-            or self.placement.plannable(n.node_id, man.job_id)
+            or self.placement.plannable(n.node_id, man.job_id, man.kind == "anchor")
         ]
         # Nodes without an accepted group receive but relay to nobody (Placement.proven).
         placement = self.placement

@@ -208,19 +208,17 @@ class Placement:
             assigned_job=dst,
         )
 
-    def plannable(self, node_id: str, job_id: str) -> bool:
-        """Whether a version of ``job_id`` may be planned through the node: it serves the job.
-        A job new since the last pass is scheduled first, so its first version reaches the nodes
-        placed on it. A node that holds no version yet is planned too (as a leaf while it is
-        unproven, see :meth:`proven`): left out of patch plans until it held one, a node placed
-        mid-job pulled anchor and patches as a stranger to the learner's chunk service, whose
-        shared budget a few such nodes spent (the NAT swarm: three nodes held no version in a
-        whole run). The version a node says it holds is its word, so requiring one kept out
-        only the honest."""
+    def plannable(self, node_id: str, job_id: str, anchor: bool) -> bool:
+        """Whether a version of ``job_id`` may be planned through the node: it serves the job
+        and holds one of its versions, or the version is an anchor (which needs no base). A
+        job new since the last pass is scheduled first, so its first version reaches the nodes
+        placed on it."""
         if job_id not in self.views:
             self.refresh()
         node = self.nodes.get(node_id)
-        return node is not None and node.job == job_id
+        if node is None or node.job != job_id:
+            return False
+        return anchor or node.held.get(job_id, -1) >= 0
 
     def proven(self, node_id: str) -> bool:
         """The node has had a group accepted (as of the last scheduling pass). Identities are

@@ -67,29 +67,12 @@ def test_only_nodes_with_accepted_work_relay(tmp_path) -> None:
         nid = str(node.host.peer_id)
         coord.placement.observed(nid, job_id, 0.0, 0)  # it says it holds v0
         coord.placement.refresh()
-        assert coord.placement.plannable(nid, job_id)
+        assert coord.placement.plannable(nid, job_id, anchor=False)
         assert not coord.placement.proven(nid)
         lease = open_lease(coord, (await node.leases(job_id, 0, 1)).leases[0])
         assert (await node.submit(node.seal(group_for(lease)))).accepted
         coord.placement.refresh()
         assert coord.placement.proven(nid)
-
-    run_with_coordinator(tmp_path, body, lease_quota_ramp=0, exclude_after_failures=100)
-
-
-def test_a_placed_node_without_a_version_is_planned_as_a_leaf(tmp_path) -> None:
-    """A node placed on the job that holds no version yet is in the patches' plans (as a leaf),
-    so the learner serves it on its own budget: left out, it pulled as a stranger and a few such
-    nodes spent the strangers' shared budget (the NAT swarm)."""
-
-    async def body(coord, client) -> None:
-        job_id, _ = await start_job(coord, client)
-        node = await client()
-        assert (await node.register()).assigned_job == job_id
-        nid = str(node.host.peer_id)
-        coord.placement.refresh()
-        assert coord.placement.plannable(nid, job_id)
-        assert not coord.placement.proven(nid)
 
     run_with_coordinator(tmp_path, body, lease_quota_ramp=0, exclude_after_failures=100)
 
@@ -111,7 +94,7 @@ def test_a_thin_record_does_not_make_a_relay(tmp_path) -> None:
             lease = open_lease(coord, (await node.leases(job_id, 0, 1)).leases[0])
             assert (await node.submit(node.seal(group_for(lease)))).accepted
         coord.placement.refresh()
-        assert coord.placement.plannable(nid, job_id)
+        assert coord.placement.plannable(nid, job_id, anchor=False)
         assert not coord.placement.proven(nid), "3 groups made a relay"
         for _ in range(2):
             lease = open_lease(coord, (await node.leases(job_id, 0, 1)).leases[0])
