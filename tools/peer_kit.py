@@ -22,18 +22,17 @@ from echo.protocol import messages as m
 LOOPBACK_API_TOKEN = "test-token"
 
 
-def registration(
-    ident: Identity,
+def register_record(
     addrs: list[str],
     *,
     software: str = "test",
     upload_bps: float = 0.0,
     tokens_per_s: float = 0.0,
     hardware: m.Hardware | None = None,
-) -> bytes:
-    """``ident``'s sealed ``Register`` (now), declaring ``addrs``; a small CPU node unless
-    ``hardware`` says otherwise."""
-    reg = m.Register(
+) -> m.Register:
+    """A ``Register`` record (now) declaring ``addrs``; a small CPU node unless ``hardware``
+    says otherwise."""
+    return m.Register(
         protocol_version=ids.PROTOCOL_VERSION,
         software=software,
         engine="torch",
@@ -43,6 +42,25 @@ def registration(
         download_bps=0.0,
         timestamp=time.time(),
         addrs=list(addrs),
+    )
+
+
+def registration(
+    ident: Identity,
+    addrs: list[str],
+    *,
+    software: str = "test",
+    upload_bps: float = 0.0,
+    tokens_per_s: float = 0.0,
+    hardware: m.Hardware | None = None,
+) -> bytes:
+    """``ident``'s sealed :func:`register_record`."""
+    reg = register_record(
+        addrs,
+        software=software,
+        upload_bps=upload_bps,
+        tokens_per_s=tokens_per_s,
+        hardware=hardware,
     )
     return signing.seal_record(ident.private_key, reg)
 

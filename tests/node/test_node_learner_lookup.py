@@ -7,8 +7,6 @@ was refused over the budget, and the node exited."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import trio
 from rich.console import Console
@@ -16,8 +14,7 @@ from rich.console import Console
 from echo.node.display import Display
 from echo.node.errors import JobGone
 from echo.node.session import CoordinatorSession
-from echo.protocol import ids
-from echo.protocol import messages as m
+from echo.tools.peer_kit import register_record
 from tests.conftest import run_with_coordinator
 from tests.coordinator.test_coordinator import start_job
 
@@ -30,20 +27,7 @@ def test_lookups_stay_inside_the_registration_budget_and_an_ended_job_ends_them(
         node = await client()  # its host; the session below speaks as the node does
         session = CoordinatorSession(node.identity, Display(Console(quiet=True)), lambda: None)
 
-        def describe() -> m.Register:
-            return m.Register(
-                protocol_version=ids.PROTOCOL_VERSION,
-                software="test",
-                engine="torch",
-                hardware=m.Hardware(cpu_count=2, ram_bytes=1 << 30),
-                tokens_per_s=0.0,
-                upload_bps=0.0,
-                download_bps=0.0,
-                timestamp=time.time(),
-                addrs=node.host.listen_multiaddrs,
-            )
-
-        session.describe = describe
+        session.describe = lambda: register_record(node.host.listen_multiaddrs)
         await session.connect(node.host, coord.multiaddrs[0])
         # The burst and one more: each answered with the learner's addresses, none refused.
         for _ in range(4):

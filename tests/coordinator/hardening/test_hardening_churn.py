@@ -20,8 +20,7 @@ from echo.coordinator.dissemination.planning import Dissemination
 from echo.coordinator.scheduling.placement import FORGET_S, PASS_COALESCE_S
 from echo.coordinator.store import Store
 from echo.coordinator.store.db import SCHEMA_VERSION
-from echo.protocol import ids
-from echo.protocol import messages as m
+from echo.tools.peer_kit import register_record
 from tests.conftest import Clock, run_with_coordinator
 from tests.coordinator.test_coordinator import start_job
 
@@ -124,19 +123,6 @@ def test_a_file_from_before_excluded_at_keeps_its_excluded_a_full_window(tmp_pat
     store.close()
 
 
-def _register() -> m.Register:
-    return m.Register(
-        protocol_version=ids.PROTOCOL_VERSION,
-        software="test",
-        engine="torch",
-        hardware=m.Hardware(cpu_count=2, ram_bytes=1 << 30),
-        tokens_per_s=0.0,
-        upload_bps=0.0,
-        download_bps=0.0,
-        timestamp=time.time(),
-    )
-
-
 def test_a_burst_of_registrations_shares_a_few_passes(tmp_path) -> None:
     async def body(coord, client) -> None:
         job_id, _ = await start_job(coord, client)
@@ -146,7 +132,7 @@ def test_a_burst_of_registrations_shares_a_few_passes(tmp_path) -> None:
         async def one(i: int) -> None:  # what the register handler does, for a new identity
             node = f"churn{i:03d}"
             coord.store.upsert_node(node, b"k" * 32, "torch", {}, 0.0, 0.0, 0.0)
-            placed[node], _ = await placement.place(node, _register())
+            placed[node], _ = await placement.place(node, register_record([]))
 
         before, t0 = placement.passes, time.monotonic()
         async with trio.open_nursery() as nursery:
