@@ -43,6 +43,7 @@ from echo.p2p.conn_guard import PUBLIC_PREFIX_CAP, GuardPolicy
 from echo.p2p.host import EchoHost, open_host
 from echo.p2p.identity import Identity
 from echo.p2p.nat.circuit_relay import CONTROL_RELAY_LIMITS, offer_relay
+from echo.p2p.nat.dialback import observed_ip
 from echo.p2p.shedding import Shedder, install_shedder
 from echo.protocol.jobspec import JobSpec
 
@@ -144,6 +145,9 @@ class Coordinator:
             # Proven peers first while the loop lags (strangers' connections are work before
             # any handler or budget sees them; the attack benchmark's honest calls waited 8 s).
             self.shedder = shedder = install_shedder(host)
+            self.node_rpc.probes.held_back = lambda node: shedder.holds_back(
+                observed_ip(host, node)
+            )
             self.node_rpc.install(host, self.config.admission)
             self.learner_rpc.install(host)
             async with trio.open_nursery() as nursery:

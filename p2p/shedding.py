@@ -250,6 +250,11 @@ class Shedder:
         self.lag.paced()
         return True
 
+    def holds_back(self, address: str | None) -> bool:
+        """Whether optional work for a stranger at ``address`` (a dial-back) waits now: the loop
+        lags or a hold's readmission is under way, and the address is on a capped network."""
+        return (self.lag.lagging or self.lag.readmitting) and self._capped(address)
+
     def sheds_stream(self, peer_id: ID, address: str | None) -> bool:
         """Whether a stream of ``peer_id`` (from ``address``) is reset unread now."""
         if not self.lag.lagging or self.guard.is_protected(peer_id) or not self._capped(address):

@@ -16,7 +16,8 @@ comes waits at most :data:`PENDING_S`.
 
 Nodes with accepted work are probed at once (``worked``, and :meth:`ProbeQueue.earned` on a
 node's first accepted group); others only from a small shared budget (:data:`STRANGER_BURST`,
-then one every :data:`STRANGER_EVERY_S`). Identities are free, and a churn of them cost the
+then one every :data:`STRANGER_EVERY_S`), and none while the coordinator sheds the stranger's
+network (:attr:`ProbeQueue.held_back`). Identities are free, and a churn of them cost the
 coordinator a second connection each (TCP, Noise, yamux, identify), about a third of the ~40 ms
 of CPU a churned identity cost (``benchmarks/churn_cost.py``); with no probe at all before
 accepted work, though, a swarm that starts at once was planned for its first minute as if every
@@ -81,6 +82,12 @@ class ProbeQueue:
         self._burst = STRANGER_BURST if stranger_burst is None else stranger_burst
         self._every_s = STRANGER_EVERY_S if stranger_every_s is None else stranger_every_s
         self._tokens, self._filled_at = float(self._burst), clock()
+        # Whether work for this stranger waits now (set by the service from its shedder: the
+        # loop lags or a hold's readmission is under way, and the node is on a capped network).
+        # Then it is not probed and the budget does not refill: it refilled during each hold,
+        # and every churned identity the readmission let in was dialled back on a loop that
+        # had just saturated (benchmarks/attack.py; docs/results/2026-12-07-attack-goals.md).
+        self.held_back: Callable[[str], bool] = lambda node_id: False
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -88,11 +95,14 @@ class ProbeQueue:
     def wanted(self, node_id: str) -> None:
         """The node registered addresses no dial-back has judged: probe it (again) if it has
         accepted work or the strangers' budget has a probe left; else once it earns one."""
-        if self._worked is None or self._worked(node_id) or self._take_stranger():
+        if self._worked is None or self._worked(node_id) or self._take_stranger(node_id):
             self._enqueue(node_id)
 
-    def _take_stranger(self) -> bool:
+    def _take_stranger(self, node_id: str) -> bool:
         now = self._clock()
+        if self.held_back(node_id):
+            self._filled_at = now  # no refill for the time spent shedding
+            return False
         if self._every_s > 0:
             self._tokens = min(self._burst, self._tokens + (now - self._filled_at) / self._every_s)
         self._filled_at = now
