@@ -13,10 +13,11 @@ first. The push therefore goes through :meth:`echo.p2p.relay.peers.Peers.connect
 the product path: wait ``_REVERSAL_GRACE_S``, dial the circuit, DCUtR, push on the direct
 connection. Without that fallback the version never arrives (the parent cannot dial ``kid``).
 
-Why here and not in the NAT swarm: in the swarm every node behind NAT already holds a
-connection to each public node before that node first pushes to it, so no parent there needs
-the fallback on an idle machine (docs/results/2026-12-07-circuits.md, "Amended: why the swarm
-opens no circuit on a quiet machine").
+Why here and not in the NAT swarm: there, whether a public parent's first push finds its child
+unconnected is a race between the plan reaching the two and the child's dial, and the swarm's
+circuit count comes from relay figures logged every 10 s, which a 15 s job on an idle machine
+mostly misses (docs/results/2026-12-07-circuits.md, "Amended: circuits in the swarm are a race
+and a sampling").
 
 Needs root, iproute2 and iptables (nat table); skipped where they are missing.
 """
