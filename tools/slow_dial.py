@@ -8,11 +8,13 @@ not touched.
 Why a drill: a node behind NAT lets its relay parents reach it by dialling them itself
 (``Peers.reach_out`` in :mod:`echo.p2p.relay.peers`). A parent that sees no connection from it
 within ``_REVERSAL_GRACE_S`` (2 s) reaches it through a circuit relay at the address its plan
-announces, and asks it over that circuit to dial back (DCUtR). On an idle machine the node's own
-dial always comes first, so no circuit is ever needed (0 in every such swarm run, on the NAT
-branch before the 2026-12-06 merges as after them); on a loaded machine or a lossy home link it
-does not, and the circuits carry the fallback. Delaying the first dials makes that case happen
-in every run, instead of whenever the machine happens to be busy.
+announces, and asks it over that circuit to dial back (DCUtR). Delaying the first dials makes
+that fallback likelier in a swarm run (``nat_swarm --slow-first-dial``), not certain: whether a
+parent's first push to a node finds it unconnected still depends on what connected the two
+before (the node relaying to that parent, pulling from it) and on when the plan reached each,
+and a swarm's relays log their circuit counts only every 10 s (docs/results/2026-12-07-circuits.md).
+The fallback itself is tested deterministically in tests/nat/test_nat_circuit_push.py; CI runs
+no drilled swarm.
 
 Uses iptables' ``recent`` match keyed on the destination (one list per namespace). Owns nothing:
 the rules live in the namespace and go with it (``netem_nat.down``).

@@ -127,6 +127,11 @@ class Peers:
         circuits = [a for a in known if _CIRCUIT in a]
         plain = [a for a in known if _CIRCUIT not in a]
         if direct and not plain and circuits:
+            # Said at DEBUG: how often pushes need the fallback (the swarm's relays log their
+            # circuit counts only every 10 s, which short runs miss).
+            log.debug("%s (known by its circuits only) not connected yet: waiting for its dial",
+                      peer[-8:])
+            started = time.monotonic()
             # One connect timeout in all (a pull from a peer that cannot be reached must not
             # cost more than it did before circuits): its own dial, else DCUtR, else its dial.
             with trio.move_on_after(self.connect_timeout_s):
@@ -137,6 +142,9 @@ class Peers:
                     await self._reverse(peer, circuits)
                 while not self.connected(peer, direct=True):
                     await trio.sleep(_INBOUND_POLL_S)
+            log.debug("%s: direct connection %s after %.2f s", peer[-8:],
+                      "up" if self.connected(peer, direct=True) else "not up",
+                      time.monotonic() - started)
             if not self.connected(peer, direct=True) and self.connected(peer):
                 raise RpcError(f"{peer[-8:]} is reached only through a relay: no bulk data")
             return

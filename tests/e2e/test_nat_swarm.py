@@ -7,12 +7,15 @@ behind NAT are accepted and trained. The coordinator connects the nodes behind N
 symmetric one fails), and nodes behind NAT relay versions to each other over those direct
 paths where the planner finds that faster. Every node behind NAT holds a reservation on the
 coordinator's circuit relay and on a public volunteer's (reachable there for control messages);
-public nodes need none and offer one; peers dial the circuit addresses plans announce when a
-node behind NAT is slow to dial them (a second run, whose first dials from behind NAT to public
-nodes are 3-4 s late).
+public nodes need none and offer one.
+
+A parent's push through a circuit and DCUtR (the fallback for a node behind NAT that has not
+dialled its parent) is tested in tests/nat/test_nat_circuit_push.py, not here: whether a push
+in this swarm needs it is a race, and the relays' circuit counts are logged only every 10 s
+(docs/results/2026-12-07-circuits.md).
 
 Needs root, iproute2 and iptables (nat table); skipped where they are missing. About 2.5 minutes
-per run on 2 cores.
+on 2 cores.
 """
 
 from __future__ import annotations
@@ -53,15 +56,6 @@ def _swarm(out: Path, *extra: str) -> Path:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
     return _swarm(tmp_path_factory.mktemp("natswarm"))
-
-
-@pytest.fixture(scope="module")
-def slow_dial_run(tmp_path_factory) -> Path:
-    """The same swarm, with every first dial from behind NAT to a public node 3-4 s late
-    (echo.tools.slow_dial): the case circuits are the fallback for. Its own run because the
-    late dials also delay those nodes' first syncs (in 2 of 2 runs one group went stale and
-    was rejected), which the plain run's assertions do not allow for."""
-    return _swarm(tmp_path_factory.mktemp("natswarm_slow"), "--slow-first-dial")
 
 
 def _summary(out: Path) -> dict:
@@ -195,34 +189,9 @@ def test_nodes_behind_nat_are_reached_for_control_through_a_volunteers_relay_alo
     node offers a relay, every node behind NAT reserves on one of them besides the coordinator,
     and a stranger opens a circuit to each of those nodes through that volunteer alone (the
     coordinator's relay is on no such path) and gets an identify reply. Unlike the swarm's own
-    circuit dials (the xfail below), this does not wait for a parent to need the fallback."""
+    circuit dials (a race: see the module docstring), this does not wait for a parent to need the
+    fallback."""
     s = _summary(run)
     behind = set(s["hosts"]) - volunteers_relay_for_every_nat_node(s)
     assert set(s["volunteer_circuits"]) == behind, s["volunteer_circuits"]
     assert s["relayed_control_share"] == 1.0, s["volunteer_circuits"]
-
-
-@pytest.mark.xfail(
-    reason="the slow-first-dial drill does not force circuits on a quiet machine: 0 circuits in a "
-    "run at load ~1 on 2026-12-07 (13-20 only at load 8-18); why the drill is not enough is not "
-    "known yet",
-    strict=False,
-)
-def test_public_volunteers_offer_relays_and_circuits_carry_control_messages(
-    slow_dial_run: Path,
-) -> None:
-    """Issue 32: every public node offers a relay (reachable, no upload cap); every node behind
-    NAT reserves on one of them besides the coordinator; a stranger reaches each of those nodes
-    through its volunteer alone and gets an identify reply; and during the run peers did dial the
-    announced circuit addresses (the relays opened circuits).
-
-    Circuits are the fallback for a parent that a node behind NAT has not dialled within 2 s: on
-    an idle machine that never happens (0 circuits, before the 2026-12-06 merges as after), on a
-    loaded one it does (11-15). In this run the first dials from behind NAT to public nodes come
-    3-4 s late (``--slow-first-dial``, echo.tools.slow_dial), so the fallback is needed."""
-    s = _summary(slow_dial_run)
-    public = volunteers_relay_for_every_nat_node(s)
-    held = sum(v["max_reservations"] for v in s["volunteer_relays"].values())
-    assert held >= len(s["hosts"]) - len(public), s["volunteer_relays"]
-    assert s["relayed_control_share"] == 1.0, s["volunteer_circuits"]
-    assert s["circuits"] > 0, (s["relay"], s["volunteer_relays"])
