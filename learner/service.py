@@ -43,6 +43,7 @@ from echo.models.device import resolve_device
 from echo.models.spec import ModelSpec
 from echo.p2p.chunkstore import ChunkStore
 from echo.p2p.identity import Identity
+from echo.p2p.lifecycle import settle_heap
 from echo.protocol import messages as m
 from echo.protocol import signing
 from echo.protocol.jobspec import JobSpec
@@ -224,6 +225,7 @@ class Learner:
         # One learner per job: an orphan of a killed coordinator must exit first (fence.py).
         self._lock_fd = await fence.hold(self.job_dir)
         await trio.to_thread.run_sync(self.build)
+        settle_heap()  # the model and optimizer live as long as we do: no full GC walks them
         async with self.source.open_host(self.identity, self.coordinator) as host:
             await self.link.connect(host, self.coordinator)
             async with self.source.open_relay(host):

@@ -31,6 +31,7 @@ from echo.node.errors import NodeError
 from echo.node.probe import Probe, choose_engine
 from echo.node.weights import WeightSync
 from echo.p2p.chunkstore import prune_job_stores
+from echo.p2p.lifecycle import settle_heap
 from echo.protocol import messages as m
 
 # Stopping an engine's worker processes (vLLM's shutdown waits up to 2 s per process).
@@ -118,6 +119,7 @@ class EngineSlot:
             choice = await open_engine(self.chosen, spec, device, self.cfg)
             self.engine = choice.engine
             self.name = choice.name
+            settle_heap()  # the engine lives as long as the job: no full GC walks it
             if choice.fallback:  # an architecture the chosen engine cannot run: one line
                 self.display.say(
                     f"[yellow]{choice.fallback}; running the torch engine instead[/yellow]"

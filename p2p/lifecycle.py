@@ -33,10 +33,11 @@ def run_until_signalled(main: Callable[[], Awaitable[None]]) -> bool:
     stderr first (:mod:`faulthandler`), where the daemon's log is: without it the process
     vanishes without a word.
 
-    The daemon's process then exits without a last full garbage collection
-    (:func:`fast_exit`)."""
+    What the daemon built before this call is kept out of every later garbage collection
+    (:func:`settle_heap`), and its process exits without a last full one (:func:`fast_exit`)."""
     faulthandler.enable()
     fast_exit()
+    settle_heap()
     fired: list[int] = []
 
     async def runner() -> None:
@@ -68,6 +69,21 @@ def fast_exit() -> None:
     system with the process."""
     atexit.unregister(gc.freeze)
     atexit.register(gc.freeze)
+
+
+def settle_heap() -> None:
+    """Collect once, then move every object alive to the collector's permanent generation
+    (``gc.freeze``), so that later full collections walk only what was made since.
+
+    A daemon's imports (torch, transformers, libp2p) leave some 440,000 tracked objects that
+    live as long as it does, and each full collection walked all of them while the trio loop
+    waited: 0.1-0.7 s per collection in the coordinator of ``benchmarks/attack.py`` (up to 1.0 s
+    in its learner and nodes), each one an honest RPC's tail, since every request and every
+    stranger's connection allocates. Call it again after building something big and lasting (a
+    model, an engine). Frozen objects are still freed by reference counting; only cycles among
+    them would outlive their use, and these live until exit anyway."""
+    gc.collect()
+    gc.freeze()
 
 
 def exception_leaves(group: BaseExceptionGroup) -> Iterator[BaseException]:

@@ -12,6 +12,7 @@ from echo.p2p.nat.circuit import RelayRefused, StatusCode, reserve
 from echo.p2p.nat.dialback import ask_dialback
 from echo.protocol.nat import DialBackReply
 from tests.conftest import run_with_coordinator
+from tests.coordinator.test_coordinator import start_job
 
 
 def test_coordinator_judges_a_registered_node_and_answers_dial_backs(tmp_path) -> None:
@@ -35,9 +36,10 @@ def test_coordinator_judges_a_registered_node_and_answers_dial_backs(tmp_path) -
     run_with_coordinator(tmp_path, body)
 
 
-def test_coordinator_relays_for_its_registered_nodes_only(tmp_path) -> None:
-    """The coordinator offers circuit relay v2 reservations to registered nodes; a stranger
-    (doctor's throwaway identity) is refused, which tells doctor the relay is there."""
+def test_coordinator_relays_for_its_registered_nodes_and_running_learners_only(tmp_path) -> None:
+    """The coordinator offers circuit relay v2 reservations to registered nodes and to the
+    learner of a running job; a stranger (doctor's throwaway identity) is refused, which tells
+    doctor the relay is there."""
 
     async def body(coord, client) -> None:
         stranger = await client()
@@ -50,6 +52,12 @@ def test_coordinator_relays_for_its_registered_nodes_only(tmp_path) -> None:
         info = await reserve(node.host, coord.identity.peer_id)
         assert info.ttl_s > 60 and info.circuit_data_bytes == 1 << 20
         assert coord.relay.reservations == [node.host.peer_id]
+        # The learner of a running job dials nodes behind NAT through it (to ask for DCUtR).
+        _, learner = await start_job(coord, client)
+        await reserve(learner.host, coord.identity.peer_id)
+        assert set(coord.relay.reservations) == {node.host.peer_id, learner.host.peer_id}
+        with pytest.raises(RelayRefused):  # still a stranger
+            await reserve(stranger.host, coord.identity.peer_id)
 
     run_with_coordinator(tmp_path, body)
 
