@@ -90,14 +90,18 @@ def host_specs(n: int, scale: float) -> list[netem.HostSpec]:
 class Bench:
     """The runs over one swarm: each publishes a fresh version and times it along one plan."""
 
-    def __init__(self, args: argparse.Namespace, shaping: str) -> None:
+    def __init__(self, args: argparse.Namespace, shaping: str,
+                 swarm_type: type[RelaySwarm] = RelaySwarm, **swarm_kwargs: Any) -> None:
+        """``swarm_type`` and ``swarm_kwargs``: another network under the same runs
+        (benchmarks/nat.py: an internet with NAT routers)."""
         self.args = args
         self.shaping = shaping
-        self.swarm = RelaySwarm(
+        self.swarm = swarm_type(
             [sys.executable, str(Path(__file__).resolve()), "--agent"], shaping=shaping,
             source=SOURCE, prefix=args.prefix, nice=args.nice, keep_logs=args.keep_logs,
             netem_opts={"sysctls": args.sysctl, "shaper": args.shaper,
-                        "queue_s": args.queue_ms / 1000, "gso_max": args.gso_kb * 1024})
+                        "queue_s": args.queue_ms / 1000, "gso_max": args.gso_kb * 1024},
+            **swarm_kwargs)
         self.agents = self.swarm.agents
         self.ups = self.swarm.ups
         self.downs = self.swarm.downs

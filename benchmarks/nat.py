@@ -60,13 +60,15 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from broadcast import SOURCE, AgentProc, Bench, _setup
+from broadcast import SOURCE, Bench, _setup, host_specs
 
 import echo.tools.netem_nat as netem_nat
 from echo.coordinator.dissemination.planner.best import best_plan
 from echo.coordinator.dissemination.planner.plan import TreePlan
 from echo.coordinator.dissemination.planner.reach import Reach
 from echo.tools.bench import emit, parse_args, say
+from echo.tools.relay_agent import AgentProc
+from echo.tools.relay_swarm import RelaySwarm
 
 HERE = Path(__file__).resolve().parent
 
@@ -280,18 +282,20 @@ def _group(items: Any) -> dict[str, list[bool]]:
 # ============================================================================ time-to-all
 
 
-class NatBench(Bench):
-    """:class:`broadcast.Bench` in netem_nat's internet: nodes in ``router_of`` sit behind
-    those routers, have no address in the routes, dial their parents and relay only to public
-    nodes."""
+class NatSwarm(RelaySwarm):
+    """:class:`~echo.tools.relay_swarm.RelaySwarm` in netem_nat's internet: hosts in
+    ``router_of`` sit behind those routers, have no address in the routes and dial their
+    parents; public hosts are dialled by their parents."""
 
     def __init__(
         self,
-        args: argparse.Namespace,
+        *args: Any,
         routers: list[netem_nat.RouterSpec],
         router_of: dict[str, str],
+        **kwargs: Any,
     ) -> None:
-        super().__init__(args, "netns")
+        kwargs.pop("netem_opts", None)  # netem_nat shapes its own links
+        super().__init__(*args, **kwargs)
         self.routers = routers
         self.router_of = router_of
         self.inet: netem_nat.Internet | None = None
@@ -302,32 +306,19 @@ class NatBench(Bench):
             for s in specs
         ]
         self.inet = netem_nat.up(
-            self.routers, hosts, prefix=self.args.prefix, public_subnet=PUBLIC_SUBNET, quiet=True
+            self.routers, hosts, prefix=self.prefix, public_subnet=PUBLIC_SUBNET, quiet=True
         )
         return {h.name: h.ip for h in self.inet.hosts.values()}
 
     def in_host(self, name: str, argv: list[str]) -> list[str]:
-        return netem_nat.exec_argv(name, argv, self.args.prefix)
+        return netem_nat.exec_argv(name, argv, self.prefix)
 
-    def _behind(self) -> set[str]:
+    def behind(self) -> set[str]:
+        """The peer ids of the agents behind NAT."""
         return {self.agents[x].peer_id for x in self.router_of if x in self.agents}
 
-    def plan(self, kind: str, n: int, size: int) -> TreePlan:
-        names = [f"n{i:02d}" for i in range(n)]
-        ups = {self.agents[x].peer_id: self.ups[x] for x in names}
-        downs = {self.agents[x].peer_id: self.downs[x] for x in names}
-        return best_plan(
-            self.agents[SOURCE].peer_id,
-            self.ups[SOURCE],
-            ups,
-            total_bytes=size,
-            chunk_bytes=self.chunk_bytes(size),
-            downs=downs,
-            reach=Reach(frozenset(self._behind())),
-        )
-
     def plan_addrs(self) -> dict[str, list[str]]:
-        behind = self._behind()
+        behind = self.behind()
         return {a.peer_id: [] if a.peer_id in behind else a.addrs for a in self.agents.values()}
 
     async def connect_plan(
@@ -349,6 +340,38 @@ class NatBench(Bench):
         for a in agents:
             await a.expect("connected", 120.0)
 
+    def remove(self) -> None:
+        netem_nat.down(self.prefix, quiet=True)
+        super().remove()
+
+
+class NatBench(Bench):
+    """:class:`broadcast.Bench` over a :class:`NatSwarm`: nodes behind NAT are planned as
+    leaves that relay only to public nodes (the planner's :class:`Reach`, as
+    ``Dissemination`` plans)."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        routers: list[netem_nat.RouterSpec],
+        router_of: dict[str, str],
+    ) -> None:
+        super().__init__(args, "netns", NatSwarm, routers=routers, router_of=router_of)
+
+    def plan(self, kind: str, n: int, size: int) -> TreePlan:
+        names = [f"n{i:02d}" for i in range(n)]
+        ups = {self.agents[x].peer_id: self.ups[x] for x in names}
+        downs = {self.agents[x].peer_id: self.downs[x] for x in names}
+        return best_plan(
+            self.agents[SOURCE].peer_id,
+            self.ups[SOURCE],
+            ups,
+            total_bytes=size,
+            chunk_bytes=self.chunk_bytes(size),
+            downs=downs,
+            reach=Reach(frozenset(self.swarm.behind())),
+        )
+
 
 async def time_to_all(
     args: argparse.Namespace, routers: list, router_of: dict[str, str]
@@ -359,7 +382,7 @@ async def time_to_all(
     try:
         async with trio.open_nursery() as nursery:
             try:
-                await bench.start_agents(nursery, bench.host_specs(args.n))
+                await bench.swarm.start(nursery, host_specs(args.n, args.scale))
                 for _ in range(args.repeats):
                     row = await bench.one_run("tree", args.n, int(args.size_mb * 1e6))
                     pushed = row.pop("pushed_out_bytes")
@@ -370,10 +393,10 @@ async def time_to_all(
                     rows.append(row)
             finally:
                 with trio.CancelScope(shield=True):
-                    await bench.shutdown()
+                    await bench.swarm.shutdown()
                 nursery.cancel_scope.cancel()
     finally:
-        netem_nat.down(args.prefix, quiet=True)
+        bench.swarm.remove()
     return rows
 
 
@@ -422,24 +445,16 @@ def _extra(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--direct-only", action="store_true", help="only part 1 (direct connections, punching)"
     )
+    parser.add_argument(
+        "--time-only", action="store_true", help="only part 2 (time-to-all), a smoke run"
+    )
     parser.set_defaults(prefix="ecb", pace=0.92)
 
 
-def main() -> None:
-    args = parse_args(__doc__.splitlines()[0], setup=_extra)
-    args.n = args.n or (8 if args.quick else 16)
-    args.size_mb = args.size_mb or (4.0 if args.quick else 16.0)
-    logging.basicConfig(level=logging.WARNING)
-    logging.getLogger("libp2p").setLevel(logging.CRITICAL)
-    ok, why = netem_nat.available()
-    if not ok:
-        raise SystemExit(f"the emulated internet is unavailable here: {why}")
-    routers, router_of = nat_layout(args.n)
-    names = [SOURCE] + [f"n{i:02d}" for i in range(args.n)]
-    say(
-        f"N={args.n}, {len(router_of)} behind NAT, {args.size_mb:g} MB, {os.cpu_count()} CPUs, "
-        f"load {os.getloadavg()[0]:.1f}"
-    )
+def direct_connections(
+    args: argparse.Namespace, routers: list, router_of: dict[str, str], names: list[str]
+) -> dict[str, Any]:
+    """Part 1 (direct connections, punching) and the js-libp2p interop runs."""
     t0 = time.monotonic()
     inet = netem_nat.up(
         routers,
@@ -462,6 +477,27 @@ def main() -> None:
 
         result.update(dcutr_js.figures(trials=1))
         say(f"DCUtR with js-libp2p: {dcutr_js.summary(result)}")
+    return result
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0], setup=_extra)
+    args.n = args.n or (8 if args.quick else 16)
+    args.size_mb = args.size_mb or (4.0 if args.quick else 16.0)
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("libp2p").setLevel(logging.CRITICAL)
+    ok, why = netem_nat.available()
+    if not ok:
+        raise SystemExit(f"the emulated internet is unavailable here: {why}")
+    routers, router_of = nat_layout(args.n)
+    names = [SOURCE] + [f"n{i:02d}" for i in range(args.n)]
+    say(
+        f"N={args.n}, {len(router_of)} behind NAT, {args.size_mb:g} MB, {os.cpu_count()} CPUs, "
+        f"load {os.getloadavg()[0]:.1f}"
+    )
+    result: dict[str, Any] = {}
+    if not args.time_only:
+        result.update(direct_connections(args, routers, router_of, names))
     if args.direct_only:
         result.update({"n": args.n, "behind_nat": len(router_of)})
         emit(result)
