@@ -2,7 +2,9 @@
 
 :class:`Leases` owns the answer to a node's lease request once the node and the job are known to
 be valid (:meth:`NodeRPC.handle_lease <echo.coordinator.rpc.node.NodeRPC.handle_lease>` checks
-that): nothing while the job is not running or the node's weights are too old; otherwise as many
+that): nothing while the job is not running or the node's weights are too old (or older than the
+newest while its syncs are too slow for the job's pace, :mod:`~echo.coordinator.scheduling.lag`);
+otherwise as many
 leases as keep the job's buffer near its target without letting one node, especially a new one,
 tie up more than its quota. Each lease carries its prompt's token ids, rendered here from the
 coordinator's own copy of the task (nodes need no dataset) once: they are stored with the lease
@@ -18,6 +20,7 @@ import time
 from echo.coordinator.config import VerificationSection
 from echo.coordinator.jobs.context import RunningJob
 from echo.coordinator.metrics import Metrics
+from echo.coordinator.scheduling.lag import SyncLag
 from echo.coordinator.scheduling.lease_terms import LeaseTerms
 from echo.coordinator.store import Store
 from echo.coordinator.store.rows import JobRow, LeaseRow, NodeRow
@@ -33,6 +36,9 @@ IDLE_RETRY_S = 0.5
 NOT_RUNNING_RETRY_S = 2.0
 # ... when the node must first fetch a newer version: soon, it is probably arriving.
 UPDATE_FIRST_RETRY_S = 0.2
+# ... when it must first sync to the newest version (its sync is too slow for the job's pace,
+# echo.coordinator.scheduling.lag): it syncs before it waits this, so it may ask again at once.
+SYNC_FIRST_RETRY_S = 0.05
 
 
 class Leases:
@@ -51,6 +57,8 @@ class Leases:
         self.verification = verification
         # Deadlines and the unproven nodes' share, both by the node's record.
         self.terms = LeaseTerms(store, verification)
+        # Whether a node holding an older version syncs fast enough to deliver in time.
+        self.sync_lag = SyncLag(store)
 
     def grant(
         self, node: NodeRow, job: RunningJob, row: JobRow, req: m.LeaseRequest
@@ -81,6 +89,16 @@ class Leases:
                 retry_after_s=IDLE_RETRY_S,
                 message="buffer full",
             )
+        if req.have_version < current:
+            # It syncs to the newest version before it works: a slow sync makes the group stale.
+            why = self.sync_lag.refusal(row.job_id, node.node_id, job.spec.staleness)
+            if why is not None:
+                return m.LeaseReply(
+                    leases=[],
+                    current_version=current,
+                    retry_after_s=SYNC_FIRST_RETRY_S,
+                    message=f"update to v{current} first: {why}",
+                )
         now = time.time()
         term = self.terms.term_s(node.node_id)
         rows, sealed = [], []
