@@ -39,6 +39,9 @@ UPDATE_FIRST_RETRY_S = 0.2
 # ... when it must first sync to the newest version (its sync is too slow for the job's pace,
 # echo.coordinator.scheduling.lag): it syncs before it waits this, so it may ask again at once.
 SYNC_FIRST_RETRY_S = 0.05
+# Nodes whose last "sync first" is remembered (for its log line); beyond this the memory starts
+# over, which costs a repeated line, not a decision.
+TOLD_KEPT = 4096
 
 
 class Leases:
@@ -59,6 +62,9 @@ class Leases:
         self.terms = LeaseTerms(store, verification)
         # Whether a node holding an older version syncs fast enough to deliver in time.
         self.sync_lag = SyncLag(store)
+        # The version each node was last told to sync to first: logged once per node and
+        # version, not per request (a node asks again every 0.05 s while it syncs).
+        self._told: dict[str, int] = {}
 
     def grant(
         self, node: NodeRow, job: RunningJob, row: JobRow, req: m.LeaseRequest
@@ -93,6 +99,12 @@ class Leases:
             # It syncs to the newest version before it works: a slow sync makes the group stale.
             why = self.sync_lag.refusal(row.job_id, node.node_id, job.spec.staleness)
             if why is not None:
+                if self._told.get(node.node_id) != current:
+                    if len(self._told) >= TOLD_KEPT:  # identities are free: a bounded memory
+                        self._told.clear()
+                    self._told[node.node_id] = current
+                    log.info("node %s holds v%d of v%d: no lease until it syncs (%s)",
+                             node.node_id[-8:], req.have_version, current, why)  # fmt: skip
                 return m.LeaseReply(
                     leases=[],
                     current_version=current,
