@@ -71,9 +71,9 @@ def test_a_node_whose_syncs_are_not_measured_gets_leases_only_holding_the_newest
 def test_a_node_behind_is_leased_while_its_sync_and_work_fit_the_window(tmp_path) -> None:
     """Two nodes with a record of syncs, both holding v5 when v6 is out (every version a second,
     staleness 2): the one that synced each version in 0.3 s gets its lease; the one whose syncs
-    took 2.6 s once in its last four (its group would come 3 versions late) is told to update
-    first, and gets its lease holding v6. Once its syncs are quick again over four versions it
-    is leased while behind as well: the versions it follows are its probe."""
+    took 3.2 s once in its last four (3 versions would follow v6 before its group came) is told
+    to update first, and gets its lease holding v6. Once its syncs are quick again over four
+    versions it is leased while behind as well: the versions it follows are its probe."""
 
     async def body(coord, client) -> None:
         job_id, learner = await start_job(coord, client, steps=20, staleness=2)
@@ -87,14 +87,14 @@ def test_a_node_behind_is_leased_while_its_sync_and_work_fit_the_window(tmp_path
         fast_id, slow_id = str(fast.host.peer_id), str(slow.host.peer_id)
         _timeline(coord, job_id, t0, {
             fast_id: {v: 0.3 for v in range(1, 6)},
-            slow_id: {1: 0.3, 2: 0.4, 3: 2.6, 4: 0.3, 5: 0.3},
+            slow_id: {1: 0.3, 2: 0.4, 3: 3.2, 4: 0.3, 5: 0.3},
         })  # fmt: skip
         got = await fast.leases(job_id, 5, 1)
         assert len(got.leases) == 1, got.message
         refused = await slow.leases(job_id, 5, 1)
         assert refused.leases == [], "a node whose group would come 3 versions late was leased"
         assert refused.message.startswith("update to v6 first"), refused.message
-        assert "span 3 versions" in refused.message, refused.message
+        assert "outlast 3 versions" in refused.message, refused.message
         await _holds(coord, slow, job_id, range(6, 7))
         holding = await slow.leases(job_id, 6, 1)
         assert len(holding.leases) == 1, holding.message
@@ -109,9 +109,9 @@ def test_a_node_behind_is_leased_while_its_sync_and_work_fit_the_window(tmp_path
     run_with_coordinator(tmp_path, body)
 
 
-def test_versions_passed_rounds_up_and_a_zero_period_passes_everything() -> None:
-    assert versions_passed(2.6, 1.0) == 3
-    assert versions_passed(2.0, 1.0) == 2
+def test_versions_passed_counts_whole_periods_and_a_zero_period_passes_everything() -> None:
+    assert versions_passed(3.2, 1.0) == 3
+    assert versions_passed(2.9, 1.0) == 2  # v+3 not out yet: a group of v is still fresh
     assert versions_passed(0.0, 0.5) == 0
     assert versions_passed(0.1, 0.0) > 1000 and versions_passed(0.0, 0.0) == 0
     assert SYNCS_SAMPLED >= 3  # the NAT swarm's slow syncs came at a node's 2nd to 4th version
