@@ -19,12 +19,12 @@ dialled (its syncs before and after took 0.3-0.8 s); its earlier groups had been
 a lease may go to it now: only once its syncs are measured (its last :data:`SYNCS_SAMPLED`
 versions, from each publication to the node's report that it held it) and while, by its slowest
 of them plus its median work time (issue to accepted group), at most S versions follow the one it
-syncs to before its group arrives (at the job's recent pace). The estimate's margin is that slowest
-sync: one period more (refusing at S versions) cost a node behind NAT every lease of a short
-job in one NAT swarm run, whose last syncs were 0.8 s against 0.8 s periods but its slowest of
-four 1.8 s. Otherwise it is told to update first: it syncs anyway, and asks again holding the
-newest version, which always gets its leases (then only the work stands between lease and
-group). No probe lease is needed to rehabilitate a slow node: it keeps following versions while
+syncs to before its group arrives (at the job's recent pace). Otherwise it is told to update
+first: it syncs anyway, and asks again holding the newest version, which this rule never refuses
+(then only the work stands between lease and group). The estimate's margin is that slowest sync:
+one period more (refusing at S versions) cost a node behind NAT every lease of a short job in one
+NAT swarm run, whose last syncs took 0.8 s against 0.8 s periods but its slowest of four 1.8 s.
+No probe lease is needed to rehabilitate a slow node: it keeps following versions while
 it is told to update, and each one it reports is a new measurement.
 
 The version a node holds is its own word (its lease request, its status reports): a node that
