@@ -2,7 +2,9 @@
 
 :class:`Leases` owns the answer to a node's lease request once the node and the job are known to
 be valid (:meth:`NodeRPC.handle_lease <echo.coordinator.rpc.node.NodeRPC.handle_lease>` checks
-that): nothing while the job is not running or the node's weights are too old; otherwise as many
+that): nothing while the job is not running or the node's weights are too old (or older than the
+newest while its syncs are too slow for the job's pace, :mod:`~echo.coordinator.scheduling.lag`);
+otherwise as many
 leases as keep the job's buffer near its target without letting one node, especially a new one,
 tie up more than its quota. Each lease carries its prompt's token ids, rendered here from the
 coordinator's own copy of the task (nodes need no dataset) once: they are stored with the lease
@@ -18,6 +20,7 @@ import time
 from echo.coordinator.config import VerificationSection
 from echo.coordinator.jobs.context import RunningJob
 from echo.coordinator.metrics import Metrics
+from echo.coordinator.scheduling.lag import SyncLag
 from echo.coordinator.scheduling.lease_terms import LeaseTerms
 from echo.coordinator.store import Store
 from echo.coordinator.store.rows import JobRow, LeaseRow, NodeRow
@@ -33,6 +36,12 @@ IDLE_RETRY_S = 0.5
 NOT_RUNNING_RETRY_S = 2.0
 # ... when the node must first fetch a newer version: soon, it is probably arriving.
 UPDATE_FIRST_RETRY_S = 0.2
+# ... when it must first sync to the newest version (its sync is too slow for the job's pace,
+# echo.coordinator.scheduling.lag): it syncs before it waits this, so it may ask again at once.
+SYNC_FIRST_RETRY_S = 0.05
+# Nodes whose last "sync first" is remembered (for its log line); beyond this the memory starts
+# over, which costs a repeated line, not a decision.
+TOLD_KEPT = 4096
 
 
 class Leases:
@@ -51,6 +60,11 @@ class Leases:
         self.verification = verification
         # Deadlines and the unproven nodes' share, both by the node's record.
         self.terms = LeaseTerms(store, verification)
+        # Whether a node holding an older version syncs fast enough to deliver in time.
+        self.sync_lag = SyncLag(store)
+        # The version each node was last told to sync to first: logged once per node and
+        # version, not per request (a node asks again every 0.05 s while it syncs).
+        self._told: dict[str, int] = {}
 
     def grant(
         self, node: NodeRow, job: RunningJob, row: JobRow, req: m.LeaseRequest
@@ -81,6 +95,22 @@ class Leases:
                 retry_after_s=IDLE_RETRY_S,
                 message="buffer full",
             )
+        if req.have_version < current:
+            # It syncs to the newest version before it works: a slow sync makes the group stale.
+            why = self.sync_lag.refusal(row.job_id, node.node_id, job.spec.staleness)
+            if why is not None:
+                if self._told.get(node.node_id) != current:
+                    if len(self._told) >= TOLD_KEPT:  # identities are free: a bounded memory
+                        self._told.clear()
+                    self._told[node.node_id] = current
+                    log.info("node %s holds v%d of v%d: no lease until it syncs (%s)",
+                             node.node_id[-8:], req.have_version, current, why)  # fmt: skip
+                return m.LeaseReply(
+                    leases=[],
+                    current_version=current,
+                    retry_after_s=SYNC_FIRST_RETRY_S,
+                    message=f"update to v{current} first: {why}",
+                )
         now = time.time()
         term = self.terms.term_s(node.node_id)
         rows, sealed = [], []

@@ -109,6 +109,14 @@ class JobTables(Database):
         ).fetchall()
         return [version_row(r) for r in rows]
 
+    def publish_times(self, job_id: str, n: int) -> list[float]:
+        """When the job's ``n`` newest versions were published, newest first (primary key)."""
+        rows = self._db.execute(
+            "SELECT published_at FROM versions WHERE job_id=? ORDER BY version DESC LIMIT ?",
+            (job_id, n),
+        ).fetchall()
+        return [float(r[0]) for r in rows]
+
     def mark_all_nodes(self, job_id: str, version: int, at: float) -> None:
         """Stamp the first time every active node held ``version``; later stamps are ignored."""
         with self._tx() as db:

@@ -136,6 +136,20 @@ class NodeTables(Database):
                 (job_id, node_id, version, time.time()),
             )
 
+    def sync_lags(self, job_id: str, node_id: str, n: int) -> list[float]:
+        """Seconds from publication until the node reported holding each of its ``n`` newest
+        versions of the job, newest first; its first version there is left out (the node
+        joined then: that wait was no sync). Primary-key reads only."""
+        rows = self._db.execute(
+            "SELECT nv.at - v.published_at FROM node_versions nv JOIN versions v"
+            " ON v.job_id=nv.job_id AND v.version=nv.version"
+            " WHERE nv.job_id=? AND nv.node_id=? AND nv.version>"
+            " (SELECT MIN(version) FROM node_versions WHERE job_id=? AND node_id=?)"
+            " ORDER BY nv.version DESC LIMIT ?",
+            (job_id, node_id, job_id, node_id, n),
+        ).fetchall()
+        return [max(0.0, float(r[0])) for r in rows]
+
     def rejection_counts(self, node_id: str) -> dict[str, int]:
         """The node's logged rejections by reason code."""
         rows = self._db.execute(
