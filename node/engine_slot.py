@@ -145,6 +145,8 @@ class EngineSlot:
         if engine is not None:
             with trio.CancelScope(shield=True), trio.move_on_after(ENGINE_CLOSE_TIMEOUT_S):
                 await trio.to_thread.run_sync(engine.close, abandon_on_cancel=True)
+            del engine
+            settle_heap()  # open() froze it: its cycles (and the weights they hold) go now
 
     def _prune_other_jobs(self, job_id: str) -> None:
         """Keep the chunks of jobs no longer served within the volunteer's disk allowance."""

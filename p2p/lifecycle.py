@@ -80,8 +80,11 @@ def settle_heap() -> None:
     waited: 0.1-0.7 s per collection in the coordinator of ``benchmarks/attack.py`` (up to 1.0 s
     in its learner and nodes), each one an honest RPC's tail, since every request and every
     stranger's connection allocates. Call it again after building something big and lasting (a
-    model, an engine). Frozen objects are still freed by reference counting; only cycles among
-    them would outlive their use, and these live until exit anyway."""
+    model, an engine) and after dropping one (a node's engine at a job's end). Frozen objects are
+    still freed by reference counting, but a frozen cycle is never collected: each call first
+    thaws what earlier calls froze, so that whatever of it died since (a closed engine's cycles,
+    which hold its weights) is collected now rather than kept until exit."""
+    gc.unfreeze()
     gc.collect()
     gc.freeze()
 

@@ -82,3 +82,44 @@ def test_a_daemon_s_start_up_heap_is_frozen_and_it_exits_without_a_last_full_col
         "made while serving frozen: False",
         "at exit all frozen: True",
     ]
+
+
+SETTLED_TWICE = """
+import gc, weakref
+from echo.p2p.lifecycle import settle_heap
+
+class Engine:
+    pass
+
+engine = Engine()
+engine.me = engine  # a cycle, as models and engines have
+alive = weakref.ref(engine)
+settle_heap()  # the engine is built: frozen
+del engine
+gc.collect()
+print("frozen cycle kept by a collection:", alive() is not None)
+settle_heap()  # the engine was dropped
+print("collected by the next settle:", alive() is None)
+"""
+
+
+def test_a_frozen_cycle_that_dies_is_collected_by_the_next_settle() -> None:
+    """A node freezes its engine when it opens it and drops it at the job's end: a frozen
+    cycle is never collected, so the engine's weights would stay until exit unless the next
+    settle thaws what the last one froze."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = subprocess.run(
+        [sys.executable, "-c", SETTLED_TWICE],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == [
+        "frozen cycle kept by a collection: True",
+        "collected by the next settle: True",
+    ]
