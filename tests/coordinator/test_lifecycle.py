@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import trio
@@ -41,6 +44,20 @@ def test_normal_return_and_single_error_unwrapped() -> None:
         run_until_signalled(failing)
 
 
+def _lines_of(script: str) -> list[str]:
+    """What ``script`` prints, run in a fresh interpreter (garbage-collector state is
+    process-wide), from the repository root."""
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.splitlines()
+
+
 FROZEN_AT_EXIT = """
 import atexit, gc, trio
 seen = {}
@@ -65,19 +82,7 @@ def test_a_daemon_s_start_up_heap_is_frozen_and_it_exits_without_a_last_full_col
     frozen; what it makes while serving is collected as usual. The interpreter's teardown
     walked every object too (3-6 s on a loaded 2-core machine, per process a swarm stops):
     everything is frozen as the process exits."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    out = subprocess.run(
-        [sys.executable, "-c", FROZEN_AT_EXIT],
-        cwd=Path(__file__).resolve().parents[2],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.splitlines() == [
+    assert _lines_of(FROZEN_AT_EXIT) == [
         "start-up heap frozen: True",
         "made while serving frozen: False",
         "at exit all frozen: True",
@@ -107,19 +112,7 @@ def test_a_frozen_cycle_that_dies_is_collected_by_the_next_settle() -> None:
     """A node freezes its engine when it opens it and drops it at the job's end: a frozen
     cycle is never collected, so the engine's weights would stay until exit unless the next
     settle thaws what the last one froze."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    out = subprocess.run(
-        [sys.executable, "-c", SETTLED_TWICE],
-        cwd=Path(__file__).resolve().parents[2],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.splitlines() == [
+    assert _lines_of(SETTLED_TWICE) == [
         "frozen cycle kept by a collection: True",
         "collected by the next settle: True",
     ]
