@@ -146,6 +146,7 @@ class Bench:
         attacker_ip: str | None = ATTACKER_IP,
         attacker_cpus: set[int] | None = None,
         config_extra: str = "",
+        node_nice: int | None = None,
     ) -> None:
         self.out, self.swarm = out, Swarm(out)
         # The swarm's processes inherit this process's cores; the attackers get theirs at start.
@@ -188,6 +189,7 @@ class Bench:
                     "--listen",
                     f"/ip4/127.0.0.1/tcp/{port}",
                     *(["--verbose"] if verbose_nodes else []),
+                    *(["--nice", str(node_nice)] if node_nice is not None else []),
                 ],
                 module=["echo.tools.timed_node", "join"],
             )
@@ -323,6 +325,14 @@ def main() -> int:
                 "rest (default 1 where there are 2 or more; 0: everyone shares every core)",
             ),
             p.add_argument(
+                "--node-nice",
+                type=int,
+                default=None,
+                help="the honest nodes' --nice (default 0, as every swarm tools/swarm.py starts: "
+                "their RPC times are then the coordinator's latency, not their own wait for "
+                "a core)",
+            ),
+            p.add_argument(
                 "--verbose-nodes",
                 action="store_true",
                 help="the honest nodes log at INFO (their waits for pushes, fetches, refusals)",
@@ -359,6 +369,7 @@ def main() -> int:
         args.attacker_ip or None,
         attacker_cpus,
         args.config_extra.read_text() if args.config_extra else "",
+        args.node_nice,
     )
     t_start = time.time()
     try:

@@ -10,6 +10,7 @@ import trio
 import typer
 from rich.console import Console
 
+from echo.node.priority import yield_cpu
 from echo.p2p.lifecycle import run_until_signalled
 from echo.p2p.log_noise import quiet_libp2p
 from echo.protocol.jobspec import SpecError
@@ -124,6 +125,13 @@ def join(
             "port, printed on start)"
         ),
     ] = None,
+    nice: Annotated[
+        int | None,
+        typer.Option(
+            help="CPU priority as nice, 0-19 (default 10): the machine's own work comes first; "
+            "0 runs the node at normal priority"
+        ),
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Join a swarm and serve its jobs until stopped: register, receive the policy, generate
@@ -155,6 +163,7 @@ def join(
         max_disk_gb=max_disk_gb,
         api=api,
         ui_port=ui_port,
+        nice=nice,
     )
     if not cfg.coordinator:
         console.print(
@@ -167,6 +176,9 @@ def join(
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     quiet_libp2p(logging.INFO if verbose else logging.ERROR, verbose=verbose)
+    # Before any engine or trio thread starts: they inherit the lowered priority.
+    lowered = yield_cpu(cfg.nice)
+    logging.getLogger(__name__).info("nice %d: lowered %s", cfg.nice, lowered or "nothing")
     try:
         node = Node(cfg, console, max_groups=max_groups)
         if run_until_signalled(node.run):

@@ -8,6 +8,7 @@ from pathlib import Path
 import platformdirs
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from echo.node.priority import DEFAULT_NICE
 from echo.protocol.jobspec import explain_validation, read_toml
 
 
@@ -58,6 +59,13 @@ class NodeConfig(BaseModel):
         default="",
         description="the coordinator's HTTP address (http://HOST:PORT): the node then shows its "
         "verified credit in echo-node status and on its local page",
+    )
+    nice: int = Field(
+        default=DEFAULT_NICE,
+        ge=0,
+        le=19,
+        description="CPU priority the node runs at, as nice (0 to 19): higher yields more of "
+        "the machine to its other work; 0 runs at normal priority",
     )
     ui_port: int | None = Field(
         default=None,

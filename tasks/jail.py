@@ -14,8 +14,9 @@ applies, in order, each step kept only where the kernel and our privileges allow
    namespace: every capability dropped. Then ``PR_SET_NO_NEW_PRIVS`` and not dumpable (no
    ptrace from a sibling, no core file).
 3. **Resource limits** (:class:`Limits`): address space, file size 0 (a write of one byte to a
-   file kills the process), open files, core size 0. Per-call limits (CPU seconds, no new
-   processes) are set by :func:`limit_call` in each forked child.
+   file kills the process), open files, core size 0, and a CPU priority below the caller's.
+   Per-call limits (CPU seconds, no new processes) are set by :func:`limit_call` in each
+   forked child.
 
 Which steps took is returned as a list of names (logged by the coordinator at start); a missing
 step weakens the sandbox but never silently: :data:`STRONG` lists what a full one has.
@@ -48,7 +49,7 @@ _LINUX_CAPABILITY_VERSION_3 = 0x20080522
 # The unprivileged account of Debian and most distributions.
 NOBODY_UID = NOBODY_GID = 65534
 # Everything a full sandbox applies; a subset is a weaker one (see the module doc).
-STRONG = ("no_network", "no_filesystem", "no_privileges", "no_new_privs", "rlimits")
+STRONG = ("no_network", "no_filesystem", "no_privileges", "no_new_privs", "rlimits", "low_priority")
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,11 @@ class Limits:
     address_space_headroom: int = 1 << 30
     # Enough for the sockets the sandbox holds; scorers open no files.
     open_files: int = 16
+    # Nice steps below the process that started the sandbox. The sandbox shares that process's
+    # session, so its scheduling group: the coordinator's event loop then takes the core back
+    # from a scorer the moment it has work (kernel weights 1024 against 335), whatever a
+    # hostile text keeps the scorer doing.
+    nice: int = 5
 
 
 @functools.cache
@@ -219,6 +225,9 @@ def confine(limits: Limits | None = None) -> list[str]:
         applied.append("rlimits")
     except (OSError, ValueError):
         pass
+    with contextlib.suppress(OSError):
+        os.nice(limits.nice)
+        applied.append("low_priority")
     return applied
 
 

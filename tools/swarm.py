@@ -195,6 +195,9 @@ class Swarm:
             self.maddr,
             "--data-dir",
             str(self.out / name),
+            # Each role here stands for a machine of its own: a node does not yield the core to
+            # the coordinator and learner beside it as it would to its volunteer's own work.
+            *([] if "--nice" in (extra or []) else ["--nice", "0"]),
             *(extra or []),
         ]
         proc = start(cmd, self.out / f"{name}.log", self.env)

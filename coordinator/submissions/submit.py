@@ -24,7 +24,12 @@ from echo.coordinator.scheduling.placement import Placement
 from echo.coordinator.store import Store, StoreError
 from echo.coordinator.store.rows import LeaseRow, NodeRow
 from echo.coordinator.submissions.penalties import Penalties
-from echo.coordinator.submissions.scoring import TRUSTED_STREAK, Scoring, outcome_summary
+from echo.coordinator.submissions.scoring import (
+    TRUSTED_STREAK,
+    NewNodesBusy,
+    Scoring,
+    outcome_summary,
+)
 from echo.coordinator.submissions.verify import (
     Accepted,
     Rejected,
@@ -48,6 +53,8 @@ log = logging.getLogger("echo.coordinator")
 # are set aside; the rest train (as zero-advantage groups), so a version always fills its batch,
 # even from a policy that solves, or fails, every prompt.
 UNIFORM_BATCHES = 4
+# The refusal while new nodes' shared scoring budget is spent (not held against the node).
+NEW_NODES_BUSY = "the coordinator is scoring as many new nodes' groups as it will now; try again"
 
 
 def buffers(spec: JobSpec, rewards: list[float], uniform_so_far: Callable[[], int]) -> bool:
@@ -138,6 +145,8 @@ class Submissions:
                 raise Rejected(
                     R.RATE_LIMITED, "scoring budget spent: your last groups took long to score"
                 )
+            if node.streak < TRUSTED_STREAK and self.scoring.new_nodes_left() <= 0:
+                raise Rejected(R.RATE_LIMITED, NEW_NODES_BUSY)
             if codec.is_zstd(data):
                 try:
                     data = codec.decompress(data, max_output=limits.MAX_MESSAGE_BYTES)
@@ -192,6 +201,8 @@ class Submissions:
                 trusted=node.streak >= TRUSTED_STREAK,
                 context=job.ctx.task.scoring_context(lease.prompt_id),
             )
+        except NewNodesBusy:
+            raise Rejected(R.RATE_LIMITED, NEW_NODES_BUSY) from None
         except SandboxError as exc:
             log.error("job %s cannot score: %s", lease.job_id, exc)
             raise Rejected(R.UNSCORABLE, "the coordinator cannot score this job now") from None

@@ -141,7 +141,8 @@ def test_tree_delivers_every_chunk(tmp_path: Path, weights: tuple[int, ...]) -> 
                 t = await n.relay.wait(JOB, 1, timeout=20)
                 assert t.payload(n.store) == payload
                 # Every chunk came down its own stripe: none had to be pulled.
-                assert t.stats.chunks_pulled == 0 and not n.reports
+                assert t.stats.chunks_pulled == 0 and not n.reports, (
+                    t.stats, n.reports, [(f.peer[-8:], f.stripe, f.state) for f in t.feeds])
                 assert [t.stripe_size(s) for s in range(t.stripes)] == (
                     [10, 2, 4] if weights else [8, 8])
             # Every relay's pushes end once its children hold the version (what a node leaving

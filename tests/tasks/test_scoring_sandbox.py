@@ -18,7 +18,8 @@ import trio
 
 from echo.coordinator.config import JobsSection
 from echo.coordinator.metrics import Metrics
-from echo.coordinator.submissions.scoring import NEW_NODE_SLOTS, Scoring
+from echo.coordinator.submissions import scoring as scoring_mod
+from echo.coordinator.submissions.scoring import NEW_NODE_SLOTS, NewNodesBusy, Scoring
 from echo.protocol.jobspec import SpecError
 from echo.tasks import gym_guards, jail, make_task
 from echo.tasks.gym import gym_datasets
@@ -56,6 +57,9 @@ def test_the_sandbox_is_confined_here_and_stops_when_idle() -> None:
     task = make_task("addition", {})
     with Sandbox(Recipe("addition", {})) as sandbox:
         assert sandbox.start() == list(jail.STRONG)
+        # Below us: our loop takes the core back from a scorer at once.
+        zygote = sandbox._zygote.proc.pid
+        assert os.getpriority(os.PRIO_PROCESS, zygote) == os.getpriority(os.PRIO_PROCESS, 0) + 5
         assert not sandbox.close_if_idle(idle_s=60)
         assert sandbox.close_if_idle(idle_s=0)  # its job's libraries leave memory
         assert sandbox.score(3, [task.answer(3)])[0].value == 1.0  # a new zygote
@@ -181,6 +185,36 @@ def test_the_loop_answers_while_a_group_is_scored() -> None:
         if s.name.endswith("_total")
     }
     assert NEW_NODE_SLOTS == 1 and failures == {"scorer_timeout": 1}
+
+
+def test_new_identities_share_one_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each fresh identity brings a full budget of its own: what bounds a stream of them is
+    the budget new nodes share. A trusted node scores all the same."""
+    monkeypatch.setattr(scoring_mod, "NEW_NODES_BURST_S", 3.0)
+    monkeypatch.setattr(scoring_mod, "NEW_NODES_S_PER_MINUTE", 0.6)
+    recipe = Recipe("addition", {}, (RewardTerm("regex", pattern="(a+)+$"),))
+    scoring = Scoring(Metrics(), trusted_slots=1)
+    bomb = ["a" * 40 + "!"]  # runs to its 2 s budget
+
+    async def main(sandbox: Sandbox) -> tuple[list, list]:
+        outcomes = []
+        for i in range(3):
+            try:
+                scores = await scoring.score(sandbox, f"fresh-{i}", 0, bomb, trusted=False)
+                outcomes.append(scores[0].outcome)
+            except NewNodesBusy:
+                outcomes.append("busy")
+        trusted = await scoring.score(sandbox, "veteran", 0, bomb, trusted=True)
+        return outcomes, trusted
+
+    with Sandbox(recipe) as sandbox:
+        sandbox.start()
+        outcomes, trusted = trio.run(main, sandbox)
+    # 3 s of burst: two 2 s groups, then refused before the sandbox saw a third.
+    assert outcomes == ["scorer_timeout", "scorer_timeout", "busy"]
+    assert scoring.new_nodes_left() < 0
+    assert scoring.budget_left("fresh-2") == scoring_mod.SCORING_BURST_S  # charged nothing
+    assert trusted[0].outcome == "scorer_timeout"
 
 
 def test_gym_datasets_with_unguarded_interpreters_need_the_operators_leave() -> None:
