@@ -186,6 +186,7 @@ class Swarm:
         wrap: list[str] | None = None,
     ) -> subprocess.Popen:
         # ``wrap``: a prefix such as ``ip netns exec NS`` (tools/nat_swarm.py's hosts).
+        joins = module is None or module[-1] == "join"  # the node CLI, not an adversary's own
         cmd = [
             *(wrap or []),
             str(python or sys.executable),
@@ -197,7 +198,7 @@ class Swarm:
             str(self.out / name),
             # Each role here stands for a machine of its own: a node does not yield the core to
             # the coordinator and learner beside it as it would to its volunteer's own work.
-            *([] if "--nice" in (extra or []) else ["--nice", "0"]),
+            *(["--nice", "0"] if joins and "--nice" not in (extra or []) else []),
             *(extra or []),
         ]
         proc = start(cmd, self.out / f"{name}.log", self.env)
