@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 
 import echo.tools.netem_nat as netem_nat
+from echo.node.relay_slots import SETTLE_S
 from echo.tools.processes import exit_on_sigterm
 from echo.tools.slow_dial import slow_first_dials
 from echo.tools.swarm import HEADS, Swarm, job_toml
@@ -46,6 +47,9 @@ from echo.tools.swarm_report import summarize
 
 PORT = 4001
 COORD = "coord"
+# How long after the job the nodes behind NAT get to take a volunteer's reservation: a node
+# picks SETTLE_S after the first plan naming one, then reserves in well under a second.
+VOLUNTEER_WAIT_S = SETTLE_S + 10.0
 MAX_NODES = 40  # the public /24 and one LAN per router hold far more; the machine does not
 
 
@@ -157,6 +161,16 @@ def volunteer_reservation(log_text: str) -> str | None:
     id), as node/relay_slots.py says it: ``relay reservation held on volunteer XXXXXXXX``."""
     held = re.search(r"relay\s+reservation\s+held\s+on\s+volunteer\s+(\S{8})", log_text)
     return held.group(1) if held else None
+
+
+def wait_for_volunteer_reservations(out: Path, behind: list[str]) -> None:
+    """Until every node in ``behind`` says it holds a volunteer's reservation (its log in
+    ``out``), at most :data:`VOLUNTEER_WAIT_S`; whoever has none by then is reported as such."""
+    deadline = time.monotonic() + VOLUNTEER_WAIT_S
+    while time.monotonic() < deadline and not all(
+        volunteer_reservation((out / f"{n}.log").read_text(errors="replace")) for n in behind
+    ):
+        time.sleep(0.5)
 
 
 def volunteer_relay(log_text: str) -> dict | None:
@@ -347,6 +361,9 @@ def inside(args: argparse.Namespace) -> int:
             (out / "coordinator.log").read_text(errors="replace")
         )
         # Relays among volunteers: who offered one, and where each node behind NAT reserved.
+        # A node behind NAT picks its volunteer SETTLE_S after the first plan naming one: on a
+        # quiet machine the job ended before that (30 versions in 29 s); the nodes run on.
+        wait_for_volunteer_reservations(out, [h.name for h in nodes if h.router])
         summary["volunteer_relays"], summary["volunteer_reservations"] = {}, {}
         for h in nodes:
             text = (out / f"{h.name}.log").read_text(errors="replace")
