@@ -5,7 +5,7 @@ hostile: :class:`Scoring` hands it only to a job's :class:`~echo.tasks.sandbox.S
 confined process per group), and awaits it in a worker thread so that a slow scorer holds one
 submission, never the loop that answers every other RPC, the HTTP API and housekeeping.
 
-Two things keep a stranger from spending the coordinator's CPU on the sandbox:
+Three things keep strangers from spending the coordinator's CPU on the sandbox:
 
 - **Separate slots.** Nodes with a run of valid results (:data:`TRUSTED_STREAK`) score in
   slots of their own; every other node shares :data:`NEW_NODE_SLOTS`. Scorer bombs from fresh
