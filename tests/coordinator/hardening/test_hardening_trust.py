@@ -133,3 +133,33 @@ def test_junk_from_an_excluded_identity_writes_no_rows(tmp_path) -> None:
         assert coord.store._db.total_changes == writes
 
     run_with_coordinator(tmp_path, body, exclude_after_failures=2)
+
+
+def test_new_nodes_refused_unread_while_their_shared_scoring_budget_is_spent(
+    tmp_path, monkeypatch
+) -> None:
+    """Issue 26: fresh identities share one scoring budget. While bombs have spent it, a new
+    node's group is refused before it is read, as ``rate_limited`` (not held against it); once
+    the budget refills, the same node's next group is scored and accepted."""
+
+    async def body(coord, client) -> None:
+        job_id, _ = await start_job(coord, client)
+        node = await client()
+        await node.register()
+        first, second = (open_lease(coord, x) for x in (await node.leases(job_id, 0, 2)).leases)
+        payload = codec.compress(node.seal(group_for(first)))
+        scoring = coord.node_rpc.submissions.scoring
+        scoring._new_nodes.level = -5.0  # what a run of bombs leaves
+        decompress = Spy(monkeypatch, codec, "decompress")
+        opened = Spy(monkeypatch, signing, "open_envelope")
+        reply = await node.submit(payload)
+        assert not reply.accepted and reply.reason == R.RATE_LIMITED
+        assert "new nodes" in reply.detail
+        assert decompress.calls == 0 and opened.calls == 0
+        row = coord.store.node(str(node.host.peer_id))
+        assert row.failures == 0  # not held against it
+        scoring._new_nodes.level = 5.0
+        ok = await node.submit(node.seal(group_for(second)))
+        assert ok.accepted
+
+    run_with_coordinator(tmp_path, body, exclude_after_failures=100)
