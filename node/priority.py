@@ -48,7 +48,7 @@ def yield_cpu(nice: int) -> list[str]:
         return done
     if _lower_threads(nice):
         done.append("threads")
-    if _lower_autogroup(nice):
+    if lower_session_group(nice):
         done.append("autogroup")
     return done
 
@@ -67,7 +67,9 @@ def _lower_threads(nice: int) -> bool:
     return lowered
 
 
-def _lower_autogroup(nice: int) -> bool:
+def lower_session_group(nice: int) -> bool:
+    """Lower this process's session's autogroup to ``nice``, where autogroups are on and this
+    process leads its session (never another's, never raising it); whether it was lowered."""
     try:
         if AUTOGROUP_ENABLED.read_text().strip() != "1" or os.getsid(0) != os.getpid():
             return False

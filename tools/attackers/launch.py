@@ -29,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+from echo.node.priority import lower_session_group
 from echo.tools.bench import say
 from echo.tools.processes import ROOT, stop
 
@@ -67,12 +68,9 @@ AUTOGROUP_NICE = 19
 
 
 def _lowest_autogroup() -> None:
-    """In the attacker's process, after its setsid: its session's autogroup at nice 19."""
-    try:
-        with open("/proc/self/autogroup", "w") as f:
-            f.write(str(AUTOGROUP_NICE))
-    except OSError:
-        pass  # a kernel without autogroups: the policy alone ranks the attacker
+    """In the attacker's process, after its setsid: its session's autogroup at nice 19 (a
+    kernel without autogroups: the policy alone ranks the attacker)."""
+    lower_session_group(AUTOGROUP_NICE)
 
 
 class Fleet:
