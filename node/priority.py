@@ -67,16 +67,30 @@ def _lower_threads(nice: int) -> bool:
     return lowered
 
 
+def session_group_nice() -> int | None:
+    """The nice value of this process's autogroup; ``None`` where it has none: autogroups off
+    or missing, or the process still in the kernel's default group (no ``setsid`` since boot
+    in its ancestry, as in some containers), whose file reads empty."""
+    try:
+        if AUTOGROUP_ENABLED.read_text().strip() != "1":
+            return None
+        # "/autogroup-123 nice 0", or "" in the default group
+        words = AUTOGROUP.read_text().split()
+        return int(words[-1]) if len(words) == 3 and words[1] == "nice" else None
+    except (OSError, ValueError):
+        return None
+
+
 def lower_session_group(nice: int) -> bool:
     """Lower this process's session's autogroup to ``nice``, where autogroups are on and this
     process leads its session (never another's, never raising it); whether it was lowered."""
+    if os.getsid(0) != os.getpid():
+        return False
+    now = session_group_nice()
+    if now is None or now >= nice:
+        return False
     try:
-        if AUTOGROUP_ENABLED.read_text().strip() != "1" or os.getsid(0) != os.getpid():
-            return False
-        # "/autogroup-123 nice 0"
-        if int(AUTOGROUP.read_text().split()[-1]) >= nice:
-            return False
         AUTOGROUP.write_text(str(nice))
-    except (OSError, ValueError, IndexError):
+    except OSError:
         return False
     return True

@@ -24,6 +24,7 @@ import trio
 from libp2p.peer.id import ID
 
 from echo.p2p.host import EchoHost
+from echo.p2p.nat.circuit import dial_direct, has_direct_connection
 from echo.p2p.nat.holepunch import HolePunchFailed, is_initiator, punch
 from echo.p2p.rpc import RpcError
 from echo.protocol import messages as m
@@ -106,7 +107,8 @@ class Punches:
                 errors = []
                 for addr in req.peer_addrs:
                     try:
-                        if str(await self.host.connect(addr, timeout=req.timeout_s)) != (
+                        # A relayed connection to the peer may be up: not the LAN path.
+                        if str(await dial_direct(self.host, addr, timeout=req.timeout_s)) != (
                             req.peer_id
                         ):
                             raise ValueError(f"{addr} is not {req.peer_id}")
@@ -114,7 +116,7 @@ class Punches:
                     except (RpcError, ValueError) as exc:
                         errors.append(str(exc)[:80])
                 raise HolePunchFailed(f"no LAN address of {req.peer_id[-8:]} answered: {errors}")
-            while not any(str(p) == req.peer_id for p in self.host.connected_peers()):
+            while not has_direct_connection(self.host, req.peer_id):
                 await trio.sleep(_LAN_POLL_S)
             return
         raise HolePunchFailed(f"no LAN connection with {req.peer_id[-8:]} in {req.timeout_s:g} s")

@@ -40,7 +40,8 @@ API:
   ``res.circuit_addr`` is what to announce;
 - dialler: ``await dial_circuit(host, circuit_addr)`` (or :func:`circuit_addr` to build one);
 - :func:`is_relayed` (defined in :mod:`echo.p2p.rpc`, whose direct-only handlers use it),
-  :func:`has_direct_connection`.
+  :func:`has_direct_connection`, and :func:`dial_direct` for a direct connection to a peer
+  that may already be reached through a relay.
 
 Owns: the STOP handler (while any ``keep_reservation`` block of the host is open) and the
 refresh task; leaving a block removes its handler and cancels its refresh task. Relayed
@@ -66,6 +67,7 @@ from dataclasses import dataclass, field
 import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.connection_types import ConnectionType
+from libp2p.exceptions import BaseLibp2pError
 from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import info_from_p2p_addr
@@ -155,6 +157,38 @@ def has_direct_connection(host: EchoHost, peer_id: ID | str) -> bool:
     """Whether ``host`` holds a connection to ``peer_id`` that does not run through a relay."""
     conns = host.libp2p.get_network().connections.get(as_peer_id(peer_id), [])
     return any(not is_relayed(c) for c in conns)
+
+
+async def dial_direct(host: EchoHost, addr: str, timeout: float = DEFAULT_TIMEOUT_S) -> ID:
+    """Connect to the peer at ``addr`` (``.../p2p/<peer id>``, not a circuit) over a direct
+    connection; return the peer id. Where one is up already nothing is dialled. Where the
+    peer is reached only through a relay, a new connection is dialled beside that one:
+    ``EchoHost.connect`` would take the relayed connection as it is, and bulk data, a LAN
+    path or a parent's way in needs the direct one.
+
+    :raises ValueError: a malformed or a circuit address.
+    :raises RpcTimeout: not connected within ``timeout``.
+    :raises RpcConnectionError: the dial or the handshake failed.
+    """
+    if _CIRCUIT in addr:
+        raise ValueError(f"a circuit address, not a direct one: {addr!r}")
+    try:
+        ma = Multiaddr(addr)
+        peer = info_from_p2p_addr(ma).peer_id
+    except Exception as exc:
+        raise ValueError(f"not a dialable /p2p/ multiaddr: {addr!r}") from exc
+    if has_direct_connection(host, peer):
+        return peer
+    if not host.libp2p.get_network().connections.get(peer):
+        return await host.connect(addr, timeout=timeout)
+    try:
+        with trio.fail_after(timeout):
+            await host.libp2p.get_network().dial_addr(ma, peer)
+    except trio.TooSlowError:
+        raise RpcTimeout(f"dialling {addr} timed out after {timeout:g} s") from None
+    except (BaseLibp2pError, OSError) as exc:
+        raise RpcConnectionError(f"dialling {addr} failed: {exc}") from exc
+    return peer
 
 
 # -- client side: reserve, keep, dial ------------------------------------------------------------
@@ -425,6 +459,7 @@ __all__ = [
     "StatusCode",
     "circuit_addr",
     "dial_circuit",
+    "dial_direct",
     "has_direct_connection",
     "is_relayed",
     "keep_reservation",

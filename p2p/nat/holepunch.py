@@ -76,7 +76,7 @@ from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
 from echo.p2p.host import EchoHost, as_peer_id
-from echo.p2p.rpc import RpcConnectionError
+from echo.p2p.rpc import RpcConnectionError, is_relayed
 
 log = logging.getLogger(__name__)
 
@@ -260,10 +260,14 @@ async def punch(
 
     async def watch(race: trio.CancelScope) -> None:
         while True:
+            # A circuit through a relay (a plan's control connection, say) may come up while
+            # we punch; it is not the direct path the caller asked for.
             fresh = [
                 c
                 for c in _conns(host, pid)
-                if not c.is_closed and not any(c is old for old in before)
+                if not c.is_closed
+                and not is_relayed(c)
+                and not any(c is old for old in before)
             ]
             if fresh:
                 accepted.append(fresh[0])

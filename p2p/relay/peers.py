@@ -14,13 +14,11 @@ import time
 from collections.abc import Callable
 
 import trio
-from libp2p.exceptions import BaseLibp2pError
 from libp2p.peer.id import ID
-from multiaddr import Multiaddr
 
 from echo.p2p.host import EchoHost
 from echo.p2p.nat import dcutr
-from echo.p2p.nat.circuit import dial_circuit, has_direct_connection
+from echo.p2p.nat.circuit import dial_circuit, dial_direct, has_direct_connection
 from echo.p2p.relay.transfer import Transfer
 from echo.p2p.rpc import RpcError
 from echo.p2p.streams import STREAM_CLOSE_TIMEOUT
@@ -162,9 +160,8 @@ class Peers:
             try:
                 if _CIRCUIT in addr:
                     await dial_circuit(self.host, addr, timeout=self.connect_timeout_s)
-                elif direct and self.connected(peer):
-                    # Only relayed: host.connect would take that connection as it is.
-                    await self._dial_direct(peer, addr)
+                elif direct:
+                    await dial_direct(self.host, addr, timeout=self.connect_timeout_s)
                 else:
                     await self.host.connect(addr, timeout=self.connect_timeout_s)
                 return
@@ -187,19 +184,6 @@ class Peers:
                      "direct connection up" if ok else "no direct connection")
             return
 
-    async def _dial_direct(self, peer: str, addr: str) -> None:
-        """A new direct connection to ``peer`` at ``addr`` beside a relayed one.
-
-        :raises RpcError: the dial failed or timed out. :raises ValueError: a bad address."""
-        ma = Multiaddr(addr)
-        try:
-            with trio.fail_after(self.connect_timeout_s):
-                await self.host.libp2p.get_network().dial_addr(ma, ID.from_base58(peer))
-        except trio.TooSlowError:
-            raise RpcError(f"dialling {addr} timed out") from None
-        except (BaseLibp2pError, OSError) as exc:
-            raise RpcError(f"dialling {addr} failed: {exc}") from exc
-
     async def reach_out(self, peers: list[b.PeerAddr]) -> None:
         """Dial ``peers`` (a node's parents in a plan) so they can push over a connection this
         node opened: the only way in to a node behind NAT. Failures are logged, never raised."""
@@ -211,7 +195,9 @@ class Peers:
                         if _CIRCUIT in addr:  # reach_out is for direct paths
                             continue
                         try:
-                            await self.host.connect(addr, timeout=self.connect_timeout_s)
+                            # A relayed connection to a parent (control messages) is no way
+                            # in for its pushes.
+                            await dial_direct(self.host, addr, timeout=self.connect_timeout_s)
                             return
                         except (RpcError, ValueError):
                             continue

@@ -24,7 +24,9 @@ import trio
 import echo.tools.netem_nat as netem_nat
 from echo.p2p.host import open_host
 from echo.p2p.identity import Identity
-from echo.p2p.nat.holepunch import is_initiator, punch
+from echo.p2p.nat.circuit import dial_circuit, is_relayed, keep_reservation
+from echo.p2p.nat.circuit_relay import CONTROL_RELAY_LIMITS, offer_relay
+from echo.p2p.nat.holepunch import HolePunchFailed, is_initiator, punch
 
 ECHO = "/echo-test/holepunch-echo/1"
 
@@ -63,6 +65,39 @@ def test_loopback_late_responder_takes_the_connection_its_listener_accepted() ->
                 assert reply == b"echo:r"
                 reply = await ini.request(res.peer_id, ECHO, b"i", timeout=5, max_response=64)
                 assert reply == b"echo:i"
+
+    trio.run(body)
+
+
+def test_a_relayed_connection_that_comes_up_during_a_punch_is_not_its_path() -> None:
+    """While A punches towards a port where nobody answers, B reaches A through a relay (a
+    plan's control connection): that circuit is not the direct path, and the punch fails. It
+    used to count (CI: a pair with the symmetric router reported "ok via listener")."""
+
+    async def body() -> None:
+        async with (
+            open_host(Identity.generate(), pubsub=False) as r,
+            open_host(Identity.generate(), pubsub=False) as a,
+            open_host(Identity.generate(), pubsub=False) as b,
+            offer_relay(r, CONTROL_RELAY_LIMITS),
+            keep_reservation(a, r.listen_multiaddrs[0]) as res,
+        ):
+            with trio.socket.socket() as closed:  # a port bound and never listened on
+                await closed.bind(("127.0.0.1", 0))
+                nowhere = f"/ip4/127.0.0.1/tcp/{closed.getsockname()[1]}"
+
+                async def through_the_relay() -> None:
+                    await trio.sleep(0.5)
+                    got = await dial_circuit(b, res.circuit_addr, timeout=10)
+                    assert str(got) == str(a.peer_id)
+
+                with trio.fail_after(20):
+                    async with trio.open_nursery() as n:
+                        n.start_soon(through_the_relay)
+                        with pytest.raises(HolePunchFailed):
+                            await punch(a, b.peer_id, nowhere, timeout=3)
+            conns = a.libp2p.get_network().connections.get(b.peer_id, [])
+            assert conns and all(is_relayed(c) for c in conns), conns
 
     trio.run(body)
 

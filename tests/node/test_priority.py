@@ -11,15 +11,16 @@ from pathlib import Path
 
 import pytest
 
+from echo.node import priority
 from echo.node.config import NodeConfig
+from echo.node.priority import session_group_nice
 from echo.protocol.jobspec import SpecError
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux /proc")
 
 PROBE = """
 import json, os, sys, threading
-from pathlib import Path
-from echo.node.priority import yield_cpu
+from echo.node.priority import session_group_nice, yield_cpu
 
 start = int(sys.argv[2])
 if start:
@@ -41,8 +42,7 @@ print(json.dumps({
     "threads": sorted(set(nices)),
     "n_threads": len(nices),
     "late": late["nice"],
-    "autogroup": int(Path("/proc/self/autogroup").read_text().split()[-1])
-    if Path("/proc/self/autogroup").exists() else None,
+    "autogroup": session_group_nice(),
 }))
 """
 
@@ -77,11 +77,26 @@ def test_every_thread_and_its_session_group_are_lowered():
 
 
 def test_a_shell_started_node_leaves_the_shells_group_alone():
-    ours = int(Path("/proc/self/autogroup").read_text().split()[-1]) if _autogroups() else None
+    ours = session_group_nice()
     got = _probe(7, own_session=False)
     assert got["threads"] == [7]
     assert got["done"] == ["threads"]
     assert got["autogroup"] == ours
+
+
+def test_a_process_in_the_kernels_default_group_reads_no_group(tmp_path, monkeypatch):
+    """A process whose ancestry never called setsid (some containers) is in the default group,
+    whose file reads empty: that is no group of ours, not an error (CI hit it as IndexError)."""
+    enabled, group = tmp_path / "enabled", tmp_path / "autogroup"
+    enabled.write_text("1\n")
+    group.write_text("")
+    monkeypatch.setattr(priority, "AUTOGROUP_ENABLED", enabled)
+    monkeypatch.setattr(priority, "AUTOGROUP", group)
+    assert session_group_nice() is None
+    group.write_text("/autogroup-9 nice 3\n")
+    assert session_group_nice() == 3
+    enabled.write_text("0\n")
+    assert session_group_nice() is None
 
 
 def test_never_raises_a_priority_and_zero_changes_nothing():
