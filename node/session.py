@@ -18,6 +18,7 @@ without one (peers then cannot reach it for control messages).
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 
 import trio
@@ -27,12 +28,15 @@ from echo.node.errors import JobGone, NodeError
 from echo.node.pacing import Pacer
 from echo.node.punching import Punches
 from echo.node.relay_slots import VolunteerRelays
+from echo.p2p.gossip_validate import signed_by
 from echo.p2p.host import EchoHost
 from echo.p2p.identity import Identity, public_key_from_peer_id
 from echo.p2p.nat.circuit import RelayRefused, keep_reservation
 from echo.p2p.nat.dcutr import serve_dcutr
 from echo.p2p.nat.dialback import ask_dialback
+from echo.p2p.pubsub import Subscription
 from echo.p2p.rpc import RpcError
+from echo.protocol import broadcast as b
 from echo.protocol import ids, signing
 from echo.protocol import messages as m
 from echo.protocol.errors import ProtocolError
@@ -42,6 +46,9 @@ RPC_TIMEOUT_S = 30.0
 # An idle node registers again this often to learn of work: 10 a minute, inside the
 # coordinator's default budget of 12 registrations per peer and minute.
 IDLE_POLL_S = 6.0
+# Standby nodes woken by a new job's first plan register again within this (uniformly spread):
+# a thousand of them at once would be a burst of registrations, each a scheduling pass.
+WAKE_JITTER_S = 1.0
 # A registration that fails once the node has been registered (the coordinator restarting) is
 # retried, with a pause that doubles up to this.
 MAX_RETRY_S = 60.0
@@ -157,39 +164,83 @@ class CoordinatorSession:
         """Register until the coordinator places this node on a job, and return that job.
 
         Meanwhile the node is idle: the volunteer sees it once per reason (no running job, on
-        standby, nothing that fits), and it asks again every :data:`IDLE_POLL_S`. A node
-        between jobs rides out a coordinator restart (retries with a growing pause).
+        standby, nothing that fits), and it asks again every :data:`IDLE_POLL_S`, or, placed
+        on a job that is starting, as soon as the coordinator gossips the job's first plan. A
+        node between jobs rides out a coordinator restart (retries with a growing pause).
 
         :raises NodeError: ``first`` and the coordinator refused or failed the registration
             (a wrong protocol version, an excluded node, an unreachable coordinator).
         """
         shown, delay = "", IDLE_POLL_S
-        while True:
-            try:
-                reply = await self.register()
-            except (RpcError, ProtocolError) as exc:
-                if first or "excluded" in str(exc):
-                    raise NodeError(f"registration refused: {exc}") from None
-                self.display.say(f"[yellow]registration failed:[/yellow] {exc}; retrying")
-                await trio.sleep(delay)
-                delay = min(delay * 2, MAX_RETRY_S)
-                continue
-            first, delay = False, IDLE_POLL_S
-            job = next((j for j in reply.jobs if j.job_id == reply.assigned_job), None)
-            # The LoRA jobs on the same base, served beside it (echo.node.base_group).
-            self.base_jobs = [j for j in reply.jobs if j.job_id in set(reply.base_jobs)]
-            if job is not None:
-                self.display.working(job.job_id)
-                self.display.say(
-                    f"registered · job [bold]{job.job_id}[/bold] ({job.task.name}) at "
-                    f"v{job.current_version}"
-                )
-                return job
-            reason = reply.message if not reply.assigned_job else m.JOB_STARTING
-            if reason != shown:
-                self.display.idle(reason or "no job for this node yet")
-                shown = reason
-            await trio.sleep(IDLE_POLL_S)
+        plans: Subscription | None = None
+        try:
+            while True:
+                try:
+                    reply = await self.register()
+                except (RpcError, ProtocolError) as exc:
+                    if first or "excluded" in str(exc):
+                        raise NodeError(f"registration refused: {exc}") from None
+                    self.display.say(f"[yellow]registration failed:[/yellow] {exc}; retrying")
+                    await trio.sleep(delay)
+                    delay = min(delay * 2, MAX_RETRY_S)
+                    continue
+                first, delay = False, IDLE_POLL_S
+                job = next((j for j in reply.jobs if j.job_id == reply.assigned_job), None)
+                # The LoRA jobs on the same base, served beside it (echo.node.base_group).
+                self.base_jobs = [j for j in reply.jobs if j.job_id in set(reply.base_jobs)]
+                if job is not None:
+                    self.display.working(job.job_id)
+                    self.display.say(
+                        f"registered · job [bold]{job.job_id}[/bold] ({job.task.name}) at "
+                        f"v{job.current_version}"
+                    )
+                    return job
+                reason = reply.message if not reply.assigned_job else m.JOB_STARTING
+                if reason != shown:
+                    self.display.idle(reason or "no job for this node yet")
+                    shown = reason
+                if reason == m.JOB_STARTING and plans is None:
+                    plans = await self._watch_plans()
+                await self._idle(plans if reason == m.JOB_STARTING else None, reply.assigned_job)
+        finally:
+            if plans is not None:
+                # The job's relay subscribes to the same topic (one subscription per host).
+                with trio.CancelScope(shield=True), trio.move_on_after(5.0):
+                    await plans.aclose()
+
+    async def _watch_plans(self) -> Subscription | None:
+        """The coordinator's broadcast plans, gossiped (None on a host without pubsub)."""
+        assert self.host is not None
+        if self.host.pubsub is None:
+            return None
+        only_plans = signed_by(
+            self.peer, b.PlanAnnouncement.KIND, b.MAX_PLAN_ENVELOPE_BYTES, self.key
+        )
+        return await self.host.subscribe(ids.TOPIC_VERSIONS, only_plans)
+
+    async def _idle(self, plans: Subscription | None, job_id: str) -> None:
+        """Wait :data:`IDLE_POLL_S`, or, while a job is starting, until the coordinator's first
+        plan of a job (version 0: its learner has published it, and the next registration
+        places the node) or any plan of ``job_id`` (the job the node was placed on). Nodes that
+        only polled found a new job up to :data:`IDLE_POLL_S` late, while the first nodes'
+        groups already moved it on: a short job was over before some of them joined. A random
+        pause of up to :data:`WAKE_JITTER_S` spreads the registrations of a swarm's standby
+        nodes, which all see that plan at once."""
+        with trio.move_on_after(IDLE_POLL_S):
+            if plans is None:
+                await trio.sleep_forever()
+            async for _peer, data in plans:
+                try:
+                    _, ann = signing.open_record(
+                        data, b.PlanAnnouncement, expected_signer=self.key,
+                        max_bytes=b.MAX_PLAN_ENVELOPE_BYTES,
+                    )
+                except ProtocolError:
+                    continue
+                if ann.version == 0 or (job_id and ann.job_id == job_id):
+                    await trio.sleep(random.uniform(0.0, WAKE_JITTER_S))
+                    return
+            await trio.sleep_forever()  # unsubscribed meanwhile: the poll's pace, as before
 
     async def learner_addrs(self, job_id: str) -> list[str] | None:
         """The current addresses of ``job_id``'s learner, by registering again (a restarted
