@@ -148,6 +148,9 @@ class Coordinator:
             self.node_rpc.probes.held_back = lambda node: shedder.holds_back(
                 observed_ip(host, node)
             )
+            # A peer serving a backoff would have each stream reset after its negotiation;
+            # unread, its retries wait for its own timeouts and cost us nothing.
+            host.hold_reads(lambda peer: host.gate.backoff_left(str(peer)))
             self.node_rpc.install(host, self.config.admission)
             self.learner_rpc.install(host)
             async with trio.open_nursery() as nursery:

@@ -266,6 +266,11 @@ class Gate:
         b = self._backoff.get(peer)
         return b is not None and self.clock() < b.until
 
+    def backoff_left(self, peer: str) -> float:
+        """Seconds ``peer``'s backoff still runs (0.0 when it serves none)."""
+        b = self._backoff.get(peer)
+        return 0.0 if b is None else max(0.0, b.until - self.clock())
+
     def admit(self, peer: str, address: str | None, rpc: str, nbytes: int = 0) -> bool:
         """Charge one request of ``nbytes`` to ``peer`` and its prefix; False (nothing charged)
         when the peer is in backoff or either budget is spent."""

@@ -58,7 +58,7 @@ from echo.p2p.rpc import (
     call,
     serve_stream,
 )
-from echo.p2p.yamux import NonBlockingReaderYamux, install_yamux
+from echo.p2p.yamux import NonBlockingReaderYamux, ReadHold, hold_reads, install_yamux
 from echo.protocol.limits import MAX_FRAME_BYTES
 
 logger = logging.getLogger(__name__)
@@ -177,6 +177,11 @@ class EchoHost:
         except (BaseLibp2pError, OSError) as exc:
             raise RpcConnectionError(f"connecting to {multiaddr} failed: {exc}") from exc
         return info.peer_id
+
+    def hold_reads(self, hold: ReadHold) -> None:
+        """Leave a peer's connections unread while ``hold(peer_id)`` says so (seconds left), on
+        every connection from now on (:func:`echo.p2p.yamux.hold_reads`)."""
+        hold_reads(self.libp2p.get_network(), hold)
 
     async def disconnect(self, peer_id: ID | str) -> None:
         await self.libp2p.disconnect(as_peer_id(peer_id))

@@ -27,6 +27,15 @@ the yamux protocol, so :func:`install_yamux` points that name at this class;
 :func:`echo.p2p.host.open_host` calls it. It changes every yamux connection of the process,
 which is the point: any of them can carry bulk data both ways.
 
+**Held reads.** A connection's ``hold_reads`` (set per host by :func:`hold_reads`) says how
+long to leave a peer's frames unread: the reader waits it out before its next read, so the
+peer's new streams, requests and pings stay in the kernel's buffers and then in the peer's own,
+and cost this host nothing, where a stream refused after its multistream negotiation cost a
+Noise decryption, two negotiation round trips and a reset each time. The coordinator holds
+peers serving a backoff (:mod:`echo.p2p.budget`): a stranger that asks again as soon as it is
+refused then waits for its own timeouts instead (issue 26). Frames already read are served;
+our writes on the connection go on.
+
 Owns: one control-writer task per connection, in the connection's own nursery (cancelled with
 it); a write error ends that task quietly (the reader sees the dead connection and cleans up).
 """
@@ -35,12 +44,23 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
+from typing import Any
 
 import trio
+from libp2p.abc import INetConn, INetStream, INetwork, INotifee
+from libp2p.peer.id import ID
 from libp2p.stream_muxer import muxer_multistream
 from libp2p.stream_muxer.yamux.yamux import HEADER_SIZE, TYPE_PING, TYPE_WINDOW_UPDATE, Yamux
+from multiaddr import Multiaddr
 
 logger = logging.getLogger(__name__)
+
+# A hold: how many more seconds to leave a peer's connections unread (0 or less: read them).
+ReadHold = Callable[[ID], float]
+# A held reader looks at its hold again at least this often: a hold lifted early, or one that
+# grew (the peer punished again meanwhile), is seen within it.
+MAX_HOLD_STEP_S = 1.0
 
 # Control frames are 12 bytes; a connection whose socket takes nothing for long enough to queue
 # this many (48 KiB) is better slowed down than grown further.
@@ -60,6 +80,23 @@ class NonBlockingReaderYamux(Yamux):
         self._control: deque[bytes] = deque()
         self._control_ready = trio.Event()
         self._control_writer_started = False
+        self.hold_reads: ReadHold | None = None
+        self.held_s = 0.0  # how long this connection's reader has waited out holds
+        self.secured_conn = _HeldReads(self.secured_conn, self)
+
+    async def wait_out_hold(self) -> None:
+        """Return once ``hold_reads`` no longer holds our peer, or the connection is closing."""
+        hold = self.hold_reads
+        if hold is None:
+            return
+        while not self.event_shutting_down.is_set():
+            left = hold(self.peer_id)
+            if left <= 0:
+                return
+            t0 = trio.current_time()
+            with trio.move_on_after(min(left, MAX_HOLD_STEP_S)):
+                await self.event_shutting_down.wait()
+            self.held_s += trio.current_time() - t0
 
     async def _write_frame(self, data: bytes) -> None:
         if (_is_control(data) and self._nursery is not None
@@ -98,6 +135,66 @@ class NonBlockingReaderYamux(Yamux):
             except Exception as exc:  # the connection is gone; its reader reports why
                 logger.debug("yamux %s: control writer stops: %r", self.peer_id, exc)
                 return
+
+
+class _HeldReads:
+    """The secured connection as the muxer reads it: each read first waits out the muxer's
+    hold on its peer; everything else goes straight to the connection."""
+
+    def __init__(self, conn: Any, muxer: NonBlockingReaderYamux) -> None:
+        self._conn = conn
+        self._muxer = muxer
+
+    async def read(self, n: int | None = None) -> bytes:
+        if self._muxer.hold_reads is not None:
+            await self._muxer.wait_out_hold()
+        return await self._conn.read(n)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+class _HoldNotifee(INotifee):
+    """Gives every new connection of a network the host's hold."""
+
+    def __init__(self, hold: ReadHold) -> None:
+        self.hold = hold
+
+    async def connected(self, network: INetwork, conn: INetConn) -> None:
+        _attach(conn, self.hold)
+
+    async def disconnected(self, network: INetwork, conn: INetConn) -> None:
+        pass
+
+    async def opened_stream(self, network: INetwork, stream: INetStream) -> None:
+        pass
+
+    async def closed_stream(self, network: INetwork, stream: INetStream) -> None:
+        pass
+
+    async def listen(self, network: INetwork, multiaddr: Multiaddr) -> None:
+        pass
+
+    async def listen_close(self, network: INetwork, multiaddr: Multiaddr) -> None:
+        pass
+
+
+def _attach(conn: INetConn, hold: ReadHold) -> None:
+    muxed = getattr(conn, "muxed_conn", None)
+    if isinstance(muxed, NonBlockingReaderYamux):
+        muxed.hold_reads = hold
+
+
+def hold_reads(network: INetwork, hold: ReadHold) -> None:
+    """From now on leave a peer's connections on ``network`` unread for as long as
+    ``hold(peer_id)`` says (seconds; it is asked again before each read, so it must be cheap),
+    on the connections open now and on every later one. Only yamux connections of this module
+    are held (py-libp2p builds every yamux connection with it once :func:`install_yamux` ran).
+    """
+    network.register_notifee(_HoldNotifee(hold))
+    for conns in list(network.connections.values()):
+        for conn in conns if isinstance(conns, list) else [conns]:
+            _attach(conn, hold)
 
 
 def install_yamux() -> None:

@@ -11,6 +11,7 @@ import struct
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import pytest
 import trio
 from libp2p.abc import INetStream
 from libp2p.custom_types import TProtocol
@@ -18,6 +19,7 @@ from libp2p.stream_muxer.yamux.yamux import FLAG_SYN, TYPE_PING, YAMUX_HEADER_FO
 
 from echo.p2p.host import EchoHost, open_host
 from echo.p2p.identity import Identity
+from echo.p2p.rpc import RpcError
 from echo.p2p.yamux import NonBlockingReaderYamux
 
 PROTO = TProtocol("/echo/test/sink/1")
@@ -124,5 +126,57 @@ def test_queued_control_frames_ride_in_the_next_data_write() -> None:
             assert len(writes) == 1, writes
             assert writes[0].startswith(ping) and writes[0].endswith(b"payload")
             assert not conn._control
+
+    _run(body)
+
+
+def test_a_held_peer_is_left_unread_until_its_hold_ends_and_others_are_served() -> None:
+    """The coordinator's hold on peers in backoff: the held peer's request is not even seen
+    (no stream, nothing refused) while its backoff runs; it is served once it ends, and
+    another peer is served meanwhile. Without the hold, the same request is reset at once
+    after its negotiation (what a stranger retrying as fast as it is refused costs)."""
+    served: list[tuple[str, float]] = []
+
+    async def echo(peer, req: bytes) -> bytes:
+        served.append((str(peer), trio.current_time()))
+        return req
+
+    async def body() -> None:
+        async with (
+            open_host(Identity.generate(), pubsub=False) as server,
+            open_host(Identity.generate(), pubsub=False) as held,
+            open_host(Identity.generate(), pubsub=False) as other,
+        ):
+            server.set_handler(str(PROTO), echo, max_request=64, max_response=64)
+            for h in (held, other):
+                await h.connect(server.listen_multiaddrs[0])
+            server.gate.backoff_base_s = 1.5
+            server.gate.punish(str(held.peer_id))
+
+            async def ask(h: EchoHost, data: bytes, timeout: float) -> bytes:
+                return await h.request(
+                    server.peer_id, str(PROTO), data, timeout=timeout, max_response=64
+                )
+
+            with pytest.raises(RpcError):  # not held yet: reset after its negotiation
+                await ask(held, b"x", 5)
+            assert server.gate.refused == {str(PROTO): 1} and not served
+
+            server.gate.punish(str(held.peer_id))  # a second strike: 3 s
+            ends = trio.current_time() + server.gate.backoff_left(str(held.peer_id))
+            server.hold_reads(lambda peer: server.gate.backoff_left(str(peer)))
+            async with trio.open_nursery() as nursery:
+
+                async def ask_held() -> None:
+                    assert await ask(held, b"h", 10) == b"h"
+
+                nursery.start_soon(ask_held)
+                await trio.sleep(0.5)
+                assert await ask(other, b"o", 5) == b"o"
+            assert [p for p, _ in served] == [str(other.peer_id), str(held.peer_id)]
+            assert served[1][1] >= ends - 0.05
+            assert server.gate.refused == {str(PROTO): 1}  # the held request was never refused
+            muxed = server.libp2p.get_network().connections[held.peer_id][0].muxed_conn
+            assert muxed.held_s >= 1.0
 
     _run(body)

@@ -1,8 +1,9 @@
 """Per-peer budgets (issue 13, item 2): rate and bytes per (peer, rpc) and per network prefix.
 
 The Gate is tested on its own with a fake clock, then on the real coordinator: a flooding peer
-has its streams closed and serves a backoff, while an honest node on the same address keeps
-its service; an announced body over the byte budget is refused before it is read.
+is refused and serves a backoff, its connection left unread meanwhile, while an honest node on
+the same address keeps its service; an announced body over the byte budget is refused before
+it is read.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from libp2p.exceptions import BaseLibp2pError
 
 from echo.p2p.budget import Gate, Limit, network_prefix
 from echo.p2p.conn_guard import PUBLIC_PREFIX_CAP
-from echo.p2p.rpc import RpcConnectionError
+from echo.p2p.rpc import RpcConnectionError, RpcTimeout
 from echo.protocol import ids
+from echo.tools.peer_kit import lease_request
 from tests.conftest import Clock, make_coordinator, run_with_coordinator
 from tests.coordinator.test_coordinator import start_job
 
@@ -100,20 +102,32 @@ def test_coordinator_takes_limits_from_config(tmp_path) -> None:
     coord.store.close()
 
 
-def test_flooding_peer_is_closed_and_backed_off_honest_node_is_not(tmp_path) -> None:
+def test_flooding_peer_is_backed_off_and_left_unread_honest_node_is_not(tmp_path) -> None:
     async def body(coord, client) -> None:
         job_id, _ = await start_job(coord, client)
         flooder, honest = await client(), await client()
         await flooder.register()
         await honest.register()
-        refused = 0
-        for _ in range(30):
-            try:
-                await flooder.leases(job_id, 0, 1)
-            except RpcConnectionError:
-                refused += 1
-        assert refused >= 20  # 5 of burst, then closed and in backoff
-        assert coord.host.gate.in_backoff(str(flooder.host.peer_id))
+        gate, me = coord.host.gate, str(flooder.host.peer_id)
+        served = 0
+        with trio.fail_after(20):
+            while True:
+                try:
+                    await flooder.leases(job_id, 0, 1)
+                    served += 1
+                except RpcConnectionError:  # over budget: reset, and a backoff begins
+                    break
+        assert 5 <= served <= 7  # the burst, and what refilled meanwhile
+        assert gate.in_backoff(me)
+        # While it serves its backoff its connection is left unread: its next request is
+        # neither answered nor refused (no stream was even opened on our side).
+        refused = dict(gate.refused)
+        with pytest.raises(RpcTimeout):
+            await flooder.host.request(
+                flooder.coord, ids.PROTO_LEASE, lease_request(flooder.identity, job_id),
+                timeout=1.0, max_response=1 << 20,
+            )
+        assert gate.refused == refused and gate.in_backoff(me)
         # The honest node, on the same machine, is still served.
         for _ in range(3):
             assert (await honest.leases(job_id, 0, 1)).current_version == 0

@@ -14,7 +14,7 @@ from libp2p.custom_types import TProtocol
 
 from echo.coordinator.api import job_cli
 from echo.coordinator.api.app import job_status
-from echo.p2p.rpc import RpcConnectionError
+from echo.p2p.rpc import RpcTimeout
 from echo.protocol import codec, ids, signing
 from echo.protocol import reasons as R
 from tests.conftest import run_with_coordinator, submit_job
@@ -48,11 +48,14 @@ def test_unregistered_peer_costs_a_frame_read_and_nothing_more(tmp_path, monkeyp
         writes = coord.store._db.total_changes
         reply = await stranger.submit(bomb)
         assert not reply.accepted and reply.reason == R.UNKNOWN_NODE
-        # The stranger now serves a backoff: its next streams are closed before a byte is read.
+        # The stranger now serves a backoff: its connection is left unread meanwhile, so its
+        # next submissions are not even opened as streams here.
         assert coord.host.gate.in_backoff(str(stranger.host.peer_id))
         for payload in (stranger.seal(group_for(lease)), honest.seal(group_for(lease))):
-            with pytest.raises(RpcConnectionError):
-                await stranger.submit(payload)
+            with pytest.raises(RpcTimeout):
+                await stranger.host.request(
+                    stranger.coord, ids.PROTO_SUBMIT, payload, timeout=1.0, max_response=1 << 20
+                )
         assert decompress.calls == 0 and opened.calls == 0
         assert coord.store._db.total_changes == writes
         # The honest node's lease was not touched by the stranger's copy of its group.
