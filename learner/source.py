@@ -20,7 +20,7 @@ from pathlib import Path
 
 import trio
 
-from echo.p2p.budget import STRANGER_BYTES_PER_S, Audience
+from echo.p2p.budget import STRANGER_BYTES_PER_S, Audience, stranger_bps
 from echo.p2p.chunkstore import ChunkStore, serve_chunks
 from echo.p2p.host import EchoHost, open_host
 from echo.p2p.identity import Identity
@@ -34,9 +34,6 @@ log = logging.getLogger("echo.learner")
 # after its current groups), and never longer than FINAL_SERVE_MAX_S.
 FINAL_IDLE_S = 10.0
 FINAL_SERVE_MAX_S = 90.0
-# Share of a paced learner's uplink (--upload-limit-bps) that peers outside its audience -- not
-# in a recent plan, no group trained -- may take together: a quarter leaves the plan most of it.
-STRANGER_SHARE = 0.25
 
 
 class VersionSource:
@@ -59,11 +56,7 @@ class VersionSource:
         self.upload_limit_bps = upload_limit_bps
         # Whom we serve chunks to on their own budgets: planned nodes and those whose groups we
         # trained on; everyone else shares a small bucket (issue 26, finding 7).
-        self.audience = Audience(
-            min(STRANGER_BYTES_PER_S, STRANGER_SHARE * upload_limit_bps)
-            if upload_limit_bps
-            else STRANGER_BYTES_PER_S
-        )
+        self.audience = Audience(stranger_bps(upload_limit_bps, STRANGER_BYTES_PER_S))
         self.relay: Relay | None = None
         self.served_bytes = 0  # chunk bytes nodes pulled from us
 

@@ -31,6 +31,7 @@ from echo.node.errors import NodeError
 from echo.node.push_wait import await_push
 from echo.node.session import CoordinatorSession
 from echo.node.weights import WeightError, WeightSync
+from echo.p2p.budget import NODE_STRANGER_BYTES_PER_S, Audience, stranger_bps
 from echo.p2p.chunkstore import ChunkStore, serve_chunks
 from echo.p2p.gossip_validate import signed_by
 from echo.p2p.host import EchoHost
@@ -80,6 +81,7 @@ class PolicyFollower:
         self.engine: Engine | None = None
         self.sync: WeightSync | None = None
         self.relay: Relay | None = None
+        self.audience: Audience | None = None  # whom the node's chunk server serves (prepare)
         self._nursery: trio.Nursery | None = None  # start()'s: the heartbeat joins it
         self._punched_said: set[int] = set()  # versions whose punched-path chunks were told
         self.joined_version = -1  # the job's version when prepare() joined it
@@ -96,7 +98,10 @@ class PolicyFollower:
         chunks = ChunkStore(
             self.cfg.data_dir / "chunks" / job.job_id, keep_versions=job.staleness + 2
         )
-        serve_chunks(host, chunks)
+        # Peers outside this node's recent plans (identities are free) share one small bucket:
+        # a volunteer's uplink is for the plan (issue 26, finding 7, at the nodes).
+        self.audience = Audience(stranger_bps(self.upload_limit_bps, NODE_STRANGER_BYTES_PER_S))
+        serve_chunks(host, chunks, audience=self.audience)
         sync = WeightSync(
             host,
             job,
@@ -185,13 +190,21 @@ class PolicyFollower:
                 except ProtocolError as exc:
                     log.debug("version announcement ignored: %s", exc)
                     continue
-                # Public peers in a plan may offer relays to nodes behind NAT.
-                if ann is not None and self.session.volunteers is not None:
-                    self.session.volunteers.saw_plan(ann)
+                if ann is not None:
+                    self.saw_plan(ann)
         finally:
             # The node's next job subscribes again (one subscription per topic and host).
             with trio.CancelScope(shield=True), trio.move_on_after(5.0):
                 await sub.aclose()
+
+    def saw_plan(self, ann: b.PlanAnnouncement) -> None:
+        """A plan of our job arrived: its peers pull from our chunk server on their own
+        budgets for the next few versions, and its public peers may offer relays to nodes
+        behind NAT."""
+        if self.audience is not None:
+            self.audience.planned(ann.version, (p.peer_id for p in ann.peers))
+        if self.session.volunteers is not None:
+            self.session.volunteers.saw_plan(ann)
 
     async def sync_to(self, target: int) -> None:
         """Bring engine and weights to ``target``, riding out a learner restart or a lost peer.

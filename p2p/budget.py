@@ -56,6 +56,14 @@ CHUNK_PREFIX_FACTOR = 2.0
 # its first plan; a stranger). About 32 Mbit/s: a 270 MB anchor in ~70 s for one newcomer, while
 # the planned nodes keep the learner's uplink.
 STRANGER_BYTES_PER_S = 4e6
+# What strangers may take together of a volunteer node's uplink: 8 Mbit/s, a home uplink's
+# share that a late joiner's pull still finishes with (the learner serves them too). Measured in
+# benchmarks/attack.py: at the learner's 4 MB/s two honest nodes served identity leeches about
+# 7 MB/s between them, on the core their inference shares.
+NODE_STRANGER_BYTES_PER_S = 1e6
+# Where a server has an upload cap, strangers share at most this part of it: a quarter leaves
+# the plan most of it.
+STRANGER_SHARE = 0.25
 # Plans whose members stay in an Audience: a node planned for a version may still be pulling it
 # (or a patch before it) while the next few versions are planned.
 AUDIENCE_PLANS = 4
@@ -410,6 +418,14 @@ class Audience:
             return False
         self._tokens = tokens - nbytes
         return True
+
+
+def stranger_bps(upload_limit_bps: float | None, ceiling: float) -> float:
+    """The strangers' shared rate at a chunk server: ``ceiling``, or :data:`STRANGER_SHARE`
+    of the server's upload cap where it has one (None or 0: none) and that is less."""
+    if upload_limit_bps:
+        return min(ceiling, STRANGER_SHARE * upload_limit_bps)
+    return ceiling
 
 
 class UploadLimiter:
