@@ -63,6 +63,13 @@ async def start_job(coord, client, **spec) -> tuple[str, object]:
     """A job (``spec`` over the test defaults) with its learner attached and version 0
     published; returns the job id and the learner's client."""
     job_id = submit_job(coord, **spec)
+    learner, _ = await attach_learner(coord, client, job_id)
+    return job_id, learner
+
+
+async def attach_learner(coord, client, job_id: str) -> tuple[object, m.StepAck]:
+    """The submitted job's learner says hello and publishes version 0; returns its client and
+    the coordinator's acknowledgement (fails the test unless it is ok)."""
     ident, _, report = learner_publish_v0(coord, job_id)
     learner = await client(ident)
     hello = m.LearnerHello(
@@ -80,7 +87,7 @@ async def start_job(coord, client, **spec) -> tuple[str, object]:
         m.StepAck, await learner.call(ids.PROTO_LEARNER_REPORT, learner.seal(report))
     )
     assert ack.ok, ack.message
-    return job_id, learner
+    return learner, ack
 
 
 async def publish_version(

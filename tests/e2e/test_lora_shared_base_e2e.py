@@ -18,7 +18,9 @@ from echo.tools.swarm import DEMO_COORDINATOR_TOML, Swarm, job_toml
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-STEPS = 6
+# Long enough for both nodes to join: at 6 steps the torch node, whose base loads first,
+# finished both jobs in 2 s, before the llama.cpp node had loaded its base (CI, once).
+STEPS = 30
 LORA_TABLE = """
 [job.lora]
 rank = 4

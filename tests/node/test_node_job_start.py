@@ -5,8 +5,6 @@ poll period (6 s) late, while the first nodes' groups already moved it on: in th
 
 from __future__ import annotations
 
-import time
-
 import trio
 from rich.console import Console
 
@@ -18,7 +16,8 @@ from echo.p2p.identity import Identity
 from echo.protocol import ids
 from echo.protocol import messages as m
 from echo.tools.peer_kit import register_record
-from tests.conftest import learner_publish_v0, run_with_coordinator, submit_job
+from tests.conftest import run_with_coordinator, submit_job
+from tests.coordinator.test_coordinator import attach_learner
 
 
 def test_a_standby_node_joins_a_starting_job_at_its_first_plan(tmp_path, monkeypatch) -> None:
@@ -46,19 +45,8 @@ def test_a_standby_node_joins_a_starting_job_at_its_first_plan(tmp_path, monkeyp
                     await coord.host.wait_for_subscribers(ids.TOPIC_VERSIONS, 1, timeout=20)
                 assert not got
                 # The job's learner attaches and publishes version 0.
-                ident, _, report = learner_publish_v0(coord, job_id)
-                learner = await client(ident)
-                hello = m.LearnerHello(
-                    job_id=job_id,
-                    peer_id=str(learner.host.peer_id),
-                    addrs=learner.host.listen_multiaddrs,
-                    timestamp=time.time(),
-                )
-                await learner.call(ids.PROTO_LEARNER_HELLO, learner.seal(hello))
-                ack = m.decode(
-                    m.StepAck, await learner.call(ids.PROTO_LEARNER_REPORT, learner.seal(report))
-                )
-                assert ack.ok and ack.plan, ack
+                _, ack = await attach_learner(coord, client, job_id)
+                assert ack.plan, "the coordinator planned no broadcast of v0"
                 with trio.fail_after(15):
                     while not got:
                         await trio.sleep(0.05)
