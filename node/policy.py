@@ -33,7 +33,6 @@ from echo.node.session import CoordinatorSession
 from echo.node.weights import WeightError, WeightSync
 from echo.p2p.budget import NODE_STRANGER_BYTES_PER_S, Audience, stranger_bps
 from echo.p2p.chunkstore import ChunkStore, serve_chunks
-from echo.p2p.gossip_validate import signed_by
 from echo.p2p.host import EchoHost
 from echo.p2p.relay import Relay, RelayConfig
 from echo.p2p.rpc import RpcError
@@ -178,11 +177,7 @@ class PolicyFollower:
         parents, forward to our children), so that the version is here, or on its way, when a
         lease reply names it. It syncs nothing: a plan that never arrives costs a pull."""
         assert self.relay is not None and self.session.host is not None
-        # Only the coordinator's signed plans are taken, and so forwarded (issue 13).
-        only_plans = signed_by(
-            self.session.peer, b.PlanAnnouncement.KIND, b.MAX_PLAN_ENVELOPE_BYTES, self.session.key
-        )
-        sub = await self.session.host.subscribe(ids.TOPIC_VERSIONS, only_plans)
+        sub = await self.session.subscribe_plans()
         try:
             async for _peer, data in sub:
                 try:

@@ -199,8 +199,8 @@ class CoordinatorSession:
                 if reason != shown:
                     self.display.idle(reason or "no job for this node yet")
                     shown = reason
-                if reason == m.JOB_STARTING and plans is None:
-                    plans = await self._watch_plans()
+                if reason == m.JOB_STARTING and plans is None and self.host.pubsub is not None:
+                    plans = await self.subscribe_plans()
                 await self._idle(plans if reason == m.JOB_STARTING else None, reply.assigned_job)
         finally:
             if plans is not None:
@@ -208,11 +208,13 @@ class CoordinatorSession:
                 with trio.CancelScope(shield=True), trio.move_on_after(5.0):
                     await plans.aclose()
 
-    async def _watch_plans(self) -> Subscription | None:
-        """The coordinator's broadcast plans, gossiped (None on a host without pubsub)."""
+    async def subscribe_plans(self) -> Subscription:
+        """The coordinator's broadcast plans, gossiped: only envelopes it signed are taken, and
+        so forwarded (issue 13). Close the subscription when done: a host holds one per topic.
+
+        :raises RuntimeError: the node's host runs without pubsub.
+        """
         assert self.host is not None
-        if self.host.pubsub is None:
-            return None
         only_plans = signed_by(
             self.peer, b.PlanAnnouncement.KIND, b.MAX_PLAN_ENVELOPE_BYTES, self.key
         )

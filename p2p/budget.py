@@ -271,8 +271,7 @@ class Gate:
 
     def in_backoff(self, peer: str) -> bool:
         """True while ``peer`` serves a backoff (every stream it opens is closed unread)."""
-        b = self._backoff.get(peer)
-        return b is not None and self.clock() < b.until
+        return self.backoff_left(peer) > 0.0
 
     def backoff_left(self, peer: str) -> float:
         """Seconds ``peer``'s backoff still runs (0.0 when it serves none)."""
